@@ -1,0 +1,1 @@
+"""The coordinator: durable decision log (store), HTTP service, and the ``twophase`` CLI."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole test suite, from nothing: a fresh virtual environment, the project with every
+# extra, Debian's PostgreSQL server and a Java runtime when missing, then ruff, mypy and
+# pytest. Extra arguments go to pytest (e.g. `bash scripts/test.sh -k protocol`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${TWOPHASE_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_updated=""
+apt_install() {
+  if [ -z "$apt_updated" ]; then as_root apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@"
+}
+
+# PostgreSQL server binaries (the suite starts its own private server with them).
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "== installing Debian's postgresql (initdb not found)"
+  apt_install postgresql
+fi
+# Java for Spark (Spark 4 needs 17 or newer).
+if ! command -v java >/dev/null 2>&1; then
+  echo "== installing a Java runtime (java not found)"
+  apt_install openjdk-17-jre-headless
+fi
+java -version 2>&1 | head -1
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+echo "== installing twophase[all,dev]"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".[all,dev]"
+
+echo "== ruff"
+"$VENV/bin/ruff" check .
+echo "== mypy"
+"$VENV/bin/mypy"
+echo "== pytest"
+set +e
+"$VENV/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"

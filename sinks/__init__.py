@@ -1,0 +1,1 @@
+"""Participants: one module per external system. Depends only on ``twophase``."""

@@ -1,0 +1,60 @@
+"""Shared fixtures: real parts only.
+
+- ``pg``: one private PostgreSQL server for the whole session (started here, stopped here).
+- ``spark``: one local[2] SparkSession for the whole session.
+- ``tansu``: a Kafka-protocol broker (tansu, memory storage) over the wire on loopback.
+Nothing here depends on a server that was running before the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from twophase.localpg import LocalPostgres  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[LocalPostgres]:
+    server = LocalPostgres(max_prepared_transactions=100, fsync=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg: LocalPostgres) -> str:
+    return pg.dsn
+
+
+@pytest.fixture(scope="session")
+def spark():  # type: ignore[no-untyped-def]
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("twophase-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.driver.memory", "1g")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()

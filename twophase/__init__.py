@@ -1,0 +1,23 @@
+"""twophase: two-phase-commit transactional sinks for PySpark Structured Streaming.
+
+``from twophase import TransactionalSink`` is resolved lazily so that importing the core
+(the protocol, the participant interface) never imports pyspark.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["TransactionalSink", "__version__"]
+
+if TYPE_CHECKING:
+    from twophase.spark import TransactionalSink
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TransactionalSink":
+        from twophase.spark import TransactionalSink
+
+        return TransactionalSink
+    raise AttributeError(f"module 'twophase' has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""Named failpoints at every protocol step, for chaos tests and ``twophase chaos``.
+
+Switched on by the environment variable ``TWOPHASE_FAILPOINTS``, read once per process::
+
+    TWOPHASE_FAILPOINTS="after_prepare@postgres-orders/1=kill;before_commit=sleep(2.5)"
+
+Each entry is ``POINT[@PARTICIPANT[/PARTITION]]=ACTION`` where ACTION is ``kill``
+(SIGKILL this process), ``raise`` (raise :class:`FailpointHit`) or ``sleep(SECONDS)``.
+An entry may end in ``*N`` (e.g. ``raise*2``) to fire only on its first N hits in
+this process. With the variable unset, :func:`hit` is one dict lookup on an empty dict.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+ENV: Final = "TWOPHASE_FAILPOINTS"
+
+# Every point the code base hits, in protocol order. ``twophase chaos`` picks from these.
+POINTS: Final = (
+    "before_begin",  # driver, before asking the coordinator to begin
+    "before_prepare",  # task, per branch
+    "after_prepare",  # task, per branch: prepared, vote not sent
+    "after_vote",  # task: votes sent, decision not read
+    "after_decision",  # coordinator: decision written, answer not sent
+    "before_commit",  # task, per branch: decision known, not applied
+    "after_commit",  # task, per branch: applied, ack not sent
+    "before_ack",  # task, per branch
+    "before_return",  # driver: coordinator shows COMMITTED, foreachBatch not returned
+    "coordinator_before_decision",  # coordinator: all votes in, decision not written
+)
+
+
+class FailpointHit(RuntimeError):
+    """Raised by the ``raise`` action."""
+
+
+@dataclass
+class _Rule:
+    action: str
+    arg: float = 0.0
+    remaining: int | None = None
+    participant: str | None = None
+    partition: int | None = None
+    hits: int = field(default=0)
+
+
+_ENTRY: Final = re.compile(
+    r"^(?P<point>[a-z_]+)(@(?P<participant>[A-Za-z0-9_.-]+)(/(?P<partition>\d+))?)?"
+    r"=(?P<action>kill|raise|sleep\((?P<secs>[0-9.]+)\))(\*(?P<count>\d+))?$"
+)
+
+
+def parse(spec: str) -> dict[str, list[_Rule]]:
+    """Parse the variable's value; an unknown point or malformed entry is an error."""
+    rules: dict[str, list[_Rule]] = {}
+    for raw in spec.split(";"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        m = _ENTRY.match(entry)
+        if not m:
+            raise ValueError(
+                f"{ENV}: cannot parse {entry!r}; expected POINT[@PARTICIPANT[/PARTITION]]="
+                "kill|raise|sleep(SECONDS)[*COUNT]"
+            )
+        point = m["point"]
+        if point not in POINTS:
+            raise ValueError(f"{ENV}: unknown failpoint {point!r}; known: {', '.join(POINTS)}")
+        action = m["action"].split("(")[0]
+        rules.setdefault(point, []).append(
+            _Rule(
+                action=action,
+                arg=float(m["secs"] or 0),
+                remaining=int(m["count"]) if m["count"] else None,
+                participant=m["participant"],
+                partition=int(m["partition"]) if m["partition"] else None,
+            )
+        )
+    return rules
+
+
+_RULES: dict[str, list[_Rule]] = parse(os.environ.get(ENV, ""))
+
+
+def reload(spec: str | None = None) -> None:
+    """Re-read the rules (tests; a Python worker reused across jobs)."""
+    global _RULES
+    _RULES = parse(os.environ.get(ENV, "") if spec is None else spec)
+
+
+def hit(point: str, participant: str | None = None, partition: int | None = None) -> None:
+    """Fire the failpoint ``point`` if a rule matches; a no-op when none is set."""
+    rules = _RULES.get(point)
+    if not rules:
+        return
+    for rule in rules:
+        if rule.participant is not None and rule.participant != participant:
+            continue
+        if rule.partition is not None and rule.partition != partition:
+            continue
+        if rule.remaining is not None:
+            if rule.remaining <= 0:
+                continue
+            rule.remaining -= 1
+        rule.hits += 1
+        where = f"{point}@{participant}/{partition}" if participant else point
+        if rule.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif rule.action == "sleep":
+            time.sleep(rule.arg)
+        else:
+            raise FailpointHit(f"failpoint {where} fired")

@@ -1,0 +1,147 @@
+"""A private, throw-away PostgreSQL server for the test-suite and ``twophase demo``.
+
+It runs Debian's server binaries from a temporary directory on a free loopback port.
+``initdb`` refuses to run as root, so as root the server runs as the ``postgres`` user.
+``max_prepared_transactions`` is set: without it PREPARE TRANSACTION is refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["LocalPostgres", "PostgresUnavailable", "find_bindir"]
+
+
+class PostgresUnavailable(RuntimeError):
+    """The server binaries are missing or the server would not start."""
+
+
+def find_bindir() -> Path | None:
+    """Where ``initdb`` and ``postgres`` live (Debian keeps them out of PATH)."""
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    which = shutil.which("initdb")
+    if which:
+        candidates.insert(0, str(Path(os.path.realpath(which)).parent))
+    for c in candidates:
+        if (Path(c) / "initdb").exists() and (Path(c) / "postgres").exists():
+            return Path(c)
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalPostgres:
+    """Start with :meth:`start` (or ``with``); :attr:`dsn` points at database ``postgres``."""
+
+    def __init__(
+        self,
+        *,
+        max_prepared_transactions: int = 100,
+        fsync: bool = True,
+        port: int | None = None,
+        base_dir: str | None = None,
+    ) -> None:
+        self.max_prepared_transactions = max_prepared_transactions
+        self.fsync = fsync
+        self.port = port or free_port()
+        self._base_dir = base_dir
+        self.dir: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _user(self) -> str | None:
+        return "postgres" if os.geteuid() == 0 else None
+
+    def start(self, timeout: float = 60.0) -> LocalPostgres:
+        bindir = find_bindir()
+        if bindir is None:
+            raise PostgresUnavailable(
+                "PostgreSQL server binaries not found (initdb); install Debian's "
+                "'postgresql' package: apt-get install -y postgresql"
+            )
+        user = self._user()
+        self.dir = Path(tempfile.mkdtemp(prefix="twophase-pg-", dir=self._base_dir))
+        data, sock = self.dir / "data", self.dir / "sock"
+        sock.mkdir()
+        if user:
+            shutil.chown(self.dir, user)
+            shutil.chown(sock, user)
+        log = self.dir / "server.log"
+        init = subprocess.run(
+            [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+             "-E", "UTF8", "--locale=C", "--no-sync"],
+            user=user, capture_output=True, text=True, check=False,
+        )
+        if init.returncode != 0:
+            raise PostgresUnavailable(f"initdb failed: {init.stderr.strip() or init.stdout}")
+        args = [
+            str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
+            "-k", str(sock), "-c", "listen_addresses=127.0.0.1",
+            "-c", f"max_prepared_transactions={self.max_prepared_transactions}",
+            "-c", "max_connections=200",
+            "-c", f"fsync={'on' if self.fsync else 'off'}",
+        ]
+        if not self.fsync:
+            args += ["-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        with open(log, "wb") as out:
+            if user:
+                shutil.chown(log, user)
+            self.proc = subprocess.Popen(args, user=user, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PostgresUnavailable(f"postgres exited at start:\n{log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    pass
+                ready = subprocess.run(
+                    [str(bindir / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
+                    capture_output=True, check=False,
+                )
+                if ready.returncode == 0:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise PostgresUnavailable(f"postgres did not accept connections within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # fast shutdown: rolls back open sessions
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> LocalPostgres:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
