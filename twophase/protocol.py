@@ -49,8 +49,8 @@ __all__ = [
     "Vote",
     "begin",
     "branch_id",
-    "handle",
     "committed",
+    "handle",
     "parse_branch_id",
     "register",
 ]
@@ -559,7 +559,8 @@ def committed(sink: SinkRecord, txn: Transaction) -> SinkRecord:
     if txn.state != State.COMMITTED or sink.lineage != txn.lineage:
         return sink
     last = sink.last_committed
-    return replace(sink, last_committed=txn.checkpoint if last is None else max(last, txn.checkpoint))
+    newest = txn.checkpoint if last is None else max(last, txn.checkpoint)
+    return replace(sink, last_committed=newest)
 
 
 def _new_txn(req: Begin, attempt: int, partitions: int) -> Transaction:

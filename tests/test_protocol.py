@@ -1,0 +1,237 @@
+"""Unit tests of the pure protocol machine: one transition at a time, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from twophase import protocol as p
+from twophase.protocol import (
+    Abandon,
+    Ack,
+    Begin,
+    BeginKind,
+    Decision,
+    Expire,
+    ForceAck,
+    State,
+    Vote,
+)
+
+PARTS = ("pg", "files")
+
+
+def _begin(epoch: int = 1, checkpoint: int = 0, partitions: int = 2, **kw: object) -> Begin:
+    args: dict[str, object] = dict(
+        sink="orders", lineage="lin-a", checkpoint=checkpoint, epoch=epoch,
+        participants=PARTS, partitions=partitions, now=100.0, vote_timeout=30.0,
+    )
+    args.update(kw)
+    return Begin(**args)  # type: ignore[arg-type]
+
+
+def _new(**kw: object) -> p.Transaction:
+    res = p.begin(None, (), _begin(**kw))
+    assert res.kind == BeginKind.NEW and res.txn is not None
+    return res.txn
+
+
+def _vote_all(txn: p.Transaction, yes: bool = True, now: float = 101.0) -> p.Transaction:
+    for b in txn.branches:
+        txn = p.handle(txn, Vote(branch=b, epoch=txn.epoch, yes=yes, now=now, handle={"h": b}))
+        if txn.state.decided:
+            break
+    return txn
+
+
+def test_begin_creates_branches_for_every_participant_and_partition() -> None:
+    txn = _new(partitions=3)
+    assert sorted(txn.branches) == sorted(f"{q}/{i}" for q in PARTS for i in range(3))
+    assert txn.state == State.OPEN and txn.attempt == 1 and txn.deadline == 130.0
+    assert txn.decision is None and txn.effective_decision == Decision.ABORT
+
+
+def test_all_yes_commits_and_acks_finish() -> None:
+    txn = _vote_all(_new())
+    assert txn.state == State.COMMITTING and txn.decision == Decision.COMMIT
+    assert txn.branches["pg/0"].handle == {"h": "pg/0"}
+    for i, b in enumerate(sorted(txn.branches)):
+        txn = p.handle(txn, Ack(branch=b, epoch=1, outcome=Decision.COMMIT, now=102.0))
+        expected = State.COMMITTED if i == len(txn.branches) - 1 else State.COMMITTING
+        assert txn.state == expected
+    assert txn.finished_at == 102.0
+
+
+def test_one_no_aborts_with_reason_and_later_yes_changes_nothing() -> None:
+    txn = _new()
+    txn = p.handle(txn, Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    txn = p.handle(txn, Vote(branch="pg/1", epoch=1, yes=False, now=101.0, reason="pk clash"))
+    assert txn.state == State.ABORTING
+    assert txn.reason is not None and "pk clash" in txn.reason and "pg/1" in txn.reason
+    late = p.handle(txn, Vote(branch="files/0", epoch=1, yes=True, now=101.5))
+    assert late is txn
+    # only the YES voter must confirm its abort
+    assert txn.pending_acks() == ["pg/0"]
+    done = p.handle(txn, Ack(branch="pg/0", epoch=1, outcome=Decision.ABORT, now=102.0))
+    assert done.state == State.ABORTED
+
+
+def test_all_no_goes_straight_to_aborted() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="x"))
+    assert txn.state == State.ABORTED
+
+
+def test_deadline_aborts_undecided_and_names_missing_votes() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    assert p.handle(txn, Expire(now=129.9)) is txn
+    expired = p.handle(txn, Expire(now=130.0))
+    assert expired.state == State.ABORTING
+    assert expired.reason is not None and "files/0" in expired.reason
+    # a vote arriving after the deadline also aborts rather than counting
+    late = p.handle(txn, Vote(branch="pg/1", epoch=1, yes=True, now=131.0))
+    assert late.decision == Decision.ABORT
+
+
+def test_deadline_never_touches_a_decision() -> None:
+    txn = _vote_all(_new())
+    assert p.handle(txn, Expire(now=10_000.0)) is txn
+
+
+def test_stale_epoch_refused_everywhere() -> None:
+    txn = _new(epoch=5)
+    with pytest.raises(p.StaleEpoch):
+        p.handle(txn, Vote(branch="pg/0", epoch=4, yes=True, now=101.0))
+    with pytest.raises(p.StaleEpoch):
+        p.handle(txn, Abandon(epoch=4, reason="zombie", now=101.0))
+    committing = _vote_all(txn)
+    with pytest.raises(p.StaleEpoch):
+        p.handle(committing, Ack(branch="pg/0", epoch=4, outcome=Decision.COMMIT, now=102.0))
+    with pytest.raises(p.StaleEpoch):
+        p.begin(p.SinkRecord("orders", epoch=5), (), _begin(epoch=4))
+
+
+def test_a_vote_never_changes_and_unknown_branch_is_refused() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    with pytest.raises(p.IllegalTransition, match="already voted"):
+        p.handle(txn, Vote(branch="pg/0", epoch=1, yes=False, now=101.0))
+    with pytest.raises(p.UnknownBranch):
+        p.handle(txn, Vote(branch="kafka/0", epoch=1, yes=True, now=101.0))
+
+
+def test_ack_must_match_the_decision_and_is_illegal_before_it() -> None:
+    txn = _new()
+    with pytest.raises(p.IllegalTransition, match="not allowed in state OPEN"):
+        p.handle(txn, Ack(branch="pg/0", epoch=1, outcome=Decision.COMMIT, now=101.0))
+    committing = _vote_all(txn)
+    with pytest.raises(p.IllegalTransition, match="decision is COMMIT"):
+        p.handle(committing, Ack(branch="pg/0", epoch=1, outcome=Decision.ABORT, now=102.0))
+
+
+def test_abandon_by_newer_epoch_then_force_ack() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    gone = p.handle(txn, Abandon(epoch=2, reason="new driver", now=105.0))
+    assert gone.state == State.ABORTING and gone.reason == "new driver"
+    with pytest.raises(p.IllegalTransition):
+        p.handle(gone, ForceAck(branch="pg/0", outcome=Decision.COMMIT, now=106.0))
+    done = p.handle(gone, ForceAck(branch="pg/0", outcome=Decision.ABORT, now=106.0))
+    assert done.state == State.ABORTED
+
+
+def test_version_increases_only_on_change() -> None:
+    txn = _new()
+    v1 = p.handle(txn, Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    assert v1.version == txn.version + 1
+    assert p.handle(v1, Vote(branch="pg/0", epoch=1, yes=True, now=101.0)) is v1
+
+
+def test_every_table_entry_is_reachable_from_some_event_kind() -> None:
+    kinds = {k for (_, k) in p.TRANSITIONS}
+    assert kinds == set(p.Kind)
+    for (state, _kind), targets in p.TRANSITIONS.items():
+        assert targets, f"{state} has an empty target set"
+        if state.decided:
+            # a decision never changes: decided states only move within their outcome
+            commit_side = {State.COMMITTING, State.COMMITTED}
+            assert (state in commit_side) == bool(targets & commit_side)
+            assert not (targets - {state, State.COMMITTED, State.ABORTED})
+
+
+# --------------------------------------------------------------------------- begin
+
+
+def test_begin_replay_of_committed_batch() -> None:
+    txn = _vote_all(_new())
+    for b in txn.branches:
+        txn = p.handle(txn, Ack(branch=b, epoch=1, outcome=Decision.COMMIT, now=102.0))
+    res = p.begin(p.SinkRecord("orders", epoch=1, lineage="lin-a"), (txn,), _begin(epoch=2))
+    assert res.kind == BeginKind.COMMITTED and res.txn is txn and not res.changed
+
+
+def test_begin_after_commit_decision_without_acks_is_in_doubt() -> None:
+    txn = _vote_all(_new())
+    res = p.begin(p.SinkRecord("orders", epoch=1, lineage="lin-a"), (txn,), _begin(epoch=2))
+    assert res.kind == BeginKind.IN_DOUBT and res.txn is txn and res.recover == (txn,)
+
+
+def test_begin_by_new_epoch_abandons_undecided_and_keeps_partitions() -> None:
+    first = p.handle(_new(partitions=3), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (first,), _begin(epoch=2, partitions=7))
+    assert res.kind == BeginKind.NEW
+    assert res.txn is not None and res.txn.attempt == 2 and res.txn.partitions == 3
+    old = res.changed[0]
+    assert old.attempt == 1 and old.decision == Decision.ABORT
+    assert res.recover == (old,)  # pg/0 may be prepared: settle it first
+
+
+def test_begin_same_epoch_repeated_is_idempotent() -> None:
+    txn = _new()
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (txn,), _begin(epoch=1))
+    assert res.kind == BeginKind.NEW and res.txn is txn and not res.changed
+
+
+def test_begin_after_abort_starts_next_attempt() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="bad"))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (txn,), _begin(epoch=1))
+    assert res.txn is not None and res.txn.attempt == 2 and res.recover == ()
+
+
+def test_new_lineage_is_never_skipped_as_committed() -> None:
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a", last_committed=10)
+    same = p.begin(rec, (), _begin(epoch=2, checkpoint=3))
+    assert same.kind == BeginKind.COMMITTED and same.txn is None
+    reset = p.begin(rec, (), _begin(epoch=2, checkpoint=3, lineage="lin-b"))
+    assert reset.kind == BeginKind.NEW and reset.new_lineage
+    assert reset.sink.lineage == "lin-b" and reset.sink.last_committed is None
+
+
+def test_register_and_committed_advance_the_sink() -> None:
+    rec = p.register(None, "orders")
+    assert rec.epoch == 1 and p.register(rec, "orders").epoch == 2
+    txn = _vote_all(_new())
+    for b in txn.branches:
+        txn = p.handle(txn, Ack(branch=b, epoch=1, outcome=Decision.COMMIT, now=102.0))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    assert p.committed(rec, txn).last_committed == 0
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"participants": ()}, "at least one participant"),
+        ({"participants": ("a", "a")}, "unique"),
+        ({"partitions": 0}, "partitions"),
+        ({"checkpoint": -1}, "checkpoint"),
+    ],
+)
+def test_begin_rejects_bad_requests(kw: dict[str, object], msg: str) -> None:
+    with pytest.raises(p.ProtocolError, match=msg):
+        p.begin(None, (), _begin(**kw))
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "x" * 65, "semi;colon", "sp ace"])
+def test_branch_id_validation(bad: str) -> None:
+    with pytest.raises(ValueError):
+        p.branch_id(bad, 0)
+    assert p.parse_branch_id(p.branch_id("pg.orders-1", 12)) == ("pg.orders-1", 12)
