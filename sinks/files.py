@@ -1,0 +1,245 @@
+"""Staged-file participant: write hidden, fsync, commit by atomic rename.
+
+Prepare writes the branch's rows to ``path/_twophase_staging/<name>.attempt-<n>.<ext>``
+(a folder whose name starts with ``_``, which Spark's and pyarrow's dataset readers skip),
+then fsyncs the file and the staging folder: the prepared branch survives a crash of the
+process and of the machine. Commit is ``os.replace`` of the staged file onto its final
+name directly in ``path``, then an fsync of ``path``: a rename within one file system is
+atomic, so a reader sees the whole file or nothing. The final file doubles as the
+idempotency marker: its name is keyed by (lineage, checkpoint, participant, partition),
+not by attempt, so a redo of a committed branch finds it and writes nothing.
+
+File names are built only from validated :class:`~twophase.participant.BranchRef` parts;
+nothing a user passes becomes a path component other than ``path`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Final
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from twophase.jsoncodec import json_rows
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Handle,
+    Participant,
+    ParticipantError,
+    PrepareRefused,
+)
+
+__all__ = ["STAGING_DIR", "StagedFileParticipant"]
+
+STAGING_DIR: Final = "_twophase_staging"
+_FORMATS: Final = {"parquet": "parquet", "jsonl": "jsonl"}
+_STAGED_RE: Final = re.compile(
+    r"^(?P<sink>[A-Za-z0-9_.-]+)~part-(?P<lineage>[A-Za-z0-9-]+)-(?P<checkpoint>\d{20})-"
+    r"(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})\.attempt-(?P<attempt>\d+)\.(?P<ext>\w+)$"
+)
+
+
+def _sanitize(name: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".")[:58]
+    return cleaned or "files"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StagedFileParticipant(Participant):
+    """Rows of each branch become one Parquet or JSON-lines file in ``path``."""
+
+    kind = "files"
+    durable_prepare = True
+
+    def __init__(self, path: str, format: str = "parquet", *, name: str | None = None) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError("path must be a non-empty directory path")
+        if "\x00" in str(path):
+            raise ValueError("path must not contain NUL characters")
+        if format not in _FORMATS:
+            raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.format = format
+        self.ext = _FORMATS[format]
+        super().__init__(name if name is not None else f"files-{_sanitize(self.path.name)}")
+
+    def describe(self) -> str:
+        return f"files participant {self.name!r} ({self.format} in {self.path})"
+
+    # -- names ------------------------------------------------------------------------------
+
+    @property
+    def staging(self) -> Path:
+        return self.path / STAGING_DIR
+
+    def _own(self, branch: BranchRef) -> None:
+        if branch.participant != self.name:
+            raise ValueError(
+                f"branch {branch.branch_id} belongs to participant {branch.participant!r}, "
+                f"not {self.name!r}"
+            )
+
+    def final_path(self, branch: BranchRef) -> Path:
+        self._own(branch)
+        return self.path / (
+            f"part-{branch.lineage}-{branch.checkpoint:020d}-{branch.participant}-"
+            f"{branch.partition:05d}.{self.ext}"
+        )
+
+    def staged_path(self, branch: BranchRef) -> Path:
+        # The sink is part of the staged name so in_doubt(sink) can find its leftovers.
+        return self.staging / (
+            f"{branch.sink}~{self.final_path(branch).stem}.attempt-{branch.attempt}.{self.ext}"
+        )
+
+    def _handle(self, branch: BranchRef, rows: int, state: str) -> dict[str, str]:
+        return {
+            "kind": self.kind,
+            "participant": self.name,
+            "staged": self.staged_path(branch).name,
+            "final": self.final_path(branch).name,
+            "rows": str(rows),
+            "state": state,
+        }
+
+    # -- driver-side check ------------------------------------------------------------------
+
+    def check(self, schema: pa.Schema) -> None:
+        """Create the folders and prove they are writable; JSON lines need JSON-able types."""
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            probe = self.staging / f".probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ParticipantError(f"{self.describe()}: cannot write there: {exc}") from exc
+        if self.format == "jsonl":
+            try:
+                empty = pa.RecordBatch.from_pylist([], schema=schema)
+                list(json_rows(empty))
+            except (ValueError, pa.ArrowException) as exc:
+                raise ParticipantError(f"{self.describe()}: {exc}") from exc
+
+    # -- the branch -------------------------------------------------------------------------
+
+    def prepare(
+        self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
+    ) -> Handle:
+        final, staged = self.final_path(branch), self.staged_path(branch)
+        if final.exists():
+            return self._handle(branch, 0, "already-committed")
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PrepareRefused(f"{self.describe()}: cannot create staging: {exc}") from exc
+        tmp = staged.with_name(f".{staged.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            rows = self._write(tmp, schema, batches)
+            os.replace(tmp, staged)  # a half-written file never carries the staged name
+            _fsync_dir(self.staging)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            with suppress(OSError):
+                tmp.unlink()
+            raise PrepareRefused(f"{self.describe()}: rows refused: {exc}") from exc
+        except BaseException:
+            with suppress(OSError):
+                tmp.unlink()
+            raise
+        return self._handle(branch, rows, "prepared")
+
+    def _write(self, tmp: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> int:
+        rows = 0
+        with open(tmp, "xb") as raw:
+            if self.format == "parquet":
+                with pq.ParquetWriter(raw, schema) as writer:
+                    for batch in batches:
+                        self._same_schema(batch, schema)
+                        writer.write_batch(batch)
+                        rows += batch.num_rows
+            else:
+                for batch in batches:
+                    self._same_schema(batch, schema)
+                    raw.write(b"".join(line + b"\n" for line in json_rows(batch)))
+                    rows += batch.num_rows
+            raw.flush()
+            os.fsync(raw.fileno())
+        return rows
+
+    def _same_schema(self, batch: pa.RecordBatch, schema: pa.Schema) -> None:
+        if not batch.schema.equals(schema):
+            raise ValueError(f"a batch has schema {batch.schema} but the branch declared {schema}")
+
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        final, staged = self.final_path(branch), self.staged_path(branch)
+        try:
+            os.replace(staged, final)
+        except FileNotFoundError:
+            if final.exists():
+                return  # committed before (this attempt, or a redo found it there)
+            raise ParticipantError(
+                f"{self.describe()}: cannot commit {staged.name}: neither the staged nor the "
+                "final file exists (the branch was aborted or never prepared)"
+            ) from None
+        except OSError as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot commit {staged.name}: {exc}"
+            ) from exc
+        _fsync_dir(self.path)
+        _fsync_dir(self.staging)
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        staged = self.staged_path(branch)
+        try:
+            staged.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ParticipantError(f"{self.describe()}: cannot abort {staged.name}: {exc}") from exc
+        _fsync_dir(self.staging)
+
+    def status(self, branch: BranchRef) -> BranchStatus:
+        if self.final_path(branch).exists():
+            return BranchStatus.COMMITTED
+        if self.staged_path(branch).exists():
+            return BranchStatus.PREPARED
+        return BranchStatus.ABSENT
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        try:
+            names = os.listdir(self.staging)
+        except FileNotFoundError:
+            return []
+        found: list[BranchRef] = []
+        for n in names:
+            m = _STAGED_RE.match(n)
+            if not m or m["sink"] != sink or m["participant"] != self.name or m["ext"] != self.ext:
+                continue
+            with suppress(ValueError):
+                ref = BranchRef(
+                    sink=sink,
+                    lineage=m["lineage"],
+                    checkpoint=int(m["checkpoint"]),
+                    attempt=int(m["attempt"]),
+                    participant=m["participant"],
+                    partition=int(m["partition"]),
+                )
+                if self.staged_path(ref).name == n:  # the parse is the name's only reading
+                    found.append(ref)
+        return sorted(found)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()

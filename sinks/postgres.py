@@ -1,0 +1,557 @@
+"""PostgreSQL participant: COPY + marker row + ``PREPARE TRANSACTION``.
+
+Prepare runs ``BEGIN; COPY rows; INSERT marker; PREPARE TRANSACTION gid`` on one
+connection. A prepared transaction is durable in the server (it survives the client's
+death and a server restart) and is invisible to readers until ``COMMIT PREPARED gid``,
+which any session of the same database may run: that is what lets recovery finish a
+branch whose executor is gone. The marker row (sink, lineage, checkpoint, participant,
+partition) commits atomically with the rows, so "is the marker there?" answers "did this
+branch's data land?" whatever attempt wrote it; its primary key makes a second landing
+impossible.
+
+The gid is built only from validated :class:`~twophase.participant.BranchRef` parts::
+
+    tp:{sink}:{lineage}:{checkpoint}:{attempt}:{participant}:{partition}
+
+(the server limit is 199 bytes; we refuse more than 200 including nothing else, see
+:func:`gid_for`) and reaches SQL as a :class:`psycopg.sql.Literal`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from typing import Any, Final, TypeVar
+
+import psycopg
+import pyarrow as pa
+from psycopg import errors as pgerr
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from sinks._arrow_pg import ExistingColumn, UnsupportedType, csv_chunks, pg_type_for, table_misfits
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Handle,
+    Participant,
+    ParticipantError,
+    PrepareRefused,
+    validate_name,
+)
+
+__all__ = ["GID_MAX_BYTES", "PostgresParticipant", "gid_for", "gid_prefix", "parse_gid"]
+
+GID_MAX_BYTES: Final = 199
+"""PostgreSQL's GIDSIZE is 200 bytes including the terminating NUL."""
+
+_IDENT_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_GID_RE: Final = re.compile(
+    r"^tp:(?P<sink>[A-Za-z0-9_.-]+):(?P<lineage>[A-Za-z0-9-]+):(?P<checkpoint>\d+):"
+    r"(?P<attempt>\d+):(?P<participant>[A-Za-z0-9_.-]+):(?P<partition>\d+)$"
+)
+_RETRIES: Final = 3
+_T = TypeVar("_T")
+
+
+def _identifier(kind: str, value: str) -> str:
+    """Table, schema and marker-table names: a plain SQL identifier, nothing else."""
+    if not isinstance(value, str) or not _IDENT_RE.match(value):
+        raise ValueError(
+            f"invalid {kind} {value!r}: use a letter or _ then up to 62 of A-Z a-z 0-9 _"
+        )
+    return value
+
+
+def gid_prefix(sink: str) -> str:
+    return f"tp:{validate_name('sink name', sink)}:"
+
+
+def gid_for(branch: BranchRef) -> str:
+    """The prepared transaction's name; ``ValueError`` if it would not fit the server."""
+    gid = (
+        f"{gid_prefix(branch.sink)}{branch.lineage}:{branch.checkpoint}:{branch.attempt}:"
+        f"{branch.participant}:{branch.partition}"
+    )
+    if len(gid.encode()) > GID_MAX_BYTES:
+        raise ValueError(
+            f"transaction name {gid!r} is {len(gid.encode())} bytes; PostgreSQL allows at "
+            f"most {GID_MAX_BYTES}: shorten the sink, lineage or participant name"
+        )
+    return gid
+
+
+def parse_gid(gid: str) -> BranchRef | None:
+    """The branch a gid names, or None for a gid that is not ours."""
+    m = _GID_RE.match(gid)
+    if not m:
+        return None
+    try:
+        return BranchRef(
+            sink=m["sink"],
+            lineage=m["lineage"],
+            checkpoint=int(m["checkpoint"]),
+            attempt=int(m["attempt"]),
+            participant=m["participant"],
+            partition=int(m["partition"]),
+        )
+    except ValueError:
+        return None
+
+
+def _transient(exc: BaseException) -> bool:
+    """Connection-level failures, where nothing in the server changed because of us."""
+    if isinstance(exc, pgerr.OperationalError) and not isinstance(
+        exc, (pgerr.QueryCanceled, pgerr.LockNotAvailable)
+    ):
+        state = exc.sqlstate
+        return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+    return False
+
+
+def _describe_error(exc: psycopg.Error) -> str:
+    """The server's message plus where it happened (COPY line and column)."""
+    parts = [str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__]
+    diag = exc.diag
+    if diag.column_name:
+        parts.append(f"column {diag.column_name}")
+    if diag.constraint_name:
+        parts.append(f"constraint {diag.constraint_name}")
+    if diag.context:
+        parts.append(diag.context.strip().splitlines()[0])
+    return "; ".join(parts)
+
+
+class PostgresParticipant(Participant):
+    """Rows of each branch go to ``schema.table``; prepared with a two-phase commit.
+
+    Built on the driver and pickled to executors: no connection is opened in ``__init__``
+    and pickling drops live connections (each process opens its own when needed).
+    """
+
+    kind = "postgres"
+    durable_prepare = True
+    LOCK_TIMEOUT_MS: Final = 30_000
+    """A marker row held by another attempt's prepared transaction would block forever."""
+
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        name: str | None = None,
+        schema: str = "public",
+        create: bool = True,
+        marker_table: str = "twophase_markers",
+        connect_timeout: float = 10,
+    ) -> None:
+        self.table = _identifier("table name", table)
+        self.schema = _identifier("schema name", schema)
+        self.marker_table = _identifier("marker table name", marker_table)
+        super().__init__(name if name is not None else f"postgres-{table}")
+        if not isinstance(dsn, str) or not dsn:
+            raise ValueError("dsn must be a non-empty PostgreSQL connection string")
+        try:
+            params = conninfo_to_dict(dsn)
+        except psycopg.ProgrammingError as exc:
+            raise ValueError(f"invalid dsn: {exc}") from None
+        self.dsn = dsn
+        self.create = create
+        if not connect_timeout > 0:
+            raise ValueError("connect_timeout must be > 0 seconds")
+        self.connect_timeout = float(connect_timeout)
+        self._where = (
+            f"{params.get('host', 'localhost')}:{params.get('port', 5432)}"
+            f"/{params.get('dbname', '')}"
+        )
+        self._conn: psycopg.Connection[Any] | None = None
+
+    # -- pickling and connections -----------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_conn"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def describe(self) -> str:
+        return f"postgres participant {self.name!r} ({self.schema}.{self.table} at {self._where})"
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(
+            self.dsn,
+            autocommit=True,
+            connect_timeout=max(1, math.ceil(self.connect_timeout)),
+            application_name=f"twophase-{self.name}"[:63],
+        )
+        conn.execute("SET TIME ZONE 'UTC'")
+        return conn
+
+    def _conn_ok(self) -> psycopg.Connection[Any]:
+        """This process's connection, (re)opened with retries on connection errors."""
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        self._conn = None
+        self._conn = self._retry("connect", self._connect)
+        return self._conn
+
+    def _drop_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with suppress(Exception):
+                conn.close()
+
+    def _retry(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` again after a connection failure: only for idempotent work."""
+        delay = 0.2
+        for attempt in range(1, _RETRIES + 1):
+            try:
+                return fn()
+            except psycopg.Error as exc:
+                if not _transient(exc) or attempt == _RETRIES:
+                    if _transient(exc):
+                        raise ParticipantError(
+                            f"{self.describe()}: cannot {what}: server unreachable after "
+                            f"{_RETRIES} tries: {exc}"
+                        ) from exc
+                    raise
+                self._drop_conn()
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._drop_conn()
+
+    def _idempotent(self, what: str, fn: Callable[[psycopg.Connection[Any]], _T]) -> _T:
+        return self._retry(what, lambda: fn(self._conn_ok()))
+
+    # -- names ------------------------------------------------------------------------------
+
+    def _table_sql(self) -> sql.Composed:
+        return sql.SQL("{}.{}").format(sql.Identifier(self.schema), sql.Identifier(self.table))
+
+    def _marker_sql(self) -> sql.Composed:
+        return sql.SQL("{}.{}").format(
+            sql.Identifier(self.schema), sql.Identifier(self.marker_table)
+        )
+
+    def _own(self, branch: BranchRef) -> str:
+        if branch.participant != self.name:
+            raise ValueError(
+                f"branch {branch.branch_id} belongs to participant {branch.participant!r}, "
+                f"not {self.name!r}"
+            )
+        return gid_for(branch)
+
+    # -- driver-side check ------------------------------------------------------------------
+
+    def check(self, schema: pa.Schema) -> None:
+        """Server settings, marker table, and the data table (created or compared)."""
+        for field in schema:
+            try:
+                pg_type_for(field)
+            except UnsupportedType as exc:
+                raise ParticipantError(f"{self.describe()}: {exc}") from None
+        self._idempotent("check the target", lambda conn: self._check(conn, schema))
+
+    def _check(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        if row is None or row[0] <= 0:
+            raise ParticipantError(
+                f"{self.describe()}: the server has max_prepared_transactions = "
+                f"{row[0] if row else '?'}, so PREPARE TRANSACTION is refused. Set "
+                "max_prepared_transactions in postgresql.conf to at least the number of "
+                "concurrent branches (Spark tasks writing at once, over all sinks), then "
+                "restart the server"
+            )
+        self._ensure_marker_table(conn)
+        columns = self._columns(conn)
+        if not columns:
+            if not self.create:
+                raise ParticipantError(
+                    f"{self.describe()}: table {self.schema}.{self.table} does not exist "
+                    "(and create=False)"
+                )
+            self._create_table(conn, schema)
+            return
+        problems = table_misfits(schema, columns)
+        if problems:
+            raise ParticipantError(
+                f"{self.describe()}: table {self.schema}.{self.table} does not fit the data: "
+                + "; ".join(problems)
+            )
+
+    def _columns(self, conn: psycopg.Connection[Any]) -> list[ExistingColumn]:
+        rows = conn.execute(
+            """
+            SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
+            FROM pg_attribute a
+            JOIN pg_class c ON c.oid = a.attrelid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped
+              AND c.relkind IN ('r', 'p')
+            ORDER BY a.attnum
+            """,
+            (self.schema, self.table),
+        ).fetchall()
+        return [ExistingColumn(r[0], r[1], bool(r[2]), bool(r[3])) for r in rows]
+
+    def _create_table(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
+        cols = [
+            sql.SQL("{} {}{}").format(
+                sql.Identifier(f.name),
+                sql.SQL(pg_type_for(f)),  # from a fixed vocabulary, not from user input
+                sql.SQL("" if f.nullable else " NOT NULL"),
+            )
+            for f in schema
+        ]
+        stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+            self._table_sql(), sql.SQL(", ").join(cols)
+        )
+        with suppress(pgerr.UniqueViolation, pgerr.DuplicateTable):
+            conn.execute(stmt)  # a concurrent creator winning the race is fine
+
+    def _ensure_marker_table(self, conn: psycopg.Connection[Any]) -> None:
+        stmt = sql.SQL(
+            """
+            CREATE TABLE IF NOT EXISTS {} (
+                sink text NOT NULL,
+                lineage text NOT NULL,
+                checkpoint bigint NOT NULL,
+                participant text NOT NULL,
+                partition integer NOT NULL,
+                attempt integer NOT NULL,
+                committed_at timestamptz NOT NULL DEFAULT now(),
+                PRIMARY KEY (sink, lineage, checkpoint, participant, partition)
+            )
+            """
+        ).format(self._marker_sql())
+        with suppress(pgerr.UniqueViolation, pgerr.DuplicateTable):
+            conn.execute(stmt)
+
+    # -- the branch -------------------------------------------------------------------------
+
+    def _handle(self, gid: str, rows: int, state: str) -> dict[str, str]:
+        return {"kind": self.kind, "participant": self.name, "gid": gid,
+                "rows": str(rows), "state": state}
+
+    def _marker_attempt(self, conn: psycopg.Connection[Any], branch: BranchRef) -> int | None:
+        """The attempt whose data landed for this branch, or None (no marker)."""
+        try:
+            row = conn.execute(
+                sql.SQL(
+                    "SELECT attempt FROM {} WHERE sink = %s AND lineage = %s AND checkpoint = %s"
+                    " AND participant = %s AND partition = %s"
+                ).format(self._marker_sql()),
+                (branch.sink, branch.lineage, branch.checkpoint, branch.participant,
+                 branch.partition),
+            ).fetchone()
+        except pgerr.UndefinedTable:
+            return None
+        return None if row is None else int(row[0])
+
+    def _is_prepared(self, conn: psycopg.Connection[Any], gid: str) -> bool:
+        row = conn.execute(
+            "SELECT 1 FROM pg_prepared_xacts WHERE gid = %s AND database = current_database()",
+            (gid,),
+        ).fetchone()
+        return row is not None
+
+    def _other_attempts_prepared(
+        self, conn: psycopg.Connection[Any], branch: BranchRef
+    ) -> list[str]:
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+            " AND left(gid, length(%s)) = %s",
+            (gid_prefix(branch.sink), gid_prefix(branch.sink)),
+        ).fetchall()
+        out = []
+        for (gid,) in rows:
+            other = parse_gid(gid)
+            if (
+                other is not None
+                and other.attempt != branch.attempt
+                and (other.lineage, other.checkpoint, other.participant, other.partition)
+                == (branch.lineage, branch.checkpoint, branch.participant, branch.partition)
+            ):
+                out.append(gid)
+        return out
+
+    def prepare(
+        self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
+    ) -> Handle:
+        gid = self._own(branch)
+        try:
+            conn = self._conn_ok()
+            # Before any data is consumed: is it there already (a redo), or held elsewhere?
+            def probe(c: psycopg.Connection[Any]) -> tuple[int | None, bool, list[str]]:
+                return (self._marker_attempt(c, branch), self._is_prepared(c, gid),
+                        self._other_attempts_prepared(c, branch))
+
+            marker, prepared, others = self._idempotent("read the branch state", probe)
+        except ParticipantError as exc:
+            raise PrepareRefused(str(exc)) from exc
+        except psycopg.Error as exc:
+            raise PrepareRefused(f"{self.describe()}: {_describe_error(exc)}") from exc
+        if marker is not None:
+            return self._handle(gid, 0, "already-committed")
+        if prepared:
+            return self._handle(gid, 0, "already-prepared")
+        if others:
+            raise PrepareRefused(
+                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
+                f"{branch.checkpoint} is still prepared by an earlier attempt "
+                f"({', '.join(others)}); resolve it first (twophase resolve)"
+            )
+        conn = self._conn_ok()
+        rows = 0
+        stage = "begin"
+        try:
+            conn.execute("BEGIN")
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
+                sql.Literal(f"{self.LOCK_TIMEOUT_MS}ms")))
+            stage = "copy"
+            rows = self._copy(conn, schema, iter(batches))
+            stage = "marker"
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (sink, lineage, checkpoint, participant, partition, attempt)"
+                    " VALUES (%s, %s, %s, %s, %s, %s)"
+                ).format(self._marker_sql()),
+                (branch.sink, branch.lineage, branch.checkpoint, branch.participant,
+                 branch.partition, branch.attempt),
+            )
+            stage = "prepare"
+            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        except pgerr.UniqueViolation as exc:
+            self._rollback(conn)
+            if stage == "marker":
+                return self._handle(gid, 0, "already-committed")
+            raise PrepareRefused(
+                f"{self.describe()}: rows refused: {_describe_error(exc)}"
+            ) from exc
+        except pgerr.UndefinedTable as exc:
+            self._rollback(conn)
+            raise PrepareRefused(
+                f"{self.describe()}: {_describe_error(exc)} (run check(schema) on the driver "
+                "first: it creates the table and the marker table)"
+            ) from exc
+        except psycopg.Error as exc:
+            self._rollback(conn)
+            # A lost connection during PREPARE is ambiguous: it may have reached the server.
+            if (
+                stage == "prepare"
+                and _transient(exc)
+                and self._idempotent("read the branch state", lambda c: self._is_prepared(c, gid))
+            ):
+                return self._handle(gid, rows, "prepared")
+            raise PrepareRefused(
+                f"{self.describe()}: rows refused during {stage}: {_describe_error(exc)}"
+            ) from exc
+        except BaseException:
+            self._rollback(conn)
+            raise
+        return self._handle(gid, rows, "prepared")
+
+    def _rollback(self, conn: psycopg.Connection[Any]) -> None:
+        """Undo an open transaction; a broken connection rolls back in the server anyway."""
+        try:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+        except psycopg.Error:
+            self._drop_conn()
+
+    def _copy(
+        self, conn: psycopg.Connection[Any], schema: pa.Schema, batches: Iterator[pa.RecordBatch]
+    ) -> int:
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+            self._table_sql(), sql.SQL(", ").join(sql.Identifier(n) for n in schema.names)
+        )
+        rows = 0
+        with conn.cursor() as cur, cur.copy(stmt) as copy:
+            for batch in batches:
+                if not batch.schema.equals(schema):
+                    raise PrepareRefused(
+                        f"{self.describe()}: a batch has schema {batch.schema} but the branch "
+                        f"was declared with {schema}"
+                    )
+                for chunk in csv_chunks(batch):
+                    copy.write(memoryview(chunk))
+                rows += batch.num_rows
+        return rows
+
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        gid = self._own(branch)
+        self._check_handle(gid, handle)
+
+        def run(conn: psycopg.Connection[Any]) -> None:
+            try:
+                conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+                return
+            except pgerr.UndefinedObject:
+                pass
+            if self._marker_attempt(conn, branch) is not None:
+                return  # committed earlier (this attempt, or another that landed the data)
+            raise ParticipantError(
+                f"{self.describe()}: cannot commit {gid!r}: it is not prepared and no marker "
+                "shows the branch committed (it was aborted or never prepared)"
+            )
+
+        self._idempotent(f"commit {gid!r}", run)
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        gid = self._own(branch)
+        self._check_handle(gid, handle)
+
+        def run(conn: psycopg.Connection[Any]) -> None:
+            try:
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+                return
+            except pgerr.UndefinedObject:
+                pass
+            if self._marker_attempt(conn, branch) == branch.attempt:
+                raise ParticipantError(
+                    f"{self.describe()}: cannot abort {gid!r}: this attempt's branch is "
+                    "already committed"
+                )
+
+        self._idempotent(f"abort {gid!r}", run)
+
+    def _check_handle(self, gid: str, handle: Handle | None) -> None:
+        if handle is not None and handle.get("gid", gid) != gid:
+            raise ParticipantError(
+                f"{self.describe()}: handle names {handle.get('gid')!r} but the branch is {gid!r}"
+            )
+
+    def status(self, branch: BranchRef) -> BranchStatus:
+        gid = self._own(branch)
+
+        def run(conn: psycopg.Connection[Any]) -> BranchStatus:
+            if self._marker_attempt(conn, branch) is not None:
+                return BranchStatus.COMMITTED
+            if self._is_prepared(conn, gid):
+                return BranchStatus.PREPARED
+            return BranchStatus.ABSENT
+
+        return self._idempotent(f"read the status of {gid!r}", run)
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        prefix = gid_prefix(sink)
+
+        def run(conn: psycopg.Connection[Any]) -> list[BranchRef]:
+            rows = conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                " AND left(gid, length(%s)) = %s ORDER BY gid",
+                (prefix, prefix),
+            ).fetchall()
+            found = [parse_gid(r[0]) for r in rows]
+            return sorted(b for b in found if b is not None and b.participant == self.name)
+
+        return self._idempotent(f"list prepared transactions of sink {sink!r}", run)

@@ -1,0 +1,408 @@
+"""The participant conformance suite: one set of checks every participant must pass.
+
+A participant module plugs in with a :class:`Harness`: a factory of fresh *targets* (a new
+table, directory or topic per check) and flags saying what the system can promise. A
+:class:`Target` hands out participant objects (a new object per call, as a new process
+would build one) and reads the rows a plain reader of the system sees now::
+
+    HARNESS = Harness(id="postgres", new_target=lambda: PgTarget(dsn))
+
+    @pytest.mark.parametrize("check", applicable_checks(HARNESS), ids=lambda c: c.__name__)
+    def test_conformance(check): check(HARNESS)
+
+Checks are plain functions taking the harness; they raise ``AssertionError`` on a
+violation. The cross-process checks run :mod:`tests.helpers.prepare_and_die` in a child
+Python that prepares a branch and SIGKILLs itself through the ``after_prepare`` failpoint;
+they apply only to harnesses with ``durable=True``.
+
+Keep these names stable: the Kafka suite imports them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from twophase.participant import BranchRef, BranchStatus, Participant
+
+__all__ = [
+    "ALL_CHECKS",
+    "CROSS_PROCESS_CHECKS",
+    "SCHEMA",
+    "Harness",
+    "Target",
+    "applicable_checks",
+    "batch_for",
+    "make_branch",
+    "rows_for",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPER = Path(__file__).resolve().parent / "helpers" / "prepare_and_die.py"
+
+SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string()), ("amount", pa.float64())])
+"""The rows every check writes: ids unique per (checkpoint, partition), awkward labels."""
+
+_AWKWARD = ['plain', 'quote " and , comma', "new\nline\ttab\\slash", None, "ünïcødé ✓", ""]
+
+
+class Target(Protocol):
+    """One fresh destination (table, directory, topic) for one check."""
+
+    def participant(self) -> Participant:
+        """A new participant object for this target (as another process would build it)."""
+        ...
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows a plain reader sees now (committed data only), any order."""
+        ...
+
+    def close(self) -> None:
+        """Drop what the target created."""
+        ...
+
+
+@dataclass(frozen=True)
+class Harness:
+    """How to test one participant kind.
+
+    ``durable``: a prepared branch survives the death of the preparing process and can be
+    committed or aborted from another process (Postgres, files; not Kafka).
+    ``status_sees_prepared``: ``status()`` can report PREPARED from the system itself.
+    ``in_doubt_finds_prepared``: ``in_doubt(sink)`` lists prepared leftovers.
+    """
+
+    id: str
+    new_target: Callable[[], Target]
+    durable: bool = True
+    status_sees_prepared: bool = True
+    in_doubt_finds_prepared: bool = True
+
+
+def make_branch(
+    p: Participant,
+    *,
+    sink: str = "conf",
+    lineage: str | None = None,
+    checkpoint: int = 0,
+    attempt: int = 0,
+    partition: int = 0,
+) -> BranchRef:
+    return BranchRef(
+        sink=sink,
+        lineage=lineage or uuid.uuid4().hex[:16],
+        checkpoint=checkpoint,
+        attempt=attempt,
+        participant=p.name,
+        partition=partition,
+    )
+
+
+def rows_for(branch: BranchRef, n: int = 6) -> list[dict[str, Any]]:
+    """Deterministic rows of a branch (a redo writes the very same rows)."""
+    base = branch.checkpoint * 1_000_000 + branch.partition * 10_000
+    return [
+        {
+            "id": base + i,
+            "label": _AWKWARD[i % len(_AWKWARD)],
+            "amount": (i * 1.25) if i % 4 else None,
+        }
+        for i in range(n)
+    ]
+
+
+def batch_for(branch: BranchRef, n: int = 6) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(rows_for(branch, n), schema=SCHEMA)
+
+
+def _sorted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: r["id"])
+
+
+def _prepare(p: Participant, branch: BranchRef, n: int = 6) -> dict[str, str]:
+    return dict(p.prepare(branch, SCHEMA, [batch_for(branch, n)]))
+
+
+def _with_target(h: Harness, body: Callable[[Target, Participant], None]) -> None:
+    target = h.new_target()
+    try:
+        p = target.participant()
+        p.check(SCHEMA)
+        try:
+            body(target, p)
+        finally:
+            p.close()
+    finally:
+        target.close()
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def check_prepared_data_invisible_until_commit(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = _prepare(p, b)
+        assert t.rows() == [], "prepared rows are visible before commit"
+        p.commit(b, handle)
+        assert _sorted(t.rows()) == rows_for(b)
+
+    _with_target(h, body)
+
+
+def check_status_before_and_after_each_step(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        assert p.status(b) is BranchStatus.ABSENT
+        handle = _prepare(p, b)
+        if h.status_sees_prepared:
+            assert p.status(b) is BranchStatus.PREPARED
+        p.commit(b, handle)
+        assert p.status(b) is BranchStatus.COMMITTED
+        other = t.participant()  # a fresh object reads the system, not memory
+        assert other.status(b) is BranchStatus.COMMITTED
+        other.close()
+
+        a = make_branch(p, lineage=b.lineage, checkpoint=1)
+        handle_a = _prepare(p, a)
+        if h.status_sees_prepared:
+            assert p.status(a) is BranchStatus.PREPARED
+        p.abort(a, handle_a)
+        assert p.status(a) is BranchStatus.ABSENT
+        assert _sorted(t.rows()) == rows_for(b)
+
+    _with_target(h, body)
+
+
+def check_commit_is_idempotent(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = _prepare(p, b)
+        p.commit(b, handle)
+        p.commit(b, handle)
+        p.commit(b, None)
+        again = t.participant()
+        again.commit(b, handle)
+        again.close()
+        assert _sorted(t.rows()) == rows_for(b)
+        assert p.status(b) is BranchStatus.COMMITTED
+
+    _with_target(h, body)
+
+
+def check_abort_is_idempotent(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = _prepare(p, b)
+        p.abort(b, handle)
+        p.abort(b, handle)
+        p.abort(b, None)
+        never = make_branch(p, lineage=b.lineage, checkpoint=7)
+        p.abort(never, None)  # aborting a branch that was never prepared is success
+        assert t.rows() == []
+        assert p.status(b) is BranchStatus.ABSENT
+        assert p.in_doubt(b.sink) == []
+
+    _with_target(h, body)
+
+
+def check_branches_are_independent(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b0 = make_branch(p, partition=0)
+        b1 = make_branch(p, lineage=b0.lineage, partition=1)
+        h0, h1 = _prepare(p, b0), _prepare(p, b1)
+        p.abort(b1, h1)
+        p.commit(b0, h0)
+        assert _sorted(t.rows()) == rows_for(b0)
+        assert p.status(b1) is BranchStatus.ABSENT
+
+    _with_target(h, body)
+
+
+def check_in_doubt_finds_leftovers(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b0 = make_branch(p, sink="leftover", partition=0)
+        b1 = make_branch(p, sink="leftover", lineage=b0.lineage, partition=1)
+        other_sink = make_branch(p, sink="elsewhere", lineage=b0.lineage)
+        handles = {b: _prepare(p, b) for b in (b0, b1, other_sink)}
+        if h.in_doubt_finds_prepared:
+            finder = t.participant()
+            assert sorted(finder.in_doubt("leftover")) == sorted([b0, b1])
+            finder.close()
+        for b, hd in handles.items():
+            p.abort(b, hd)
+        assert p.in_doubt("leftover") == []
+        assert p.in_doubt("elsewhere") == []
+        assert t.rows() == []
+
+    _with_target(h, body)
+
+
+def check_redo_never_applies_twice(h: Harness) -> None:
+    """A branch committed by attempt 0 and redone (same checkpoint, later attempt or the
+    same attempt again) must not land twice: the marker says it is already applied."""
+
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p, checkpoint=3)
+        p.commit(b, _prepare(p, b))
+        for attempt in (0, 1, 2):
+            redo = make_branch(p, lineage=b.lineage, checkpoint=3, attempt=attempt)
+            fresh = t.participant()
+            fresh.commit(redo, _prepare(fresh, redo))
+            assert fresh.status(redo) is BranchStatus.COMMITTED
+            fresh.close()
+        assert _sorted(t.rows()) == rows_for(b)
+
+    _with_target(h, body)
+
+
+def check_new_lineage_is_not_skipped(h: Harness) -> None:
+    """Checkpoint 0 of a new lineage is a new transaction, not 'already committed'."""
+
+    def body(t: Target, p: Participant) -> None:
+        old = make_branch(p, lineage="lineage-a")
+        p.commit(old, _prepare(p, old, n=2))
+        new = make_branch(p, lineage="lineage-b")
+        assert p.status(new) is BranchStatus.ABSENT
+        p.commit(new, _prepare(p, new, n=3))
+        assert len(t.rows()) == 5
+
+    _with_target(h, body)
+
+
+def check_empty_branch_commits(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = dict(p.prepare(b, SCHEMA, []))
+        p.commit(b, handle)
+        assert p.status(b) is BranchStatus.COMMITTED
+        assert t.rows() == []
+
+    _with_target(h, body)
+
+
+def check_participant_pickles_before_and_after_use(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = _prepare(p, b)  # p now holds live connections / open files
+        clone = pickle.loads(pickle.dumps(p))
+        assert clone.name == p.name
+        clone.commit(b, handle)
+        clone.close()
+        assert _sorted(t.rows()) == rows_for(b)
+
+    _with_target(h, body)
+
+
+def _prepare_in_child_and_kill(p: Participant, branch: BranchRef) -> dict[str, str]:
+    """Prepare ``branch`` in a child Python that then dies by SIGKILL; return its handle."""
+    with tempfile.TemporaryDirectory(prefix="twophase-conf-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        out = Path(tmp) / "handle.json"
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, SCHEMA) as writer:
+            writer.write_batch(batch_for(branch))
+        job.write_bytes(pickle.dumps((p, branch, sink.getvalue().to_pybytes())))
+        env = dict(os.environ)
+        env["TWOPHASE_FAILPOINTS"] = f"after_prepare@{branch.participant}={'kill'}"
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        proc = subprocess.run(
+            [sys.executable, str(HELPER), str(job), str(out)],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert proc.returncode == -signal.SIGKILL, (
+            f"child did not die by SIGKILL (rc={proc.returncode}): {proc.stderr[-2000:]}"
+        )
+        handle: dict[str, str] = json.loads(out.read_text())
+        return handle
+
+
+def check_commit_from_another_process_after_sigkill(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        handle = _prepare_in_child_and_kill(p, b)
+        here = t.participant()
+        assert here.status(b) is BranchStatus.PREPARED
+        assert here.in_doubt(b.sink) == [b]
+        assert t.rows() == []
+        here.commit(b, handle)
+        here.commit(b, handle)
+        assert here.status(b) is BranchStatus.COMMITTED
+        assert here.in_doubt(b.sink) == []
+        assert _sorted(t.rows()) == rows_for(b)
+        here.close()
+
+    _with_target(h, body)
+
+
+def check_abort_from_another_process_after_sigkill(h: Harness) -> None:
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        _prepare_in_child_and_kill(p, b)
+        here = t.participant()
+        assert here.status(b) is BranchStatus.PREPARED
+        # recovery may know only the branch (the vote was lost with the process)
+        here.abort(b, None)
+        here.abort(b, None)
+        assert here.status(b) is BranchStatus.ABSENT
+        assert here.in_doubt(b.sink) == []
+        assert t.rows() == []
+        here.close()
+
+    _with_target(h, body)
+
+
+def check_recovery_commit_without_handle(h: Harness) -> None:
+    """Recovery from the coordinator's COMMIT may have to commit with only the branch."""
+
+    def body(t: Target, p: Participant) -> None:
+        b = make_branch(p)
+        _prepare_in_child_and_kill(p, b)
+        here = t.participant()
+        for found in here.in_doubt(b.sink):
+            here.commit(found, None)
+        assert here.status(b) is BranchStatus.COMMITTED
+        assert _sorted(t.rows()) == rows_for(b)
+        here.close()
+
+    _with_target(h, body)
+
+
+ALL_CHECKS: tuple[Callable[[Harness], None], ...] = (
+    check_prepared_data_invisible_until_commit,
+    check_status_before_and_after_each_step,
+    check_commit_is_idempotent,
+    check_abort_is_idempotent,
+    check_branches_are_independent,
+    check_in_doubt_finds_leftovers,
+    check_redo_never_applies_twice,
+    check_new_lineage_is_not_skipped,
+    check_empty_branch_commits,
+    check_participant_pickles_before_and_after_use,
+)
+
+CROSS_PROCESS_CHECKS: tuple[Callable[[Harness], None], ...] = (
+    check_commit_from_another_process_after_sigkill,
+    check_abort_from_another_process_after_sigkill,
+    check_recovery_commit_without_handle,
+)
+
+
+def applicable_checks(h: Harness) -> list[Callable[[Harness], None]]:
+    """The checks that apply to ``h`` (the cross-process ones only to durable participants)."""
+    checks = list(ALL_CHECKS)
+    if h.durable:
+        checks += CROSS_PROCESS_CHECKS
+    return checks

@@ -1,0 +1,1 @@
+"""Small scripts the tests run in child processes."""
