@@ -1,0 +1,411 @@
+"""Client of the coordinator's HTTP API, used by the Spark driver and the executors.
+
+Every call is idempotent on the server (the protocol answers a repeated message with the
+same reply), so connection failures and 5xx answers are retried with capped exponential
+backoff (tenacity) for up to ``retry_budget`` seconds: a coordinator restart is ridden
+through. A 4xx answer is a refusal and raises at once with the server's message.
+
+:func:`connect` turns the user's ``coordinator=`` setting into a :class:`Connection`:
+an ``http(s)://`` URL is a daemon; a ``sqlite:///`` or ``postgresql://`` store URL starts
+the coordinator inside this process (see ``coordinator.service.EmbeddedServer``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import quote
+
+import httpx
+import tenacity
+
+from twophase import protocol, wire
+
+__all__ = [
+    "Connection",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "StaleEpochError",
+    "TransactionNotFound",
+    "TxnKey",
+    "VoteIn",
+    "connect",
+]
+
+TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
+CA_ENV: Final = "TWOPHASE_CA_CERT"
+EMBEDDED_HOST_ENV: Final = "TWOPHASE_EMBEDDED_HOST"
+POLL_SLICE: Final = 30.0
+
+TxnKey = tuple[str, str, int, int]  # (sink, lineage, checkpoint, attempt)
+
+
+class CoordinatorError(Exception):
+    """A refusal or failure reported by (or about) the coordinator."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+class StaleEpochError(CoordinatorError):
+    """409 ``stale_epoch``: a newer writer took over this sink; this one must stop."""
+
+
+class TransactionNotFound(CoordinatorError):
+    """404: no such transaction (or sink)."""
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The coordinator could not be reached (or kept failing) within the retry budget."""
+
+
+class _Retryable(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class VoteIn:
+    """One branch's vote: YES with the handle needed to commit it later, or NO with why."""
+
+    branch: str
+    yes: bool
+    handle: Mapping[str, str] | None = None
+    reason: str | None = None
+
+
+def _seg(x: str | int) -> str:
+    return quote(str(x), safe="")
+
+
+class CoordinatorClient:
+    """Thread-safe; one pooled HTTP connection set per instance. Cheap to construct."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retry_budget: float = 120.0,
+        verify: bool | str | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"coordinator URL must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.timeout = timeout
+        self.retry_budget = retry_budget
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if verify is None:
+            verify = os.environ.get(CA_ENV) or True
+        kwargs: dict[str, Any] = {}
+        if self.url.startswith("https://"):
+            kwargs["verify"] = verify
+        else:
+            kwargs["verify"] = False  # no TLS: skip building an SSL context (it is slow)
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            **kwargs,
+        )
+
+    # ----------------------------------------------------------------- transport
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        read_timeout: float | None = None,
+    ) -> Any:
+        timeout = httpx.USE_CLIENT_DEFAULT
+        if read_timeout is not None:
+            timeout = httpx.Timeout(read_timeout, connect=min(self.timeout, 10.0))  # type: ignore[assignment]
+
+        def once() -> Any:
+            try:
+                resp = self._http.request(method, path, json=body, params=params, timeout=timeout)
+            except httpx.TransportError:
+                raise
+            if resp.status_code >= 500:
+                raise _Retryable(resp.status_code, resp.text)
+            if resp.status_code >= 400:
+                raise _refusal(resp)
+            return resp.json()
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
+            wait=tenacity.wait_exponential_jitter(initial=0.05, max=2.0),
+            stop=tenacity.stop_after_delay(self.retry_budget),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except (httpx.TransportError, _Retryable) as exc:
+            raise CoordinatorUnavailable(
+                f"coordinator {self.url} unavailable for {self.retry_budget:.0f}s "
+                f"({method} {path}): {exc}",
+                status=getattr(exc, "status", None),
+                code="unavailable",
+            ) from exc
+
+    @staticmethod
+    def _txn_path(key: TxnKey) -> str:
+        sink, lineage, checkpoint, attempt = key
+        return f"/v1/txns/{_seg(sink)}/{_seg(lineage)}/{int(checkpoint)}/{int(attempt)}"
+
+    # ----------------------------------------------------------------- calls
+
+    def register(self, sink: str) -> int:
+        """A new writer epoch for ``sink``; every older writer is fenced from now on."""
+        out = self._request("POST", f"/v1/sinks/{_seg(sink)}/register")
+        return int(wire.decode_sink(out).epoch)
+
+    def begin(
+        self,
+        sink: str,
+        lineage: str,
+        checkpoint: int,
+        epoch: int,
+        participants: Sequence[str],
+        partitions: int,
+        vote_timeout: float = 300.0,
+    ) -> protocol.BeginResult:
+        out = self._request(
+            "POST",
+            f"/v1/sinks/{_seg(sink)}/begin",
+            body={
+                "lineage": lineage, "checkpoint": checkpoint, "epoch": epoch,
+                "participants": list(participants), "partitions": partitions,
+                "vote_timeout": float(vote_timeout),
+            },
+        )
+        return wire.decode_begin(out)
+
+    def vote(self, key: TxnKey, epoch: int, votes: Sequence[VoteIn]) -> protocol.Transaction:
+        body = {
+            "epoch": epoch,
+            "votes": [
+                {"branch": v.branch, "yes": v.yes,
+                 "handle": dict(v.handle) if v.handle is not None else None,
+                 "reason": v.reason}
+                for v in votes
+            ],
+        }
+        return wire.decode_txn(self._request("POST", self._txn_path(key) + "/votes", body=body))
+
+    def await_decision(
+        self, key: TxnKey, timeout: float, *, until: str = "decided"
+    ) -> protocol.Transaction:
+        """Wait up to ``timeout`` seconds for the decision (``until="finished"``: for every
+        acknowledgement); returns the transaction, undecided if the time ran out."""
+        import time
+
+        end = time.monotonic() + max(0.0, timeout)
+        while True:
+            left = max(0.0, end - time.monotonic())
+            slice_ = min(left, POLL_SLICE)
+            out = self._request(
+                "GET", self._txn_path(key) + "/decision",
+                params={"timeout": f"{slice_:.3f}", "until": until},
+                read_timeout=slice_ + self.timeout,
+            )
+            txn = wire.decode_txn(out)
+            done = txn.state.decided if until == "decided" else txn.state.finished
+            if done or time.monotonic() >= end:
+                return txn
+
+    def ack(
+        self, key: TxnKey, epoch: int, acks: Sequence[tuple[str, protocol.Decision]]
+    ) -> protocol.Transaction:
+        body = {
+            "epoch": epoch,
+            "acks": [{"branch": b, "outcome": protocol.Decision(o).value} for b, o in acks],
+        }
+        return wire.decode_txn(self._request("POST", self._txn_path(key) + "/acks", body=body))
+
+    def abandon(self, key: TxnKey, epoch: int, reason: str) -> protocol.Transaction:
+        body = {"epoch": epoch, "reason": reason}
+        return wire.decode_txn(
+            self._request("POST", self._txn_path(key) + "/abandon", body=body)
+        )
+
+    def get(self, key: TxnKey) -> protocol.Transaction:
+        return wire.decode_txn(self._request("GET", self._txn_path(key)))
+
+    def get_raw(self, key: TxnKey, *, history: bool = False) -> dict[str, Any]:
+        """The server's JSON for one transaction (with ``alert``; ``history`` on demand)."""
+        out: dict[str, Any] = self._request(
+            "GET", self._txn_path(key), params={"history": "true" if history else "false"}
+        )
+        return out
+
+    def list(
+        self, sink: str | None = None, state: str | None = None, limit: int = 100
+    ) -> builtins.list[protocol.Transaction]:
+        return [wire.decode_txn(t) for t in self.list_raw(sink, state, limit)]
+
+    def list_raw(
+        self, sink: str | None = None, state: str | None = None, limit: int = 100
+    ) -> builtins.list[dict[str, Any]]:
+        """Listing as the server sends it (each transaction also has ``alert``)."""
+        params: dict[str, Any] = {"limit": limit}
+        if sink is not None:
+            params["sink"] = sink
+        if state is not None:
+            params["state"] = state
+        out = self._request("GET", "/v1/txns", params=params)
+        txns: builtins.list[dict[str, Any]] = out["txns"]
+        return txns
+
+    def force_ack(
+        self, key: TxnKey, branch: str, outcome: protocol.Decision
+    ) -> protocol.Transaction:
+        path = "/v1/admin" + self._txn_path(key)[3:] + "/force-ack"
+        body = {"branch": branch, "outcome": protocol.Decision(outcome).value}
+        return wire.decode_txn(self._request("POST", path, body=body))
+
+    def admin_abort(self, key: TxnKey, reason: str) -> protocol.Transaction:
+        """Operator: ABORT an undecided transaction whose writer is gone."""
+        path = "/v1/admin" + self._txn_path(key)[3:] + "/abort"
+        return wire.decode_txn(self._request("POST", path, body={"reason": reason}))
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._request("GET", "/healthz")
+        return out
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _refusal(resp: httpx.Response) -> CoordinatorError:
+    try:
+        data = resp.json()
+        code = str(data.get("error", "error"))
+        message = str(data.get("message", resp.text))
+    except ValueError:
+        code, message = "error", resp.text[:500]
+    text = f"coordinator refused ({resp.status_code} {code}): {message}"
+    if resp.status_code == 404:
+        return TransactionNotFound(text, status=404, code=code)
+    if code == "stale_epoch":
+        return StaleEpochError(text, status=resp.status_code, code=code)
+    return CoordinatorError(text, status=resp.status_code, code=code)
+
+
+# ---------------------------------------------------------------------------------------
+# connections
+
+
+class Connection:
+    """What :func:`connect` returns. Pickles to ``url`` + ``token`` only, so it can be
+    shipped to Spark executors; there it reaches the (daemon or embedded) coordinator."""
+
+    def __init__(self, url: str, token: str | None, server: Any = None, cache_key: Any = None):
+        self.url = url
+        self.token = token
+        self._server = server
+        self._cache_key = cache_key
+        self._client: CoordinatorClient | None = None
+        self._lock = threading.Lock()
+
+    def client(self) -> CoordinatorClient:
+        """A shared, thread-safe client for this connection (do not close it yourself)."""
+        with self._lock:
+            if self._client is None:
+                self._client = CoordinatorClient(self.url, self.token)
+            return self._client
+
+    def close(self) -> None:
+        """Close the client; stop the embedded server when its last user closes."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+        if self._server is not None:
+            _release_embedded(self._cache_key)
+            self._server = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "token": self.token}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["token"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        kind = "embedded" if self._server is not None else "daemon"
+        return f"Connection({self.url!r}, {kind})"
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_EMBEDDED: dict[tuple[str, str], tuple[Any, int]] = {}  # (store URL, host) -> (server, users)
+_EMBEDDED_LOCK = threading.Lock()
+
+
+def _release_embedded(cache_key: Any) -> None:
+    with _EMBEDDED_LOCK:
+        entry = _EMBEDDED.get(cache_key)
+        if entry is None:
+            return
+        server, users = entry
+        if users > 1:
+            _EMBEDDED[cache_key] = (server, users - 1)
+            return
+        del _EMBEDDED[cache_key]
+    server.stop()
+
+
+def connect(coordinator: str, token: str | None = None) -> Connection:
+    """``http(s)://host:port`` -> a daemon (token: the parameter, else $TWOPHASE_TOKEN);
+    ``sqlite:///path.db`` / ``postgresql://...`` -> an embedded coordinator in this process
+    (one per store URL, shared by every sink of the process; random token)."""
+    if coordinator.startswith(("http://", "https://")):
+        return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
+    if coordinator.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://",
+                               "postgres://")):
+        from coordinator.service import EmbeddedServer  # lazy: twophase never imports it eagerly
+        from coordinator.store import normalize_url
+
+        host = os.environ.get(EMBEDDED_HOST_ENV, "127.0.0.1")
+        key = (normalize_url(coordinator), host)
+        with _EMBEDDED_LOCK:
+            entry = _EMBEDDED.get(key)
+            if entry is None:
+                server = EmbeddedServer(coordinator, host=host).start()
+                _EMBEDDED[key] = (server, 1)
+            else:
+                server, users = entry
+                _EMBEDDED[key] = (server, users + 1)
+        return Connection(server.url, server.token, server=server, cache_key=key)
+    raise ValueError(
+        f"coordinator={coordinator!r} is not understood: use 'http://host:port' or "
+        "'https://host:port' for a daemon, or a store URL 'sqlite:///path.db' / "
+        "'postgresql://user@host:port/db' for an embedded coordinator"
+    )
