@@ -151,7 +151,8 @@ class CoordinatorClient:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
-            wait=tenacity.wait_exponential_jitter(initial=0.05, max=2.0),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=2.0)
+            + tenacity.wait_random(0, 0.05),
             stop=tenacity.stop_after_delay(self.retry_budget),
             reraise=True,
         )

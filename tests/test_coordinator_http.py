@@ -1,0 +1,211 @@
+"""The HTTP service through a real uvicorn server (embedded mode) and the client."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coordinator.service import EmbeddedServer, create_app
+from twophase import protocol as p
+from twophase.client import (
+    Connection,
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    StaleEpochError,
+    TransactionNotFound,
+    VoteIn,
+    connect,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    db = tmp_path_factory.mktemp("coord") / "log.db"
+    with EmbeddedServer(f"sqlite:///{db}") as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: EmbeddedServer) -> Iterator[CoordinatorClient]:
+    with CoordinatorClient(server.url, server.token, retry_budget=5.0) as c:
+        yield c
+
+
+def _sink() -> str:
+    return f"s{uuid.uuid4().hex[:10]}"
+
+
+def _start(client: CoordinatorClient, parts: int = 2) -> tuple[int, p.Transaction]:
+    sink = _sink()
+    epoch = client.register(sink)
+    res = client.begin(sink, "lin-1", 3, epoch, ["pg", "kafka"], parts)
+    assert res.kind == p.BeginKind.NEW and res.txn is not None
+    return epoch, res.txn
+
+
+def test_full_round_over_http(client: CoordinatorClient) -> None:
+    epoch, txn = _start(client)
+    key = txn.key
+    branches = list(txn.branches)
+    t = client.vote(key, epoch, [VoteIn(b, True, {"gid": f"g-{b}"}) for b in branches[:2]])
+    assert t.state == p.State.PREPARING
+    t = client.vote(key, epoch, [VoteIn(b, True, {"gid": f"g-{b}"}) for b in branches[2:]])
+    assert t.state == p.State.COMMITTING and t.decision == p.Decision.COMMIT
+    assert client.await_decision(key, 5).state == p.State.COMMITTING
+    t = client.ack(key, epoch, [(b, p.Decision.COMMIT) for b in branches])
+    assert t.state == p.State.COMMITTED
+    got = client.get(key)
+    assert got == t and got.branches["pg/1"].handle == {"gid": "g-pg/1"}
+    assert key in {x.key for x in client.list(sink=key[0])}
+    assert client.list(sink=key[0], state="ABORTED") == []
+    raw = client.get_raw(key, history=True)
+    kinds = [e["kind"] for e in raw["history"]]
+    assert kinds[0] == "begin" and kinds.count("ack") == 4
+    again = client.begin(key[0], "lin-1", 3, epoch, ["pg", "kafka"], 2)
+    assert again.kind == p.BeginKind.COMMITTED
+
+
+def test_long_poll_wakes_promptly_and_times_out(client: CoordinatorClient) -> None:
+    epoch, txn = _start(client, parts=1)
+    key = txn.key
+    t0 = time.monotonic()
+    undecided = client.await_decision(key, 0.3)
+    assert undecided.state == p.State.OPEN and time.monotonic() - t0 >= 0.25
+    got: dict[str, object] = {}
+
+    def wait() -> None:
+        got["txn"] = client.await_decision(key, 20)
+        got["at"] = time.monotonic()
+
+    th = threading.Thread(target=wait)
+    th.start()
+    time.sleep(0.3)
+    voted_at = time.monotonic()
+    client.vote(key, epoch, [VoteIn("pg/0", True), VoteIn("kafka/0", False, reason="broker gone")])
+    th.join(10)
+    res = got["txn"]
+    assert isinstance(res, p.Transaction) and res.state == p.State.ABORTING
+    assert "broker gone" in (res.reason or "")
+    assert float(got["at"]) - voted_at < 0.5  # type: ignore[arg-type]
+    # until=finished waits for the acks
+    fin = client.await_decision(key, 0.2, until="finished")
+    assert fin.state == p.State.ABORTING
+    client.ack(key, epoch, [("pg/0", p.Decision.ABORT)])
+    assert client.await_decision(key, 5, until="finished").state == p.State.ABORTED
+    assert client.abandon(key, epoch, "too late").state == p.State.ABORTED
+
+
+def test_refusals_are_clear(client: CoordinatorClient, server: EmbeddedServer) -> None:
+    epoch, txn = _start(client)
+    sink = txn.sink
+    newer = client.register(sink)
+    with pytest.raises(StaleEpochError, match="older than") as exc:
+        client.begin(sink, "lin-1", 3, epoch, ["pg", "kafka"], 2)
+    assert exc.value.status == 409 and exc.value.code == "stale_epoch"
+    assert newer == epoch + 1
+    with pytest.raises(TransactionNotFound, match="checkpoint=99") as nf:
+        client.get((sink, "lin-1", 99, 1))
+    assert nf.value.status == 404
+    with pytest.raises(CoordinatorError, match="unknown_branch"):
+        client.vote(txn.key, epoch, [VoteIn("nope/0", True)])
+    with pytest.raises(CoordinatorError, match="participant name"):
+        client.begin(sink, "lin-1", 4, newer, ["bad name!"], 1)
+    with pytest.raises(ValueError, match="MAYBE"):
+        client.ack(txn.key, epoch, [("pg/0", "MAYBE")])  # type: ignore[list-item]
+    url = server.url
+    auth = {"Authorization": f"Bearer {server.token}"}
+    begin = f"{url}/v1/sinks/{sink}/begin"
+    r = httpx.post(begin, json={"lineage": "x"})
+    assert r.status_code == 401 and "missing bearer token" in r.json()["message"]
+    r = httpx.post(f"{url}/v1/sinks/{sink}/register", headers={"Authorization": "Bearer no"})
+    assert r.status_code == 401 and "wrong bearer token" in r.json()["message"]
+    assert client.register(sink) == newer + 1  # the refused calls changed nothing
+    r = httpx.get(f"{url}/v1/txns", params={"sink": sink})
+    assert r.status_code == 401
+    r = httpx.post(begin, headers={**auth, "Content-Type": "application/json"},
+                   content=b'{"lineage": ')
+    assert r.status_code == 400 and r.json()["error"] == "malformed_json"
+    r = httpx.post(begin, headers=auth, json={"lineage": "x", "checkpoint": "1", "epoch": 1,
+                                              "participants": ["pg"], "partitions": 1})
+    assert r.status_code == 422 and "body.checkpoint" in r.json()["message"]
+    r = httpx.post(begin, headers=auth, json={"lineage": "x", "checkpoint": 1, "epoch": 1,
+                                              "participants": ["pg"], "partitions": 1,
+                                              "colour": "red"})
+    assert r.status_code == 422 and "body.colour" in r.json()["message"]
+    r = httpx.post(begin, headers=auth, content=b"x" * (1 << 20 + 1),
+                   params={"pad": "1"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+    r = httpx.post(f"{url}/v1/sinks/bad%20name/register", headers=auth)
+    assert r.status_code == 422 and "sink" in r.json()["message"]
+    r = httpx.post(f"{url}/v1/txns/{sink}/lin-1/-1/1/votes", headers=auth,
+                   json={"epoch": 1, "votes": [{"branch": "pg/0", "yes": True}]})
+    assert r.status_code == 422 and "checkpoint" in r.json()["message"]
+    r = httpx.post(f"{url}/v1/txns/{sink}/lin-1/3/1/votes", headers=auth,
+                   json={"epoch": 1, "votes": [{"branch": "pg/0", "yes": "yes"}]})
+    assert r.status_code == 422 and "body.votes.0.yes" in r.json()["message"]
+
+
+def test_open_endpoints_and_openapi(server: EmbeddedServer, client: CoordinatorClient) -> None:
+    epoch, txn = _start(client, parts=1)
+    client.vote(txn.key, epoch, [VoteIn(b, True) for b in txn.branches])
+    assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'twophase_decisions_total{outcome="COMMIT"}' in text
+    assert "twophase_in_doubt_transactions" in text
+    assert "twophase_oldest_in_doubt_age_seconds" in text
+    assert "twophase_vote_phase_seconds_bucket" in text
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    paths = spec["paths"]
+    for path in ("/v1/sinks/{sink}/begin", "/v1/txns/{sink}/{lineage}/{checkpoint}/{attempt}"
+                 "/votes", "/v1/txns/{sink}/{lineage}/{checkpoint}/{attempt}/decision",
+                 "/v1/admin/txns/{sink}/{lineage}/{checkpoint}/{attempt}/force-ack"):
+        assert path in paths
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    forced = client.force_ack(txn.key, "pg/0", p.Decision.COMMIT)
+    assert forced.branches["pg/0"].ack == p.Decision.COMMIT
+    client.force_ack(txn.key, "kafka/0", p.Decision.COMMIT)
+    assert client.get(txn.key).state == p.State.COMMITTED
+
+
+def test_admin_abort_of_orphan(client: CoordinatorClient) -> None:
+    _epoch, txn = _start(client, parts=1)
+    t = client.admin_abort(txn.key, "job gone")
+    assert t.state == p.State.ABORTED and "job gone" in (t.reason or "")
+
+
+def test_token_required_unless_insecure(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="token is required"):
+        create_app(f"sqlite:///{tmp_path}/a.db", None)
+    app = create_app(f"sqlite:///{tmp_path}/b.db", None, insecure=True, background=False)
+    assert app.title == "twophase coordinator"
+
+
+def test_connect_embedded_cache_and_pickle(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/emb.db"
+    a = connect(url)
+    b = connect(url)
+    assert a.url == b.url and a.token == b.token and a.token
+    shipped = pickle.loads(pickle.dumps(a))
+    assert isinstance(shipped, Connection) and shipped.url == a.url
+    c = shipped.client()
+    assert c is shipped.client()  # one shared client per connection
+    epoch = c.register("emb")
+    assert epoch == 1
+    a.close()
+    assert b.client().register("emb") == 2  # still running: b uses it
+    b.close()
+    shipped.close()
+    with pytest.raises(CoordinatorUnavailable, match="unavailable"):
+        CoordinatorClient(a.url, a.token, retry_budget=0.5).register("emb")
+    with pytest.raises(ValueError, match="http://host:port"):
+        connect("kafka://nope")
+    with pytest.raises(ValueError, match="http://"):
+        CoordinatorClient("localhost:7070")
