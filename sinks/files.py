@@ -198,8 +198,9 @@ class StagedFileParticipant(Participant):
             raise ParticipantError(
                 f"{self.describe()}: cannot commit {staged.name}: {exc}"
             ) from exc
+        # The new name must be durable; the staged name vanishing need not be: should it
+        # reappear after a crash, status() still says COMMITTED (the final file exists).
         _fsync_dir(self.path)
-        _fsync_dir(self.staging)
 
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         staged = self.staged_path(branch)

@@ -1,0 +1,315 @@
+"""Participant throughput against the raw library doing the same writes, in one run.
+
+Reproduce (from the repository root, with the dev venv)::
+
+    /work/venv-dev/bin/python bench/participants.py                 # 10k and 100k rows
+    /work/venv-dev/bin/python bench/participants.py --sizes 10000 --repeats 9
+    /work/venv-dev/bin/python bench/participants.py --dsn postgresql://u@host/db
+
+Without ``--dsn`` a private PostgreSQL server (``twophase.localpg``, fsync on unless
+``--no-fsync``) is started in a temporary folder and stopped at the end; files go to a
+temporary folder (``--dir`` to choose the disk).
+
+What is compared (median of ``--repeats`` runs, alternating, fresh table/folder each):
+
+- postgres: ``PostgresParticipant.prepare + commit`` (BEGIN, COPY, marker INSERT,
+  PREPARE TRANSACTION, COMMIT PREPARED) against raw psycopg ``BEGIN; COPY ... FROM STDIN
+  (FORMAT csv) with pyarrow-built CSV; COMMIT`` on an open connection;
+- copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
+  pyarrow CSV chunks, both raw, same transaction shape;
+- files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
+  write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
+  atomic writer does); the no-fsync raw figure is printed too for reference.
+
+The goal is participant/raw >= 0.90 for every row. Sections are functions; a Kafka section
+is added when ``bench/participants_kafka.py`` defines ``bench_kafka(sizes, repeats)``,
+which returns an iterable of ``(section, rows, participant_rows_per_s, raw_rows_per_s)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from sinks._arrow_pg import csv_chunks  # noqa: E402
+from sinks.files import StagedFileParticipant  # noqa: E402
+from sinks.postgres import PostgresParticipant  # noqa: E402
+from twophase.jsoncodec import json_rows  # noqa: E402
+from twophase.localpg import LocalPostgres  # noqa: E402
+from twophase.participant import BranchRef  # noqa: E402
+
+
+class Result(NamedTuple):
+    section: str
+    rows: int
+    participant_rps: float
+    raw_rps: float
+
+
+def make_batch(n: int) -> pa.RecordBatch:
+    """Orders-like rows: ints, text with awkward characters, floats, timestamps, NULLs."""
+    ids = pa.array(range(n), pa.int64())
+    labels = pc.binary_join_element_wise(
+        pa.array(["customer \"", "a,b", "line\nbreak", "plain"] * (n // 4 + 1))[:n],
+        pc.cast(ids, pa.string()), "-",
+    )
+    amount = pc.multiply(pc.cast(ids, pa.float64()), 0.25)
+    qty = pa.array([None if i % 10 == 0 else i % 100 for i in range(n)], pa.int32())
+    ts = pc.cast(pc.add(ids, 1_700_000_000_000_000), pa.timestamp("us", tz="UTC"))
+    return pa.RecordBatch.from_arrays(
+        [ids, labels, amount, qty, ts], names=["id", "label", "amount", "qty", "ts"]
+    )
+
+
+def _median_rps(n: int, timings: list[float]) -> float:
+    return n / statistics.median(timings)
+
+
+def _alternate(repeats: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[
+    list[float], list[float]
+]:
+    ta: list[float] = []
+    tb: list[float] = []
+    a(), b()  # warm-up: connections, imports, page cache
+    for i in range(repeats):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        x, y = first(), second()
+        if i % 2 == 0:
+            ta.append(x)
+            tb.append(y)
+        else:
+            ta.append(y)
+            tb.append(x)
+    return ta, tb
+
+
+# -- postgres ------------------------------------------------------------------------------
+
+
+def _pg_participant_run(dsn: str, batch: pa.RecordBatch) -> float:
+    p = PostgresParticipant(dsn, f"bench_{uuid.uuid4().hex[:8]}", marker_table="bench_markers")
+    p.check(batch.schema)  # once per query on the driver: not part of the timed write
+    b = BranchRef("bench", uuid.uuid4().hex[:16], 0, 0, p.name, 0)
+    p._conn_ok()  # an executor's connection is open after its first batch
+    t0 = time.perf_counter()
+    p.commit(b, p.prepare(b, batch.schema, [batch]))
+    dt = time.perf_counter() - t0
+    p.close()
+    return dt
+
+
+def _new_table(conn: psycopg.Connection[Any], prefix: str) -> sql.Identifier:
+    name = sql.Identifier(f"{prefix}_{uuid.uuid4().hex[:8]}")
+    conn.execute(sql.SQL(
+        "CREATE TABLE {} (id bigint, label text, amount double precision, "
+        "qty integer, ts timestamptz)").format(name))
+    return name
+
+
+def _pg_csv_run(conn: psycopg.Connection[Any], batch: pa.RecordBatch) -> float:
+    """Raw psycopg: BEGIN; COPY (FORMAT csv) of pyarrow-built CSV; COMMIT."""
+    cols = sql.SQL(", ").join(map(sql.Identifier, batch.schema.names))
+    stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(_new_table(conn, "bench"), cols)
+    t0 = time.perf_counter()
+    with conn.transaction(), conn.cursor() as cur, cur.copy(stmt) as copy:
+        for chunk in csv_chunks(batch):
+            copy.write(memoryview(chunk))
+    return time.perf_counter() - t0
+
+
+def _pg_write_row_run(conn: psycopg.Connection[Any], batch: pa.RecordBatch) -> float:
+    """Raw psycopg: BEGIN; COPY (text) with Copy.write_row per row; COMMIT."""
+    cols = sql.SQL(", ").join(map(sql.Identifier, batch.schema.names))
+    stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(_new_table(conn, "bench"), cols)
+    t0 = time.perf_counter()
+    columns = [c.to_pylist() for c in batch.columns]
+    with conn.transaction(), conn.cursor() as cur, cur.copy(stmt) as copy:
+        for row in zip(*columns, strict=True):
+            copy.write_row(row)
+    return time.perf_counter() - t0
+
+
+def bench_postgres(dsn: str, sizes: Iterable[int], repeats: int) -> list[Result]:
+    out: list[Result] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET TIME ZONE 'UTC'")
+        for n in sizes:
+            batch = make_batch(n)
+            tp, tr = _alternate(
+                repeats, partial(_pg_participant_run, dsn, batch), partial(_pg_csv_run, conn, batch)
+            )
+            out.append(Result("postgres", n, _median_rps(n, tp), _median_rps(n, tr)))
+            _drop_bench_tables(conn)
+    return out
+
+
+def bench_copy_methods(dsn: str, sizes: Iterable[int], repeats: int) -> list[Result]:
+    """pyarrow CSV (what the participant uses) against psycopg write_row per row."""
+    out: list[Result] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET TIME ZONE 'UTC'")
+        for n in sizes:
+            batch = make_batch(n)
+            tc, tw = _alternate(
+                max(1, repeats // 2), partial(_pg_csv_run, conn, batch),
+                partial(_pg_write_row_run, conn, batch),
+            )
+            out.append(Result("copy: csv vs write_row", n, _median_rps(n, tc), _median_rps(n, tw)))
+            _drop_bench_tables(conn)
+    return out
+
+
+def _drop_bench_tables(conn: psycopg.Connection[Any]) -> None:
+    for (name,) in conn.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+        " AND tablename LIKE 'bench%%'"
+    ).fetchall():
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_file_run(root: Path, fmt: str, batch: pa.RecordBatch, durable: bool) -> float:
+    """Raw pyarrow: write the file, (fsync), rename into place, (fsync the folder)."""
+    path = root / uuid.uuid4().hex
+    path.mkdir(parents=True)
+    tmp, final = path / "_tmp.part", path / f"part-0.{fmt}"
+    t0 = time.perf_counter()
+    with open(tmp, "wb") as f:
+        if fmt == "parquet":
+            with pq.ParquetWriter(f, batch.schema) as w:
+                w.write_batch(batch)
+        else:
+            f.write(b"".join(line + b"\n" for line in json_rows(batch)))
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, final)
+    if durable:
+        _fsync_dir(path)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return dt
+
+
+def _file_participant_run(root: Path, fmt: str, batch: pa.RecordBatch) -> float:
+    path = root / uuid.uuid4().hex
+    p = StagedFileParticipant(str(path), fmt)
+    p.check(batch.schema)  # driver-side, once per query
+    b = BranchRef("bench", "l", 0, 0, p.name, 0)
+    t0 = time.perf_counter()
+    p.commit(b, p.prepare(b, batch.schema, [batch]))
+    dt = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return dt
+
+
+def bench_files(root: Path, sizes: Iterable[int], repeats: int) -> list[Result]:
+    out: list[Result] = []
+    for fmt in ("parquet", "jsonl"):
+        for n in sizes:
+            batch = make_batch(n)
+            tp, tr = _alternate(
+                repeats, partial(_file_participant_run, root, fmt, batch),
+                partial(_raw_file_run, root, fmt, batch, True),
+            )
+            out.append(Result(f"files-{fmt}", n, _median_rps(n, tp), _median_rps(n, tr)))
+            tn = [_raw_file_run(root, fmt, batch, False) for _ in range(repeats)]
+            out.append(Result(f"files-{fmt} vs raw without fsync", n, _median_rps(n, tp),
+                              _median_rps(n, tn)))
+    return out
+
+
+# -- kafka (optional, from the Kafka helper's module) --------------------------------------
+
+
+def bench_kafka_if_present(sizes: list[int], repeats: int) -> list[Result]:
+    path = Path(__file__).with_name("participants_kafka.py")
+    if not path.exists():
+        return []
+    spec = importlib.util.spec_from_file_location("participants_kafka", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [Result(*r) for r in module.bench_kafka(sizes=sizes, repeats=repeats)]
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def print_results(results: list[Result]) -> None:
+    print(f"{'section':<40} {'rows':>8} {'participant r/s':>16} {'raw r/s':>12} {'ratio':>7}")
+    for r in results:
+        ratio = r.participant_rps / r.raw_rps
+        informative = "write_row" in r.section or "without" in r.section
+        flag = "" if ratio >= 0.90 or informative else "  < 0.90"
+        print(f"{r.section:<40} {r.rows:>8} {r.participant_rps:>16,.0f} {r.raw_rps:>12,.0f} "
+              f"{ratio:>7.2f}{flag}")
+    print("(copy row: 'participant' = pyarrow CSV COPY, 'raw' = psycopg write_row per row)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--dsn", help="an existing server (needs max_prepared_transactions > 0)")
+    ap.add_argument("--dir", help="folder for the file benchmarks (default: a temp folder)")
+    ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
+    ap.add_argument("--only", choices=["postgres", "copy", "files", "kafka"], nargs="*")
+    args = ap.parse_args(argv)
+    want = set(args.only or ["postgres", "copy", "files", "kafka"])
+    server: LocalPostgres | None = None
+    results: list[Result] = []
+    try:
+        dsn = args.dsn
+        if dsn is None and want & {"postgres", "copy"}:
+            server = LocalPostgres(max_prepared_transactions=20, fsync=not args.no_fsync).start()
+            dsn = server.dsn
+        if "postgres" in want:
+            results += bench_postgres(dsn, args.sizes, args.repeats)
+        if "copy" in want:
+            results += bench_copy_methods(dsn, args.sizes, args.repeats)
+        if "files" in want:
+            with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
+                results += bench_files(Path(tmp), args.sizes, args.repeats)
+        if "kafka" in want:
+            results += bench_kafka_if_present(args.sizes, args.repeats)
+    finally:
+        if server is not None:
+            server.stop()
+    print_results(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
