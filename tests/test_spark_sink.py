@@ -1,0 +1,154 @@
+"""TransactionalSink end to end: real Spark (local[2]), real PostgreSQL, real files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from twophase.job import JobConfig, build_participants, expected_ids, run, write_input
+from twophase.verify import verify
+
+pytestmark = pytest.mark.spark
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def job(tmp_path: Path, pg_dsn: str) -> JobConfig:
+    n = next(_ids)
+    return JobConfig(
+        input_dir=str(tmp_path / "in"),
+        checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}",
+        sink=f"orders{n}",
+        pg_dsn=pg_dsn,
+        pg_table=f"orders_{n}",
+        files_path=str(tmp_path / "out"),
+        partitions=2,
+        vote_timeout=60.0,
+    )
+
+
+def _prepared(pg_dsn: str) -> list[str]:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
+
+
+def test_every_id_exactly_once_in_every_system(spark: Any, job: JobConfig, pg_dsn: str) -> None:
+    write_input(job.input_dir, batches=3, rows_per_batch=50)
+    sink = run(job, spark)
+    assert [r.outcome for r in sink.history] == ["committed"] * 3
+    assert sum(r.rows for r in sink.history) == 150
+    report = verify(build_participants(job), expected_ids(3, 50), sink=job.sink)
+    assert report.ok, report.lines()
+    assert [s.rows for s in report.systems] == [150, 150]
+    assert spark.read.parquet(job.files_path).count() == 150
+    assert _prepared(pg_dsn) == []
+
+
+def test_empty_batch_commits_and_writes_nothing(spark: Any, job: JobConfig) -> None:
+    write_input(job.input_dir, batches=1, rows_per_batch=10)
+    empty = pa.table({"id": pa.array([], pa.int64())})
+    pq.write_table(empty, Path(job.input_dir) / "batch-000001.parquet")
+    write_input(job.input_dir, batches=1, rows_per_batch=10, first=2)
+    sink = run(job, spark)
+    assert [r.rows for r in sink.history] == [10, 0, 10]
+    want = list(range(10)) + list(range(20, 30))
+    assert verify(build_participants(job), want, sink=job.sink).ok
+
+
+def test_replay_of_committed_batch_writes_nothing(spark: Any, job: JobConfig) -> None:
+    write_input(job.input_dir, batches=2, rows_per_batch=20)
+    run(job, spark)
+    # Forget that Spark finished batch 1: on restart Spark runs batch 1 again, as after a
+    # crash between the sink's return and Spark's commit log write.
+    for name in ("1", ".1.crc"):
+        (Path(job.checkpoint) / "commits" / name).unlink(missing_ok=True)
+    sink = run(job, spark)
+    assert [(r.checkpoint, r.outcome) for r in sink.history] == [(1, "replay")]
+    report = verify(build_participants(job), expected_ids(2, 20), sink=job.sink)
+    assert report.ok, report.lines()
+
+
+def test_refused_batch_fails_query_naming_cause_and_leaves_nothing(
+    spark: Any, job: JobConfig, pg_dsn: str
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE TABLE {job.pg_table} (id bigint PRIMARY KEY, customer text, "
+            "amount numeric(12,2), ts timestamptz)"
+        )
+    write_input(job.input_dir, batches=1, rows_per_batch=10)
+    clash = pa.table({"id": pa.array([100, 100], pa.int64())})
+    pq.write_table(clash, Path(job.input_dir) / "batch-000001.parquet")
+    job.max_attempts = 2
+    with pytest.raises(Exception) as info:
+        run(job, spark, participants=None)
+    message = str(info.value)
+    assert "postgres-" in message and "voted NO" in message, message
+    assert "duplicate key" in message or "unique" in message.lower(), message
+    # batch 0 committed everywhere; batch 1 nowhere; nothing prepared
+    report = verify(build_participants(job), list(range(10)), sink=job.sink)
+    assert report.ok, report.lines()
+    assert _prepared(pg_dsn) == []
+
+
+def test_checkpoint_reset_starts_new_lineage(spark: Any, job: JobConfig) -> None:
+    from coordinator.store import Store
+
+    write_input(job.input_dir, batches=2, rows_per_batch=5)
+    run(job, spark)
+    job.checkpoint = job.checkpoint + "-reset"
+    sink = run(job, spark)
+    # batch ids restarted at 0 and were *not* skipped as already committed
+    outcomes = [(r.checkpoint, r.outcome) for r in sink.history]
+    assert outcomes == [(0, "committed"), (1, "committed")]
+    store = Store(job.coordinator)
+    try:
+        lineages = {row.txn.lineage for row in store.list(sink=job.sink)}
+    finally:
+        store.close()
+    assert len(lineages) == 2
+    report = verify(build_participants(job), expected_ids(2, 5), sink=job.sink)
+    assert report.systems[0].duplicates == 10  # the user re-read the input: new data
+
+
+def _run_job_process(
+    cfg: JobConfig, tmp: Path, failpoints: str | None
+) -> subprocess.CompletedProcess[str]:
+    path = tmp / "job.json"
+    cfg.dump(path)
+    env = dict(os.environ)
+    env.pop("TWOPHASE_FAILPOINTS", None)
+    if failpoints:
+        env["TWOPHASE_FAILPOINTS"] = failpoints
+    return subprocess.run(
+        [sys.executable, "-m", "twophase.job", str(path)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+@pytest.mark.parametrize("point", ["after_decision", "before_return"])
+def test_driver_sigkill_then_restart_is_exactly_once(
+    job: JobConfig, tmp_path: Path, pg_dsn: str, point: str
+) -> None:
+    write_input(job.input_dir, batches=3, rows_per_batch=30)
+    killed = _run_job_process(job, tmp_path, f"{point}=kill*1")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    done = _run_job_process(job, tmp_path, None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert lines[-1] == {"done": True}
+    report = verify(build_participants(job), expected_ids(3, 30), sink=job.sink)
+    assert report.ok, report.lines()
+    assert _prepared(pg_dsn) == []

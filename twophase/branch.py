@@ -1,0 +1,260 @@
+"""What one task does for one partition of one micro-batch: its branches' share of 2PC.
+
+This runs on a Spark executor (inside ``mapInArrow``), but nothing here imports Spark:
+tests drive it directly with real participants and a real coordinator. One task owns
+the branches ``(participant, p)`` of every participant for its partition ``p``:
+
+1. settle what earlier attempts of this checkpoint left prepared (recovery rule);
+2. ``run``: prepare every branch, vote, wait for the decision, apply it, acknowledge;
+   ``finish``: COMMIT is already decided, so commit what is prepared and redo what is
+   lost (Kafka), then acknowledge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from twophase import failpoints
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Handle,
+    Participant,
+    ParticipantError,
+    PrepareRefused,
+)
+from twophase.protocol import Decision, branch_id
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from twophase.client import CoordinatorClient
+
+__all__ = ["BatchPlan", "BranchOutcome", "run_partition"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything a task needs, shipped from the driver (must pickle)."""
+
+    sink: str
+    lineage: str
+    checkpoint: int
+    attempt: int
+    epoch: int
+    partitions: int
+    mode: str  # "run" a new attempt, or "finish" one whose decision is COMMIT
+    coordinator_url: str
+    token: str | None
+    participants: tuple[Participant, ...]
+    handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
+    ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
+    decision_timeout: float = 600.0
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.sink, self.lineage, self.checkpoint, self.attempt)
+
+    def ref(
+        self, participant: Participant, partition: int, attempt: int | None = None
+    ) -> BranchRef:
+        return BranchRef(
+            sink=self.sink,
+            lineage=self.lineage,
+            checkpoint=self.checkpoint,
+            attempt=self.attempt if attempt is None else attempt,
+            participant=participant.name,
+            partition=partition,
+        )
+
+
+@dataclass
+class BranchOutcome:
+    """What a task reports back to the driver (one per partition)."""
+
+    partition: int
+    rows: int = 0
+    decision: str = ""
+    recovered: int = 0  # leftovers of earlier attempts aborted
+    redone: int = 0  # lost branches written again under a COMMIT decision
+    prepare_s: float = 0.0
+    wait_s: float = 0.0
+    commit_s: float = 0.0
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _settle_earlier(
+    plan: BatchPlan, partition: int, client: CoordinatorClient, out: BranchOutcome
+) -> None:
+    """Recovery rule for earlier attempts (all decided ABORT, or never decided): abort
+    whatever they left PREPARED, then acknowledge to the attempts still waiting."""
+    for attempt in range(1, plan.attempt):
+        acks: list[tuple[str, Decision]] = []
+        for part in plan.participants:
+            ref = plan.ref(part, partition, attempt)
+            if part.status(ref) == BranchStatus.PREPARED:
+                part.abort(ref, None)
+                out.recovered += 1
+            acks.append((branch_id(part.name, partition), Decision.ABORT))
+        if attempt in plan.ack_earlier:
+            client.ack((plan.sink, plan.lineage, plan.checkpoint, attempt), plan.epoch, acks)
+
+
+def _finish_commit(
+    plan: BatchPlan,
+    partition: int,
+    schema: pa.Schema,
+    batches: Sequence[pa.RecordBatch],
+    client: CoordinatorClient,
+    out: BranchOutcome,
+) -> None:
+    """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
+    t0 = time.perf_counter()
+    acks: list[tuple[str, Decision]] = []
+    for part in plan.participants:
+        ref = plan.ref(part, partition)
+        bid = branch_id(part.name, partition)
+        status = part.status(ref)
+        if status == BranchStatus.PREPARED:
+            failpoints.hit("before_commit", part.name, partition)
+            part.commit(ref, plan.handles.get(bid))
+            failpoints.hit("after_commit", part.name, partition)
+        elif status == BranchStatus.ABSENT:
+            # Lost (a Kafka branch dies with its producer): write it again and commit at
+            # once; the participant's marker makes a second redo write nothing.
+            handle = part.prepare(ref, schema, batches)
+            failpoints.hit("before_commit", part.name, partition)
+            part.commit(ref, handle)
+            failpoints.hit("after_commit", part.name, partition)
+            out.redone += 1
+        acks.append((bid, Decision.COMMIT))
+    failpoints.hit("before_ack", None, partition)
+    client.ack(plan.key, plan.epoch, acks)
+    out.commit_s = time.perf_counter() - t0
+    out.decision = Decision.COMMIT.value
+
+
+def _run_attempt(
+    plan: BatchPlan,
+    partition: int,
+    schema: pa.Schema,
+    batches: Sequence[pa.RecordBatch],
+    client: CoordinatorClient,
+    out: BranchOutcome,
+) -> None:
+    from twophase.client import VoteIn
+
+    t0 = time.perf_counter()
+    prepared: list[tuple[Participant, BranchRef, Handle]] = []
+    votes: list[VoteIn] = []
+    try:
+        for part in plan.participants:
+            ref = plan.ref(part, partition)
+            bid = branch_id(part.name, partition)
+            failpoints.hit("before_prepare", part.name, partition)
+            try:
+                handle = part.prepare(ref, schema, batches)
+            except PrepareRefused as exc:
+                votes.append(VoteIn(branch=bid, yes=False, reason=str(exc)))
+                break  # one NO decides ABORT: preparing the rest would be wasted work
+            prepared.append((part, ref, handle))
+            failpoints.hit("after_prepare", part.name, partition)
+            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle)))
+    except Exception as exc:
+        # An unexpected failure while preparing: vote NO with the cause so the batch
+        # aborts now instead of at the vote deadline, undo what this task prepared,
+        # and fail the task so the driver sees the error.
+        bid = branch_id(part.name, partition)
+        votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(exc).__name__}: {exc}"))
+        _vote_and_abort(plan, client, votes, prepared)
+        raise
+    out.prepare_s = time.perf_counter() - t0
+    client.vote(plan.key, plan.epoch, votes)
+    failpoints.hit("after_vote", None, partition)
+
+    t1 = time.perf_counter()
+    decision = _await_decision(plan, client)
+    out.wait_s = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    acks: list[tuple[str, Decision]] = []
+    for part, ref, handle in prepared:
+        failpoints.hit("before_commit", part.name, partition)
+        if decision == Decision.COMMIT:
+            part.commit(ref, handle)
+        else:
+            part.abort(ref, handle)
+        failpoints.hit("after_commit", part.name, partition)
+        acks.append((ref.branch_id, decision))
+    failpoints.hit("before_ack", None, partition)
+    if acks:
+        client.ack(plan.key, plan.epoch, acks)
+    out.commit_s = time.perf_counter() - t2
+    out.decision = decision.value
+    refused = [v for v in votes if not v.yes]
+    if refused:
+        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
+
+
+def _vote_and_abort(
+    plan: BatchPlan,
+    client: CoordinatorClient,
+    votes: list[Any],
+    prepared: list[tuple[Participant, BranchRef, Handle]],
+) -> None:
+    try:
+        client.vote(plan.key, plan.epoch, votes)
+    finally:
+        for part, ref, handle in prepared:
+            part.abort(ref, handle)
+
+
+def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
+    deadline = time.monotonic() + plan.decision_timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ParticipantError(
+                f"no decision for {plan.sink} checkpoint {plan.checkpoint} attempt "
+                f"{plan.attempt} within {plan.decision_timeout:.0f}s"
+            )
+        txn = client.await_decision(plan.key, timeout=min(remaining, 30.0))
+        if txn.decision is not None:
+            return txn.decision
+
+
+def run_partition(
+    plan: BatchPlan,
+    partition: int,
+    schema: pa.Schema,
+    batches: Iterable[pa.RecordBatch],
+    client: CoordinatorClient | None = None,
+) -> BranchOutcome:
+    """Run this partition's branches of one attempt to the end (see module docstring).
+
+    The partition's rows are held in memory as Arrow batches: every participant reads
+    them, and a redo may need them again.
+    """
+    from twophase.client import CoordinatorClient
+
+    own_client = client is None
+    cl = client or CoordinatorClient(plan.coordinator_url, plan.token)
+    rows = list(batches)
+    out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))
+    try:
+        _settle_earlier(plan, partition, cl, out)
+        if plan.mode == "finish":
+            _finish_commit(plan, partition, schema, rows, cl, out)
+        else:
+            _run_attempt(plan, partition, schema, rows, cl, out)
+    finally:
+        for part in plan.participants:
+            part.close()
+        if own_client:
+            cl.close()
+    return out

@@ -1,0 +1,189 @@
+"""The reference streaming job: generated events -> TransactionalSink -> every system.
+
+``twophase demo`` runs it in-process; ``twophase chaos`` and the crash tests run it as a
+separate driver process (``python -m twophase.job CONFIG.json``) so that it can be
+SIGKILLed and restarted from its checkpoint. Input is a folder of Parquet files, one
+per micro-batch (``maxFilesPerTrigger=1``), with deterministic ids, so a replayed batch
+has exactly the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from twophase.participant import Participant
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from twophase.spark import BatchReport
+
+__all__ = ["EVENT_DDL", "JobConfig", "build_participants", "expected_ids", "run", "spark_session",
+           "write_input"]
+
+EVENT_DDL = "id long, customer string, amount decimal(12,2), ts timestamp"
+
+
+@dataclass
+class JobConfig:
+    input_dir: str
+    checkpoint: str
+    coordinator: str
+    sink: str = "orders"
+    token: str | None = None
+    pg_dsn: str | None = None
+    pg_table: str = "orders"
+    files_path: str | None = None
+    files_format: str = "parquet"
+    kafka_bootstrap: str | None = None
+    kafka_topic: str = "orders"
+    partitions: int | None = None
+    max_attempts: int = 3
+    vote_timeout: float = 120.0
+    spark_conf: dict[str, str] = field(default_factory=dict)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def write_input(input_dir: str | Path, batches: int, rows_per_batch: int, first: int = 0) -> None:
+    """One Parquet file per batch; ids ``batch * rows_per_batch + i`` (deterministic)."""
+    import datetime as dt
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(input_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([
+        ("id", pa.int64()), ("customer", pa.string()), ("amount", pa.decimal128(12, 2)),
+        ("ts", pa.timestamp("us", tz="UTC")),
+    ])
+    base = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    for b in range(first, first + batches):
+        ids = list(range(b * rows_per_batch, (b + 1) * rows_per_batch))
+        table = pa.table(
+            {
+                "id": ids,
+                "customer": [f"customer-{i % 97}" for i in ids],
+                "amount": [decimal.Decimal(i % 10_000) / 100 for i in ids],
+                "ts": [base + dt.timedelta(seconds=i) for i in ids],
+            },
+            schema=schema,
+        )
+        tmp = out / f".batch-{b:06d}.parquet.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, out / f"batch-{b:06d}.parquet")  # the source never sees half a file
+
+
+def expected_ids(batches: int, rows_per_batch: int) -> list[int]:
+    return list(range(batches * rows_per_batch))
+
+
+def build_participants(cfg: JobConfig) -> list[Participant]:
+    parts: list[Participant] = []
+    if cfg.pg_dsn:
+        from sinks.postgres import PostgresParticipant
+
+        parts.append(PostgresParticipant(dsn=cfg.pg_dsn, table=cfg.pg_table))
+    if cfg.files_path:
+        from sinks.files import StagedFileParticipant
+
+        parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format))
+    if cfg.kafka_bootstrap:
+        from sinks.kafka import KafkaParticipant
+
+        parts.append(
+            KafkaParticipant(topic=cfg.kafka_topic,
+                             config={"bootstrap.servers": cfg.kafka_bootstrap})
+        )
+    if not parts:
+        raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap")
+    return parts
+
+
+def spark_session(conf: dict[str, str] | None = None) -> SparkSession:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName("twophase-job")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+    )
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def run(
+    cfg: JobConfig,
+    spark: SparkSession | None = None,
+    *,
+    participants: Sequence[Participant] | None = None,
+    on_batch: Callable[[BatchReport], None] | None = None,
+) -> Any:
+    """Process every input file present now (``availableNow``), then return the sink."""
+    from twophase.spark import TransactionalSink
+
+    spark = spark or spark_session(cfg.spark_conf)
+    sink = TransactionalSink(
+        cfg.sink,
+        participants=list(participants) if participants is not None else build_participants(cfg),
+        coordinator=cfg.coordinator,
+        token=cfg.token,
+        partitions=cfg.partitions,
+        max_attempts=cfg.max_attempts,
+        vote_timeout=cfg.vote_timeout,
+        on_batch=on_batch,
+    )
+    try:
+        query = (
+            spark.readStream.schema(EVENT_DDL)
+            .option("maxFilesPerTrigger", 1)
+            .parquet(cfg.input_dir)
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", cfg.checkpoint)
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+    finally:
+        sink.close()
+    return sink
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m twophase.job CONFIG.json", file=sys.stderr)
+        return 2
+    cfg = JobConfig.load(args[0])
+
+    def progress(r: BatchReport) -> None:
+        print(json.dumps({"batch": r.checkpoint, "outcome": r.outcome, "attempts": r.attempts,
+                          "rows": r.rows, "seconds": round(r.seconds, 3)}), flush=True)
+
+    run(cfg, on_batch=progress)
+    print(json.dumps({"done": True}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

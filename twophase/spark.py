@@ -1,0 +1,316 @@
+"""``TransactionalSink``: the callable you hand to ``df.writeStream.foreachBatch``.
+
+Per micro-batch (see ARCHITECTURE.md for the picture):
+
+1. ``begin`` with the coordinator, keyed by (sink, lineage, batch id);
+2. split the batch into P partitions by a stable hash of every column (P is stored with
+   the first attempt, so a replay splits the same rows the same way);
+3. run one barrier task per partition (``mapInArrow(..., barrier=True)``): all tasks of a
+   batch are alive together, so each can hold its prepared branches while it waits for
+   the decision; data goes from the executors to the systems, never through the driver;
+4. return only when the coordinator shows the attempt COMMITTED. An aborted attempt is
+   retried in place with backoff, a bounded number of times, then the query fails with
+   the participant, partition and cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from twophase import failpoints
+from twophase.branch import BatchPlan, run_partition
+from twophase.participant import Participant, validate_name
+from twophase.protocol import BeginKind, Decision, State
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from twophase.client import Connection, CoordinatorClient
+    from twophase.protocol import Transaction
+
+__all__ = ["BatchFailed", "BatchReport", "TransactionalSink"]
+
+log = logging.getLogger("twophase.sink")
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execution thread
+
+_REPORT_SCHEMA = (
+    "partition long, rows long, decision string, recovered long, redone long, "
+    "prepare_s double, wait_s double, commit_s double, error string"
+)
+
+
+class BatchFailed(RuntimeError):
+    """A micro-batch could not be committed; the message names participant, partition
+    and cause. The query stops; restarting it replays the batch."""
+
+
+@dataclass
+class BatchReport:
+    """What happened to one micro-batch (shown by the demo, kept in ``sink.history``)."""
+
+    checkpoint: int
+    outcome: str  # "committed", "replay", "recovered"
+    attempts: int
+    rows: int = 0
+    partitions: int = 0
+    recovered: int = 0
+    redone: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # max over tasks, seconds
+
+
+class TransactionalSink:
+    """Exactly-once ``foreachBatch`` sink over several participants.
+
+    ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
+    embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
+    token from ``token=`` or ``TWOPHASE_TOKEN``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        participants: Sequence[Participant],
+        coordinator: str,
+        *,
+        token: str | None = None,
+        partitions: int | None = None,
+        max_attempts: int = 3,
+        backoff: float = 1.0,
+        vote_timeout: float = 300.0,
+        lineage: str | None = None,
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> None:
+        self.name = validate_name("sink name", name)
+        if not participants:
+            raise ValueError("a TransactionalSink needs at least one participant")
+        names = [p.name for p in participants]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"participant names must be unique within sink {name!r}, got {names}; "
+                "pass name=... to tell two participants of the same kind apart"
+            )
+        if partitions is not None and partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.participants = tuple(participants)
+        self.coordinator = coordinator
+        self.token = token
+        self.partitions = partitions
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.vote_timeout = vote_timeout
+        self.lineage = lineage
+        self.on_batch = on_batch
+        self.history: list[BatchReport] = []
+        self._conn: Connection | None = None
+        self._client: CoordinatorClient | None = None
+        self._epoch: int | None = None
+        self._checked_schema: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _connect(self) -> CoordinatorClient:
+        if self._client is None:
+            from twophase.client import connect
+
+            self._conn = connect(self.coordinator, self.token)
+            self._client = self._conn.client()
+        return self._client
+
+    def close(self) -> None:
+        """Release the coordinator connection (stops an embedded coordinator)."""
+        if self._client is not None:
+            self._client.close()
+        if self._conn is not None:
+            self._conn.close()
+        self._client = self._conn = None
+        self._epoch = None
+
+    def _lineage(self, df: DataFrame) -> str:
+        if self.lineage is not None:
+            return validate_name("lineage", self.lineage)
+        qid = df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+        if not qid:
+            raise BatchFailed(
+                f"sink {self.name!r}: no streaming query id on this thread; call the sink "
+                "from foreachBatch, or pass lineage=... for a batch (non-streaming) write"
+            )
+        return str(qid)
+
+    # ------------------------------------------------------------------ the batch
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        started = time.perf_counter()
+        client = self._connect()
+        lineage = self._lineage(df)
+        if self._epoch is None:
+            # One writer epoch per driver run: a restarted driver fences the old one.
+            self._epoch = client.register(self.name)
+            log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
+        self._check(df)
+        failpoints.hit("before_begin")
+        partitions = self.partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
+        reason = ""
+        aborted = finishing = 0
+        while True:
+            res = client.begin(
+                self.name, lineage, batch_id, self._epoch,
+                [p.name for p in self.participants], partitions, self.vote_timeout,
+            )
+            if res.new_lineage:
+                log.warning(
+                    "sink %s: new lineage %s (checkpoint location changed): batch ids "
+                    "restart here and are not taken for already-committed ones",
+                    self.name, lineage,
+                )
+            if res.kind == BeginKind.COMMITTED:
+                self._report(BatchReport(batch_id, "replay", 0), started)
+                return
+            txn = res.txn
+            assert txn is not None
+            plan = self._plan(res.kind, txn, res.recover)
+            outcomes, job_error = self._run_tasks(df, plan)
+            final = client.get(txn.key)
+            if final.state == State.COMMITTED:
+                failpoints.hit("before_return")
+                self._report(self._summary(batch_id, final, outcomes, res.kind), started)
+                return
+            if final.decision == Decision.COMMIT:
+                # Decided but not every branch acknowledged (a task died after the
+                # decision): finish it under the same decision, it is not an abort.
+                finishing += 1
+                if finishing > self.max_attempts:
+                    raise BatchFailed(
+                        f"sink {self.name!r} batch {batch_id}: COMMIT was decided for attempt "
+                        f"{final.attempt} but branches {final.pending_acks()} could not be "
+                        f"committed after {finishing} tries: {job_error}"
+                    )
+                log.warning("sink %s batch %d: finishing committed attempt %d: %s",
+                            self.name, batch_id, final.attempt, job_error)
+                time.sleep(min(self.backoff * 2 ** (finishing - 1), 30.0))
+                continue
+            if final.decision is None:
+                final = client.abandon(
+                    final.key, self._epoch, f"Spark job failed: {job_error or 'unknown'}"
+                )
+            reason = final.reason or job_error or "aborted"
+            aborted += 1
+            log.warning("sink %s batch %d attempt %d aborted: %s",
+                        self.name, batch_id, final.attempt, reason)
+            if aborted >= self.max_attempts:
+                raise BatchFailed(
+                    f"sink {self.name!r} batch {batch_id}: aborted {aborted} time(s), "
+                    f"last attempt {final.attempt}: {reason}"
+                )
+            time.sleep(min(self.backoff * 2 ** (aborted - 1), 30.0))
+
+    def _check(self, df: DataFrame) -> None:
+        """Each participant checks its target against the schema once, before writing."""
+        schema = _arrow_schema(df)
+        if self._checked_schema is not None and self._checked_schema.equals(schema):
+            return
+        for p in self.participants:
+            p.check(schema)
+        self._checked_schema = schema
+
+    def _plan(
+        self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...]
+    ) -> BatchPlan:
+        assert self._conn is not None and self._epoch is not None
+        handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
+        return BatchPlan(
+            sink=self.name,
+            lineage=txn.lineage,
+            checkpoint=txn.checkpoint,
+            attempt=txn.attempt,
+            epoch=self._epoch,
+            partitions=txn.partitions,
+            mode="finish" if kind == BeginKind.IN_DOUBT else "run",
+            coordinator_url=self._conn.url,
+            token=self._conn.token,
+            participants=self.participants,
+            handles=handles,
+            ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
+            decision_timeout=self.vote_timeout + 60.0,
+        )
+
+    def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:
+        """One barrier task per partition; returns the tasks' reports and the job error."""
+        import pyarrow as pa
+
+        def task(batches: Any) -> Any:
+            from pyspark import BarrierTaskContext
+
+            ctx = BarrierTaskContext.get()
+            partition = ctx.partitionId()
+            first = None
+            it = iter(batches)
+            buffered = []
+            for b in it:
+                first = first or b.schema
+                buffered.append(b)
+            schema = first if first is not None else arrow_schema
+            out = run_partition(plan, partition, schema, buffered)
+            yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
+
+        arrow_schema = _arrow_schema(df)
+        report_schema = pa.schema(
+            [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"
+              else pa.int64())
+             for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))]
+        )
+        cols = df.columns
+        split = df.repartition(plan.partitions, *cols) if cols else df.repartition(plan.partitions)
+        try:
+            rows = split.mapInArrow(task, _REPORT_SCHEMA, barrier=True).collect()
+        except Exception as exc:  # the job failed: the coordinator's record decides what next
+            return [], _short_error(exc)
+        return [r.asDict() for r in rows], ""
+
+    def _summary(
+        self, batch_id: int, txn: Transaction, outcomes: list[dict[str, Any]], kind: BeginKind
+    ) -> BatchReport:
+        phases = {
+            k: max((float(o[k]) for o in outcomes), default=0.0)
+            for k in ("prepare_s", "wait_s", "commit_s")
+        }
+        return BatchReport(
+            checkpoint=batch_id,
+            outcome="recovered" if kind == BeginKind.IN_DOUBT else "committed",
+            attempts=txn.attempt,
+            rows=sum(int(o["rows"]) for o in outcomes),
+            partitions=txn.partitions,
+            recovered=sum(int(o["recovered"]) for o in outcomes),
+            redone=sum(int(o["redone"]) for o in outcomes),
+            phases=phases,
+        )
+
+    def _report(self, report: BatchReport, started: float) -> None:
+        report.seconds = time.perf_counter() - started
+        self.history.append(report)
+        if self.on_batch is not None:
+            self.on_batch(report)
+
+
+def _arrow_schema(df: DataFrame) -> Any:
+    """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
+    return to_arrow_schema(df.schema, timezone=tz)
+
+
+def _short_error(exc: BaseException) -> str:
+    """The first meaningful line of a (possibly huge) Spark/Py4J error."""
+    text = str(exc)
+    for marker in ("BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
+        idx = text.find(marker)
+        if idx >= 0:
+            line = text[idx:].splitlines()[0]
+            return line[:500]
+    return (text.splitlines() or [type(exc).__name__])[0][:500]
