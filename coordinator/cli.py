@@ -181,6 +181,26 @@ def _run_txns(args: argparse.Namespace) -> int:
 
 _SUBCOMMANDS += [_register_serve, _register_txns]
 
+# Commands that live in their own modules; each exposes ``register(sub)``. The modules
+# import nothing heavy at module level, so ``--help`` stays fast and dependency-free.
+_COMMAND_MODULES = ("coordinator.demo_cli", "coordinator.resolve_cli", "coordinator.chaos_cli")
+
+
+def _register_modules(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # not written yet
+        module.register(sub)
+
+
+_SUBCOMMANDS.append(_register_modules)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
