@@ -69,7 +69,7 @@ def test_prepare_commit_rows_marker_and_status(tansu_bootstrap: str) -> None:
     assert p.status(b) is BranchStatus.ABSENT
     handle = p.prepare(b, SCHEMA, [batch(0, 300), batch(300, 200), batch(500, 0)])
     assert handle["rows"] == "500"
-    assert handle["transactional_id"] == "twophase.orders.%s.0" % p.name
+    assert handle["transactional_id"] == f"twophase.orders.{p.name}.0"
     assert handle["marker_group"] == group
     assert p.status(b) is BranchStatus.PREPARED
     assert p.in_doubt("orders") == [b]
@@ -118,7 +118,8 @@ def test_commit_from_another_process_must_redo(tansu_bootstrap: str) -> None:
     # The redo under the COMMIT decision: q's init fences p, writes again, commits.
     q.commit(b, q.prepare(b, SCHEMA, [batch(0, 10)]))
     assert q.status(b) is BranchStatus.COMMITTED
-    p.commit_retry_s = p.connect_timeout_s = 2.0  # tansu drops a fenced producer's EndTxn instead of answering
+    # tansu drops a fenced producer's EndTxn instead of answering: keep the wait short.
+    p.commit_retry_s = p.connect_timeout_s = 2.0
     with pytest.raises(ParticipantError, match=FENCED_OR_DROPPED):
         p.commit(b, handle)
     assert q.status(b) is BranchStatus.COMMITTED
