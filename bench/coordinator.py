@@ -1,0 +1,229 @@
+"""Coordinator benchmark: complete 2PC rounds per second through the HTTP API.
+
+Each round is what one micro-batch costs the coordinator: begin, the branch votes (one call
+with every vote, or one call per branch with --per-branch, like real executor tasks),
+await the decision, acknowledge every branch. N client threads (spread over --procs
+processes) run rounds on their own sinks against a ``twophase serve`` daemon.
+
+It also measures the parts separately, to show where the time goes:
+- ``store``: the same rounds straight on the Store, no HTTP (one thread);
+- ``http``: bare requests per second on an endpoint that does no store write.
+
+    python bench/coordinator.py                       # SQLite and PostgreSQL, 16 x 4
+    python bench/coordinator.py --stores sqlite --clients 32 --branches 4 --seconds 20
+    python bench/coordinator.py --profile             # cProfile of the store-only loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import multiprocessing as mp
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from coordinator.store import Store  # noqa: E402
+from twophase import protocol as p  # noqa: E402
+from twophase.client import CoordinatorClient, VoteIn  # noqa: E402
+from twophase.localpg import LocalPostgres, free_port  # noqa: E402
+
+TOKEN = "bench-token"
+
+
+def start_daemon(store: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "TWOPHASE_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--store", store, "--port", str(port),
+         "--log-level", "warning"],
+        env=env, cwd=ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("daemon did not start")
+
+
+def client_proc(url: str, threads: int, branches: int, per_branch: bool, seconds: float,
+                out: mp.Queue) -> None:  # type: ignore[type-arg]
+    lat: list[float] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+    participants = [f"p{i}" for i in range(branches)]
+
+    def run() -> None:
+        c = CoordinatorClient(url, TOKEN)
+        sink = f"b{uuid.uuid4().hex[:10]}"
+        epoch = c.register(sink)
+        ckpt = 0
+        mine = []
+        while time.monotonic() < stop_at:
+            t0 = time.perf_counter()
+            res = c.begin(sink, "lin", ckpt, epoch, participants, 1)
+            assert res.txn is not None
+            key = res.txn.key
+            bids = list(res.txn.branches)
+            if per_branch:
+                for b in bids:
+                    c.vote(key, epoch, [VoteIn(b, True, {"h": b})])
+            else:
+                c.vote(key, epoch, [VoteIn(b, True, {"h": b}) for b in bids])
+            t = c.await_decision(key, 30)
+            assert t.state == p.State.COMMITTING, t.state
+            if per_branch:
+                for b in bids:
+                    c.ack(key, epoch, [(b, p.Decision.COMMIT)])
+            else:
+                c.ack(key, epoch, [(b, p.Decision.COMMIT) for b in bids])
+            mine.append(time.perf_counter() - t0)
+            ckpt += 1
+        with lock:
+            lat.extend(mine)
+        c.close()
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out.put(lat)
+
+
+def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bool,
+               seconds: float) -> dict[str, float]:
+    q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+    per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    ps = [mp.Process(target=client_proc, args=(url, n, branches, per_branch, seconds, q))
+          for n in per if n]
+    t0 = time.perf_counter()
+    for pr in ps:
+        pr.start()
+    lat: list[float] = []
+    for _ in ps:
+        lat.extend(q.get())
+    for pr in ps:
+        pr.join()
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {
+        "tx": len(lat),
+        "tx_per_s": len(lat) / seconds,
+        "p50_ms": 1000 * statistics.median(lat) if lat else 0.0,
+        "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else 0.0,
+        "wall_s": wall,
+    }
+
+
+def store_only(url: str, branches: int, seconds: float, profile: bool) -> dict[str, float]:
+    st = Store(url)
+    sink = f"s{uuid.uuid4().hex[:10]}"
+    epoch = st.register(sink).epoch
+    parts = tuple(f"p{i}" for i in range(branches))
+    n = 0
+    prof = cProfile.Profile() if profile else None
+    stop_at = time.monotonic() + seconds
+    if prof:
+        prof.enable()
+    t0 = time.perf_counter()
+    while time.monotonic() < stop_at:
+        now = time.time()
+        res = st.begin(p.Begin(sink, "lin", n, epoch, parts, 1, now))
+        assert res.txn is not None
+        key = res.txn.key
+        st.apply(key, [p.Vote(b, epoch, True, now, {"h": b}) for b in res.txn.branches])
+        st.apply(key, [p.Ack(b, epoch, p.Decision.COMMIT, now) for b in res.txn.branches])
+        n += 1
+    dt = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        print(f"\n--- cProfile, store only ({url.split(':')[0]}), top 15 by own time ---")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    st.close()
+    return {"tx_per_s": n / dt, "ms_per_tx": 1000 * dt / max(n, 1)}
+
+
+def http_only(url: str, seconds: float, threads: int = 8) -> float:
+    count = [0]
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def run() -> None:
+        c = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"})
+        n = 0
+        while time.monotonic() < stop_at:
+            c.get(f"{url}/v1/sinks/none-such")  # 404 after one indexed read
+            n += 1
+        with lock:
+            count[0] += n
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return count[0] / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stores", default="sqlite,postgresql")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--branches", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=2, help="client processes")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--per-branch", action="store_true",
+                    help="one vote call and one ack call per branch (like executor tasks)")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    print(f"cores={os.cpu_count()} clients={args.clients} branches={args.branches} "
+          f"per_branch={args.per_branch} seconds={args.seconds}")
+    pg: LocalPostgres | None = None
+    tmp = tempfile.mkdtemp(prefix="tp-bench-")
+    try:
+        for kind in args.stores.split(","):
+            if kind == "sqlite":
+                url = f"sqlite:///{tmp}/bench-{uuid.uuid4().hex[:6]}.db"
+            else:
+                if pg is None:
+                    pg = LocalPostgres(fsync=True).start()  # durable, like production
+                url = pg.dsn
+            so = store_only(url, args.branches, min(args.seconds, 5.0), args.profile)
+            proc, durl = start_daemon(url)
+            try:
+                bare = http_only(durl, min(args.seconds, 5.0))
+                r = http_round(durl, args.clients, args.branches, args.procs, args.per_branch,
+                               args.seconds)
+            finally:
+                proc.terminate()
+                proc.wait(20)
+            print(f"{kind:10s} HTTP rounds: {r['tx_per_s']:7.1f} tx/s  p50 {r['p50_ms']:6.1f} ms"
+                  f"  p99 {r['p99_ms']:6.1f} ms  ({r['tx']} tx)")
+            print(f"{kind:10s} store only: {so['tx_per_s']:7.1f} tx/s  "
+                  f"({so['ms_per_tx']:.2f} ms per round, 3 write transactions)")
+            print(f"{kind:10s} bare HTTP : {bare:7.1f} requests/s (GET, one read, 8 threads)")
+    finally:
+        if pg is not None:
+            pg.stop()
+
+
+if __name__ == "__main__":
+    main()
