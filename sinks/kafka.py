@@ -16,6 +16,7 @@ How a branch maps onto Kafka (see ``docs/kafka.md``):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import threading
 import time
@@ -529,7 +530,7 @@ class KafkaParticipant(Participant):
                     f"batch columns {batch.schema.names} differ from the schema {schema.names}"
                 )
             for k, v in self._messages(batch):
-                size = len(v or b"") + len(k or b"")
+                size = (len(v) if v else 0) + (len(k) if k else 0)
                 if size > room:
                     raise _Refusal(
                         f"row {rows} is {size} bytes (key+value), over the message size limit "
@@ -537,15 +538,19 @@ class KafkaParticipant(Participant):
                         "overhead (message.max.bytes of the producer / max.message.bytes of "
                         "the topic)"
                     )
-                while True:
-                    try:
-                        produce(topic, v, k, on_delivery=on_delivery)
-                        break
-                    except BufferError:
+                try:
+                    produce(topic, v, k, on_delivery=on_delivery)
+                except BufferError:
+                    while True:  # the local queue is full: serve delivery reports, retry
                         poll(0.05)
+                        try:
+                            produce(topic, v, k, on_delivery=on_delivery)
+                            break
+                        except BufferError:
+                            continue
                 rows += 1
-                if errors:
-                    raise _Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+            if errors:
+                raise _Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
         return rows
 
     def _messages(self, batch: pa.RecordBatch) -> Iterator[tuple[bytes | None, bytes | None]]:
@@ -557,11 +562,11 @@ class KafkaParticipant(Participant):
         else:
             values = json_rows(batch)
         if self.key is not None:
-            keys: Iterable[bytes | None] = (
+            keys: Iterable[bytes | None] = [
                 _to_bytes(k) for k in batch.column(self.key).to_pylist()
-            )
+            ]
         else:
-            keys = (None for _ in range(n))
+            keys = itertools.repeat(None, n)
         return zip(keys, values, strict=True)
 
     def _abort_own(self, producer: Any) -> None:
