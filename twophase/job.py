@@ -122,6 +122,7 @@ def spark_session(conf: dict[str, str] | None = None) -> SparkSession:
         SparkSession.builder.master("local[2]")
         .appName("twophase-job")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", "1g")
     )

@@ -1,0 +1,92 @@
+"""``twophase resolve``: settle the in-doubt branches of a sink whose job is gone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+EPILOG = """\
+examples:
+  twophase resolve --coordinator sqlite:///tp.db --sink orders \\
+      --pg-dsn postgresql://u@db/app --pg-table orders --files-path /data/orders
+  twophase resolve --coordinator http://coord:7070 --sink orders --job job.json --dry-run
+
+Every unfinished transaction of the sink is settled by the recovery rule: a COMMIT
+decision commits what is prepared, anything else aborts it (presumed abort), and
+prepared leftovers the participants find by name are settled the same way. A lost Kafka
+branch under a COMMIT decision needs the data again: restart the query to redo it.
+Exit code 0 when nothing is left unresolved.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "resolve",
+        help="settle in-doubt branches of a sink whose job is gone",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--coordinator", required=True,
+                   help="store URL (sqlite:///..., postgresql://...) or daemon URL (http://...)")
+    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
+    p.add_argument("--sink", required=True, help="sink name")
+    p.add_argument("--job", default=None, metavar="CONFIG.json",
+                   help="take participants from a twophase.job config file")
+    p.add_argument("--pg-dsn", default=None)
+    p.add_argument("--pg-table", default=None)
+    p.add_argument("--files-path", default=None)
+    p.add_argument("--files-format", default="parquet", choices=["parquet", "jsonl"])
+    p.add_argument("--kafka-bootstrap", default=None)
+    p.add_argument("--kafka-topic", default=None)
+    p.add_argument("--dry-run", action="store_true", help="show what would be done")
+    p.add_argument("--json", action="store_true", help="JSON report")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from twophase.client import CoordinatorError, connect
+    from twophase.job import JobConfig, build_participants
+    from twophase.resolve import resolve_sink
+
+    if args.job:
+        cfg = JobConfig.load(args.job)
+    else:
+        cfg = JobConfig(input_dir="", checkpoint="", coordinator=args.coordinator,
+                        sink=args.sink, pg_dsn=args.pg_dsn,
+                        pg_table=args.pg_table or args.sink, files_path=args.files_path,
+                        files_format=args.files_format, kafka_bootstrap=args.kafka_bootstrap,
+                        kafka_topic=args.kafka_topic or args.sink)
+    try:
+        participants = build_participants(cfg)
+    except ValueError as exc:
+        print(f"twophase resolve: {exc} (name the sink's participants with --pg-dsn/"
+              "--pg-table, --files-path, --kafka-bootstrap/--kafka-topic or --job)",
+              file=sys.stderr)
+        return 2
+    try:
+        with connect(args.coordinator, args.token) as conn:
+            client = conn.client()
+            try:
+                report = resolve_sink(client, args.sink, participants, dry_run=args.dry_run)
+            finally:
+                client.close()
+    except (CoordinatorError, ValueError) as exc:
+        print(f"twophase resolve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for p in participants:
+            p.close()
+    if args.json:
+        print(json.dumps({"ok": report.ok, "actions": [asdict(a) for a in report.actions],
+                          "unresolved": [asdict(a) for a in report.unresolved]}, indent=2))
+    else:
+        verb = "would do" if args.dry_run else "did"
+        for a in report.actions:
+            print(f"{verb}: {a.action:<8} {a.txn} {a.branch} (status {a.status})")
+        for a in report.unresolved:
+            print(f"UNRESOLVED: {a.action}: {a.txn} {a.branch} (status {a.status})")
+        print(f"{len(report.actions)} action(s), {len(report.unresolved)} unresolved")
+    return 0 if report.ok else 1

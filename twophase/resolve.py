@@ -1,0 +1,122 @@
+"""Settle a sink whose job is gone: the recovery rule, run by an operator.
+
+Leftover PostgreSQL prepared transactions hold locks and block VACUUM; staged files take
+space. They must never be left behind silently. For every unfinished transaction of the
+sink, and for every prepared leftover the participants find by name, this applies the
+same rule as the Spark glue (ARCHITECTURE.md, "Recovery: one rule"), then acknowledges
+to the coordinator. A lost Kafka branch under a COMMIT decision cannot be redone without
+the data: it is reported, and restarting the query from its checkpoint redoes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from twophase.participant import BranchRef, BranchStatus, Participant
+from twophase.protocol import Decision, State, Transaction, parse_branch_id
+
+if TYPE_CHECKING:
+    from twophase.client import CoordinatorClient
+
+__all__ = ["Action", "ResolveReport", "resolve_sink"]
+
+
+@dataclass
+class Action:
+    txn: str
+    branch: str
+    status: str
+    action: str  # "commit", "abort", "ack", "redo-needed", "nothing"
+
+
+@dataclass
+class ResolveReport:
+    actions: list[Action] = field(default_factory=list)
+    unresolved: list[Action] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.unresolved
+
+
+_WAITING = (State.COMMITTING, State.ABORTING)
+
+
+def _txn_name(t: Transaction) -> str:
+    return f"{t.sink}/{t.lineage}/{t.checkpoint}/attempt-{t.attempt}"
+
+
+def resolve_sink(
+    client: CoordinatorClient,
+    sink: str,
+    participants: Sequence[Participant],
+    *,
+    dry_run: bool = False,
+    limit: int = 10_000,
+) -> ResolveReport:
+    by_name = {p.name: p for p in participants}
+    report = ResolveReport()
+    open_txns = [t for t in client.list(sink=sink, limit=limit) if not t.state.finished]
+    for txn in open_txns:
+        if txn.decision is None:
+            if not dry_run:
+                txn = client.admin_abort(txn.key, "resolved by operator: writer gone")
+            report.actions.append(Action(_txn_name(txn), "*", "undecided", "abort"))
+        decision = txn.effective_decision
+        for bid, st in txn.branches.items():
+            participant_name, partition = parse_branch_id(bid)
+            part = by_name.get(participant_name)
+            if part is None:
+                report.unresolved.append(
+                    Action(_txn_name(txn), bid, "unknown", "name this participant to resolve")
+                )
+                continue
+            ref = BranchRef(txn.sink, txn.lineage, txn.checkpoint, txn.attempt,
+                            participant_name, partition)
+            status = part.status(ref)
+            act = _settle(part, ref, status, decision, st.handle, dry_run)
+            entry = Action(_txn_name(txn), bid, status.value, act)
+            if act == "redo-needed":
+                report.unresolved.append(entry)
+                continue
+            report.actions.append(entry)
+            waits = decision == Decision.COMMIT or st.vote == Decision.COMMIT
+            if st.ack is None and waits and not dry_run and txn.state in _WAITING:
+                client.force_ack(txn.key, bid, decision)
+    # Leftovers the coordinator may not know about (prepared, then the vote was lost).
+    for part in participants:
+        for ref in part.in_doubt(sink):
+            try:
+                txn = client.get((ref.sink, ref.lineage, ref.checkpoint, ref.attempt))
+                decision = txn.effective_decision
+            except Exception:  # no record: presumed abort
+                decision = Decision.ABORT
+            act = _settle(part, ref, BranchStatus.PREPARED, decision, None, dry_run)
+            report.actions.append(
+                Action(f"{ref.sink}/{ref.lineage}/{ref.checkpoint}/attempt-{ref.attempt}",
+                       ref.branch_id, "PREPARED", act)
+            )
+    return report
+
+
+def _settle(
+    part: Participant,
+    ref: BranchRef,
+    status: BranchStatus,
+    decision: Decision,
+    handle: Mapping[str, str] | None,
+    dry_run: bool,
+) -> str:
+    h = dict(handle) if handle else None
+    if status == BranchStatus.PREPARED:
+        if not dry_run:
+            if decision == Decision.COMMIT:
+                part.commit(ref, h)
+            else:
+                part.abort(ref, h)
+        return "commit" if decision == Decision.COMMIT else "abort"
+    if status == BranchStatus.ABSENT and decision == Decision.COMMIT:
+        return "redo-needed"
+    return "ack" if decision == Decision.COMMIT else "nothing"
