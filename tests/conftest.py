@@ -2,7 +2,8 @@
 
 - ``pg``: one private PostgreSQL server for the whole session (started here, stopped here).
 - ``spark``: one local[2] SparkSession for the whole session.
-- ``tansu``: a Kafka-protocol broker (tansu, memory storage) over the wire on loopback.
+- ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
+  (``tests/kafka_support.py``).
 Nothing here depends on a server that was running before the suite.
 """
 
@@ -20,6 +21,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from twophase.localpg import LocalPostgres  # noqa: E402
+
+# tansu_bootstrap / real_kafka_bootstrap fixtures for every test module
+pytest_plugins = ["tests.kafka_support"]
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +63,16 @@ def spark():  # type: ignore[no-untyped-def]
         yield session
     finally:
         session.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``real_kafka`` need a real Apache Kafka broker: they run whenever
+    ``KAFKA_BOOTSTRAP_SERVERS`` is set, and are deselected (never silently skipped)
+    otherwise; the deselection is printed in the summary."""
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
+        return
+    keep = [i for i in items if i.get_closest_marker("real_kafka") is None]
+    dropped = [i for i in items if i.get_closest_marker("real_kafka") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

@@ -32,7 +32,6 @@ from tests.kafka_support import (
     create_topic,
     read_all,
     real_kafka_bootstrap,
-    real_kafka_servers,
     tansu_bootstrap,
     unique_topic,
 )
@@ -82,9 +81,7 @@ def test_conformance_on_tansu(check: Callable[[Harness], None], tansu_bootstrap:
     check(_harness(tansu_bootstrap, "kafka-tansu"))
 
 
-@pytest.mark.real_kafka
-@pytest.mark.skipif(real_kafka_servers() is None,
-                    reason="real_kafka: set KAFKA_BOOTSTRAP_SERVERS to run against a real broker")
+@pytest.mark.real_kafka  # deselected by tests/conftest.py unless KAFKA_BOOTSTRAP_SERVERS is set
 @pytest.mark.parametrize("check", REAL_BROKER_CHECKS, ids=lambda c: c.__name__)
 def test_conformance_on_real_broker(check: Callable[[Harness], None],
                                     real_kafka_bootstrap: str) -> None:
