@@ -4,9 +4,9 @@ These run whenever ``KAFKA_BOOTSTRAP_SERVERS`` is set (e.g. ``localhost:9092`` f
 compose file in ``docker/``) and are marked ``real_kafka``; without the variable they are
 deselected (the run's summary counts them), because no Kafka broker can run in this
 sandbox. They are here, not in the tansu suite, because tansu does not hide aborted
-records from read_committed readers and answers a fenced producer's commit by closing the connection rather than with
-PRODUCER_FENCED: exactly-once of the output and the fenced error code are only meaningful
-against a real broker.
+records from read_committed readers and answers a fenced producer's commit by closing
+the connection rather than with PRODUCER_FENCED: exactly-once of the output and the
+fenced error code are only meaningful against a real broker.
 """
 
 from __future__ import annotations
