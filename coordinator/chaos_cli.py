@@ -1,0 +1,156 @@
+"""``twophase chaos``: kill the driver, a worker or the coordinator at random moments, restart,
+run to the end and prove every row landed exactly once (see ``twophase/chaos.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+examples:
+  twophase chaos                                     10 kills, demo job, private PostgreSQL + files
+  twophase chaos --kills 200 --seed 7 --coordinator-mode daemon --json-out chaos.json
+  twophase chaos --victims worker,coordinator --coordinator-mode daemon --kills 20
+  twophase chaos --kills 5 --no-postgres --batches 2 --rows-per-batch 100
+  twophase chaos --kafka-bootstrap broker:9092      also write to (and judge) a real Kafka
+  twophase chaos --kafka-tansu                      also write to a private tansu broker
+                                                    (reported, not judged: tansu shows
+                                                    aborted records to read_committed readers)
+  twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
+                                                    by `python -m twophase.job`); chaos writes
+                                                    the input into its (empty) input_dir
+
+Victims: driver (the Spark driver process), worker (a Spark Python worker), coordinator
+(the `twophase serve` daemon; needs --coordinator-mode daemon). A kill is a failpoint at a
+protocol step (before_prepare, after_vote, after_decision, ...) or a SIGKILL after a random
+delay; --seed makes the sequence reproducible. Exit code 0 only when every system shows
+0 duplicates, 0 missing ids and nothing left prepared.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "chaos",
+        help="SIGKILL driver/worker/coordinator at random N times, restart, verify exactly-once",
+        description="Run a streaming job, SIGKILL its driver, a Python worker or the "
+        "coordinator at random moments N times (restarting after each), run it to the end, "
+        "and verify every system: duplicates, missing ids, leftovers still prepared.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--kills", type=int, default=10, help="kills that must land (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--victims", default=None,
+                   help="comma list of driver,worker,coordinator (default: driver,worker, "
+                   "plus coordinator in daemon mode)")
+    p.add_argument("--batches", type=int, default=3,
+                   help="new input batches for every job run (default 3)")
+    p.add_argument("--rows-per-batch", type=int, default=200, help="rows per batch (default 200)")
+    p.add_argument("--partitions", type=int, default=2, help="partitions per batch (default 2)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="input, checkpoint, files output, logs (default: a new temp folder)")
+    p.add_argument("--json-out", type=Path, default=None,
+                   help="write the JSON report here (default WORKDIR/chaos-report.json)")
+    p.add_argument("--coordinator-mode", choices=["embedded", "daemon"], default="embedded",
+                   help="embedded: in the driver; daemon: a `twophase serve` process chaos "
+                   "starts (and may kill) (default embedded)")
+    p.add_argument("--pg-dsn", default=None,
+                   help="PostgreSQL to write to (default: a private server, when the server "
+                   "binaries are installed)")
+    p.add_argument("--no-postgres", action="store_true", help="no PostgreSQL participant")
+    p.add_argument("--no-files", action="store_true", help="no staged-files participant")
+    p.add_argument("--kafka-bootstrap", default=None, metavar="HOST:PORT",
+                   help="also write to this Kafka (judged exactly-once: use a real broker)")
+    p.add_argument("--kafka-tansu", action="store_true",
+                   help="also write to a private tansu broker (figures shown, not judged)")
+    p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
+                   help="run your own job config instead of the demo's")
+    p.add_argument("--failpoint-share", type=float, default=0.5,
+                   help="share of kills done by failpoint, the rest by timer (default 0.5)")
+    p.add_argument("--max-kills-per-run", type=int, default=4,
+                   help="worker/coordinator kills one driver run may take before it is left "
+                   "to finish (default 4)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop killing after this many minutes, then finish and verify")
+    p.add_argument("--quiet", action="store_true", help="print only the final report")
+    p.set_defaults(run=_run_chaos)
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    from twophase.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
+    from twophase.job import JobConfig
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, flush=True)
+
+    if args.victims is None:
+        victims: tuple[str, ...] = VICTIMS if args.coordinator_mode == "daemon" else (
+            "driver", "worker")
+    else:
+        victims = tuple(v.strip() for v in args.victims.split(",") if v.strip())
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="twophase-chaos-"))
+    job = None
+    if args.job is not None:
+        try:
+            job = JobConfig.load(args.job)
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"twophase chaos: cannot read job config {args.job}: {exc}", file=sys.stderr)
+            return 2
+    servers: list[Any] = []
+    try:
+        pg_dsn = args.pg_dsn
+        if job is None and pg_dsn is None and not args.no_postgres:
+            from twophase.localpg import LocalPostgres, find_bindir
+
+            if find_bindir() is not None:
+                say("starting a private PostgreSQL server ...")
+                server = LocalPostgres(max_prepared_transactions=100, fsync=False)
+                server.start()
+                servers.append(server)
+                pg_dsn = server.dsn
+            else:
+                say("PostgreSQL server binaries not found: running without PostgreSQL "
+                    "(pass --pg-dsn, or install the 'postgresql' package)")
+        kafka, judge = args.kafka_bootstrap, True
+        if args.kafka_tansu and job is None:
+            if kafka:
+                print("twophase chaos: pass --kafka-bootstrap or --kafka-tansu, not both",
+                      file=sys.stderr)
+                return 2
+            from twophase.localkafka import LocalTansu
+
+            say("starting a private tansu broker ...")
+            broker = LocalTansu()
+            broker.start()
+            servers.append(broker)
+            kafka, judge = broker.bootstrap, False
+        if job is None and not (pg_dsn or not args.no_files or kafka):
+            print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
+                  file=sys.stderr)
+            return 2
+        opts = ChaosOptions(
+            workdir=workdir, kills=args.kills, seed=args.seed, victims=victims,
+            batches=args.batches, rows_per_batch=args.rows_per_batch,
+            coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
+            files=not args.no_files, kafka_bootstrap=kafka, judge_kafka=judge, job=job,
+            partitions=args.partitions, failpoint_share=args.failpoint_share,
+            json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
+            max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+        )
+        say(f"chaos in {workdir}: {args.kills} kills of {', '.join(victims)}, seed {args.seed}")
+        report = run_chaos(opts)
+    except ChaosError as exc:
+        print(f"twophase chaos: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    print("\n".join(render(report)))
+    if args.quiet:
+        print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))
+    return 0 if report["ok"] else 1

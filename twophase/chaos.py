@@ -1,0 +1,698 @@
+"""The chaos runner behind ``twophase chaos``: kill, restart, run to the end, verify.
+
+It runs the reference job (``python -m twophase.job``) as a separate driver process and,
+in daemon mode, the coordinator as a ``twophase serve`` process, then SIGKILLs one of
+three victims again and again, each time at a moment drawn from ``random.Random(seed)``:
+
+- ``driver``: the job process (its JVM and Python workers die with it);
+- ``worker``: one Spark Python worker of the job (the driver lives on and retries);
+- ``coordinator``: the daemon (restarted at once on the same port and store).
+
+A kill is either a failpoint (the protocol step is known: ``after_prepare``, ...) or a
+timer that fires after a random delay (the step is read from the coordinator: the state
+of the newest transaction right after the kill). After every driver kill the job is
+restarted from its checkpoint; each job run gets new input batches. When the requested
+number of kills has landed the job runs once more to the end, then every system is
+verified (duplicates, missing ids, leftovers still prepared) and a report is written.
+Everything here is plain process orchestration: no Spark in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from twophase import failpoints
+from twophase.job import JobConfig, build_participants, expected_ids, write_input
+
+__all__ = [
+    "COORDINATOR_POINTS",
+    "DRIVER_POINTS",
+    "VICTIMS",
+    "WORKER_POINTS",
+    "ChaosError",
+    "ChaosOptions",
+    "Daemon",
+    "points_for",
+    "python_workers",
+    "run_chaos",
+]
+
+VICTIMS = ("driver", "worker", "coordinator")
+DRIVER_POINTS = ("before_begin", "before_return")
+COORDINATOR_POINTS = ("coordinator_before_decision", "after_decision")
+WORKER_POINTS = (
+    "before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit",
+    "before_ack",
+)
+# Task-side points hit once per branch (participant and partition known); the others are
+# hit once per task (partition only) or outside tasks.
+PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit"})
+
+
+class ChaosError(RuntimeError):
+    """The chaos run itself could not go on (bad options, a job that never finishes)."""
+
+
+def points_for(victim: str, mode: str) -> tuple[str, ...]:
+    """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode."""
+    if victim == "driver":
+        # The embedded coordinator lives in the driver: its points kill the driver.
+        return DRIVER_POINTS + (COORDINATOR_POINTS if mode == "embedded" else ())
+    if victim == "worker":
+        return WORKER_POINTS
+    if victim == "coordinator":
+        return COORDINATOR_POINTS if mode == "daemon" else ()
+    raise ValueError(f"unknown victim {victim!r}; one of {', '.join(VICTIMS)}")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, cmdline) for every process we can see (Linux /proc)."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fb:
+                cmd = fb.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        table[int(entry)] = (ppid, cmd)
+    return table
+
+
+def _descendants(pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    table = table if table is not None else _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        children.setdefault(pp, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def python_workers(job_pid: int) -> list[int]:
+    """The job's Spark Python workers: children of its ``pyspark.daemon`` process."""
+    table = _proc_table()
+    out = []
+    for p in _descendants(job_pid, table):
+        ppid, cmd = table[p]
+        if "pyspark.daemon" in cmd and "pyspark.daemon" in table.get(ppid, (0, ""))[1]:
+            out.append(p)
+    return sorted(out)
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    """``twophase serve`` as a child process that can be SIGKILLed and restarted on the
+    same port and store."""
+
+    def __init__(self, store: str, token: str, log: Path, port: int | None = None) -> None:
+        from twophase.localpg import free_port
+
+        self.store = store
+        self.token = token
+        self.log = log
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60) -> None:
+        import httpx
+
+        extra = {"TWOPHASE_TOKEN": self.token}
+        if failpoint_spec:
+            extra[failpoints.ENV] = failpoint_spec
+            extra[failpoints.ONCE_DIR_ENV] = once_dir
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "serve", "--store", self.store,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                env=_clean_env(**extra), stdout=out, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ChaosError(f"coordinator daemon exited with {self.proc.returncode} "
+                                 f"at start; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise ChaosError(f"coordinator daemon not healthy within {timeout}s")
+            time.sleep(0.05)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> bool:
+        if not self.alive:
+            return False
+        assert self.proc is not None
+        _kill(self.proc.pid)
+        self.proc.wait()
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class _JobRun:
+    """One driver process; its stdout lines are timestamped into the shared ``lines``."""
+
+    def __init__(self, number: int, config: Path, env: dict[str, str], log: Path,
+                 lines: list[tuple[float, int, dict[str, Any]]]) -> None:
+        self.number = number
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "twophase.job", str(config)],
+                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+            )
+        self.log = log
+        self._lines = lines
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            raw = raw.strip()
+            if raw.startswith("{"):
+                try:
+                    self._lines.append((time.monotonic(), self.number, json.loads(raw)))
+                except ValueError:
+                    continue
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        self.ended = self.ended or time.monotonic()
+        return rc
+
+    def kill_tree(self) -> None:
+        """SIGKILL the driver, then whatever it leaves (its JVM, Python workers)."""
+        rest = _descendants(self.proc.pid)
+        _kill(self.proc.pid)
+        self.wait(60)
+        deadline = time.monotonic() + 10
+        while rest and time.monotonic() < deadline:
+            rest = [p for p in rest if os.path.exists(f"/proc/{p}")
+                    and not _zombie(p)]
+            time.sleep(0.1)
+        for p in rest:  # the JVM normally exits by itself when its parent dies
+            _kill(p)
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass
+class ChaosOptions:
+    """What to run and how hard to hit it (see ``twophase chaos --help``)."""
+
+    workdir: Path
+    kills: int = 10
+    seed: int = 0
+    victims: tuple[str, ...] = VICTIMS
+    batches: int = 3  # new input batches for every job run
+    rows_per_batch: int = 200
+    coordinator_mode: str = "embedded"
+    pg_dsn: str | None = None
+    files: bool = True
+    kafka_bootstrap: str | None = None
+    judge_kafka: bool = True
+    job: JobConfig | None = None  # a user's job; chaos writes its input
+    partitions: int = 2
+    failpoint_share: float = 0.5  # the rest of the kills are timer kills
+    max_kills_per_run: int = 4
+    run_timeout: float = 900.0
+    max_seconds: float | None = None  # stop killing after this long, then finish and verify
+    json_out: Path | None = None
+    log: Callable[[str], None] = field(default=lambda _m: None, repr=False)
+
+    def validate(self) -> None:
+        if self.kills < 0:
+            raise ChaosError(f"--kills must be >= 0, got {self.kills}")
+        if self.batches < 1 or self.rows_per_batch < 1:
+            raise ChaosError("--batches and --rows-per-batch must be >= 1")
+        if self.coordinator_mode not in ("embedded", "daemon"):
+            raise ChaosError(f"--coordinator-mode must be embedded or daemon, "
+                             f"got {self.coordinator_mode!r}")
+        if not self.victims:
+            raise ChaosError("--victims is empty")
+        for v in self.victims:
+            if v not in VICTIMS:
+                raise ChaosError(f"unknown victim {v!r}; choose from {', '.join(VICTIMS)}")
+        if "coordinator" in self.victims and self.coordinator_mode != "daemon":
+            raise ChaosError("victim 'coordinator' needs --coordinator-mode daemon (the "
+                             "embedded coordinator dies with the driver: victim 'driver')")
+        if not 0.0 <= self.failpoint_share <= 1.0:
+            raise ChaosError("failpoint share must be within 0..1")
+
+
+@dataclass
+class KillEvent:
+    n: int
+    run: int
+    victim: str
+    method: str  # "failpoint" or "timer"
+    step: str  # the failpoint, or "timer:<newest transaction state>"
+    where: str  # failpoint firing place, or the pid killed
+    at: float  # seconds since the chaos run started
+    recovery_s: float | None = None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _Chaos:
+    def __init__(self, opts: ChaosOptions) -> None:
+        opts.validate()
+        self.o = opts
+        self.rng = random.Random(opts.seed)  # noqa: S311 - reproducible chaos, not crypto
+        self.work = opts.workdir
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "logs").mkdir(exist_ok=True)
+        self.t0 = time.monotonic()
+        self.lines: list[tuple[float, int, dict[str, Any]]] = []
+        self.events: list[KillEvent] = []
+        self.missed: Counter[str] = Counter()
+        self.runs: list[dict[str, Any]] = []
+        self.total_batches = 0
+        self.daemon: Daemon | None = None
+        self._daemon_spec = ""
+        self.cfg = self._config()
+        self.cfg_path = self.work / "job.json"
+        self.cfg.dump(self.cfg_path)
+        self.participant_names = [p.name for p in build_participants(self.cfg)]
+        self.batch_seconds: list[float] = [3.0]
+
+    # ------------------------------------------------------------------ setup
+    def _config(self) -> JobConfig:
+        o = self.o
+        tag = secrets.token_hex(4)
+        if o.job is not None:
+            cfg = replace(o.job)
+            if Path(cfg.input_dir).exists() and any(Path(cfg.input_dir).iterdir()):
+                raise ChaosError(f"the job's input_dir {cfg.input_dir} is not empty: chaos "
+                                 "writes the input itself (ids it can check); use a fresh one")
+            if Path(cfg.checkpoint).exists() and any(Path(cfg.checkpoint).iterdir()):
+                raise ChaosError(f"the job's checkpoint {cfg.checkpoint} is not empty; "
+                                 "use a fresh checkpoint location")
+            store = cfg.coordinator
+        else:
+            store = f"sqlite:///{self.work / 'coordinator.db'}"
+            cfg = JobConfig(
+                input_dir=str(self.work / "input"),
+                checkpoint=str(self.work / "checkpoint"),
+                coordinator=store,
+                sink=f"chaos_{tag}",
+                pg_dsn=o.pg_dsn,
+                pg_table=f"chaos_{tag}",
+                files_path=str(self.work / "files") if o.files else None,
+                kafka_bootstrap=o.kafka_bootstrap,
+                kafka_topic=f"chaos-{tag}",
+                partitions=o.partitions,
+                max_attempts=5,
+                vote_timeout=60.0,
+            )
+        if o.coordinator_mode == "daemon":
+            if store.startswith(("http://", "https://")):
+                if "coordinator" in o.victims:
+                    raise ChaosError("the job's coordinator is a daemon chaos did not start; "
+                                     "it cannot be a victim (give a store URL instead)")
+                self.store_url = store
+            else:
+                token = secrets.token_urlsafe(16)
+                self.daemon = Daemon(store, token, self.work / "logs" / "coordinator.log")
+                cfg.coordinator, cfg.token = self.daemon.url, token
+                self.store_url = store
+        else:
+            if store.startswith(("http://", "https://")):
+                raise ChaosError("--coordinator-mode embedded needs a store URL in the job "
+                                 "(sqlite:///... or postgresql://...), not a daemon URL")
+            self.store_url = store
+        return cfg
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+    def _step_state(self) -> str:
+        """The newest transaction of the sink as ``STATE`` (``none`` before the first)."""
+        try:
+            from coordinator.txns_view import fetch
+
+            txns = fetch(self.store_url, sink=self.cfg.sink, limit=1, token=self.cfg.token)
+        except Exception as exc:  # the store may be mid-write or the daemon down
+            return f"unknown ({type(exc).__name__})"
+        return str(txns[0]["state"]) if txns else "none"
+
+    # ------------------------------------------------------------------ kills
+    def _choose_failpoint(self, victim: str) -> str | None:
+        points = points_for(victim, self.o.coordinator_mode)
+        if not points:
+            return None
+        point = self.rng.choice(points)
+        if point in PER_BRANCH_POINTS:
+            who = self.rng.choice(self.participant_names)
+            part = self.rng.randrange(self.cfg.partitions or 1)
+            return f"{point}@{who}/{part}=kill*1"
+        return f"{point}=kill*1"
+
+    def _start_run(self, spec: str, victim: str) -> tuple[_JobRun, Path]:
+        first = self.total_batches
+        write_input(self.cfg.input_dir, self.o.batches, self.o.rows_per_batch, first=first)
+        self.total_batches += self.o.batches
+        number = len(self.runs) + 1
+        once = self.work / "once" / f"run-{number:04d}"
+        extra: dict[str, str] = {}
+        if spec and victim in ("driver", "worker"):
+            extra = {failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}
+        if self.daemon is not None:
+            want = spec if victim == "coordinator" else ""
+            if want or self._daemon_spec or not self.daemon.alive:
+                self.daemon.stop()
+                self.daemon.start(want, str(once))
+                self._daemon_spec = want
+        job = _JobRun(number, self.cfg_path, _clean_env(**extra),
+                      self.work / "logs" / f"run-{number:04d}.log", self.lines)
+        self.runs.append({"run": number, "failpoints": spec, "batches": [first,
+                          self.total_batches - 1], "returncode": None, "seconds": None})
+        self.o.log(f"run {number}: batches {first}..{self.total_batches - 1}"
+                   + (f", failpoint {spec} ({victim})" if spec else ""))
+        return job, once
+
+    def _finish_run(self, job: _JobRun) -> int:
+        rc = job.wait(self.o.run_timeout)
+        info = self.runs[job.number - 1]
+        info["returncode"] = rc
+        info["seconds"] = round((job.ended or time.monotonic()) - job.started, 3)
+        if rc not in (0, -signal.SIGKILL):
+            info["error"] = job.tail(8)
+            self.o.log(f"run {job.number}: exited with {rc} (restarting): "
+                       f"{job.tail(1)[:200]}")
+        for _, run, line in self.lines:
+            if run == job.number and "seconds" in line:
+                self.batch_seconds.append(float(line["seconds"]))
+        return rc
+
+    def _wait_for_failpoint(self, victim: str, job: _JobRun, once: Path) -> str | None:
+        """Block until the failpoint fired (returns where) or the job ended without it."""
+        deadline = time.monotonic() + self.o.run_timeout
+        while time.monotonic() < deadline:
+            fired = failpoints.fired(str(once))
+            if victim == "driver" and not job.alive:
+                job.wait(30)
+                return fired[0] if fired and job.proc.returncode == -signal.SIGKILL else None
+            if victim == "coordinator":
+                assert self.daemon is not None
+                if not self.daemon.alive:
+                    return fired[0] if fired else "daemon killed"
+            if victim == "worker" and fired:
+                return fired[0]
+            if victim != "driver" and not job.alive:
+                return None
+            time.sleep(0.05)
+        raise ChaosError(f"run {job.number} neither fired its failpoint nor ended within "
+                         f"{self.o.run_timeout:.0f}s")
+
+    def _timer_kill(self, victim: str, job: _JobRun, fresh: bool) -> str | None:
+        """Sleep a random delay, then SIGKILL the victim; returns the pid killed."""
+        est = statistics.median(self.batch_seconds)
+        if fresh:
+            # Anchor at the first Python worker (the first batch's tasks): the JVM start
+            # before it is the same every time and says nothing about the protocol.
+            while job.alive and not python_workers(job.proc.pid):
+                time.sleep(0.1)
+            delay = self.rng.uniform(0.0, est * self.o.batches)
+        else:
+            delay = self.rng.uniform(0.0, 2.0 * est)
+        end = time.monotonic() + delay
+        while job.alive and time.monotonic() < end:
+            time.sleep(0.05)
+        if not job.alive:
+            return None
+        if victim == "driver":
+            pid = job.proc.pid
+            job.kill_tree()
+            return f"pid {pid}"
+        if victim == "worker":
+            give_up = time.monotonic() + max(5.0, 2 * est)
+            while job.alive and time.monotonic() < give_up:
+                workers = python_workers(job.proc.pid)
+                if workers:
+                    pid = self.rng.choice(workers)
+                    if _kill(pid):
+                        return f"pid {pid}"
+                time.sleep(0.1)
+            return None
+        assert self.daemon is not None
+        pid = self.daemon.proc.pid if self.daemon.proc else 0
+        return f"pid {pid}" if self.daemon.kill() else None
+
+    def _after_kill(self, victim: str) -> None:
+        if victim == "coordinator":
+            assert self.daemon is not None
+            time.sleep(self.rng.uniform(0.0, 1.0))  # a short outage, then the restart
+            self.daemon.stop()
+            self.daemon.start()
+            self._daemon_spec = ""
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict[str, Any]:
+        o = self.o
+        job: _JobRun | None = None
+        kills_in_run = 0
+        try:
+            attempts = 0
+            while len(self.events) < o.kills:
+                if o.max_seconds is not None and self.now() > o.max_seconds:
+                    o.log(f"time budget of {o.max_seconds:.0f}s spent after "
+                          f"{len(self.events)} kills: finishing")
+                    break
+                attempts += 1
+                if attempts > 4 * o.kills + 10:
+                    raise ChaosError(f"only {len(self.events)} of {o.kills} kills landed in "
+                                     f"{attempts - 1} tries; see {self.work / 'logs'}")
+                victim = self.rng.choice(o.victims)
+                if job is not None and (not job.alive or kills_in_run >= o.max_kills_per_run):
+                    self._finish_run(job)
+                    job = None
+                fresh = job is None
+                spec = ""
+                if fresh:
+                    kills_in_run = 0
+                    if self.rng.random() < o.failpoint_share:
+                        spec = self._choose_failpoint(victim) or ""
+                    job, once = self._start_run(spec, victim)
+                assert job is not None
+                if spec:
+                    where = self._wait_for_failpoint(victim, job, once)
+                    step = spec.split("=")[0].split("@")[0]
+                    method = "failpoint"
+                else:
+                    where = self._timer_kill(victim, job, fresh)
+                    step = "timer:" + self._step_state() if where else ""
+                    method = "timer"
+                if where is None:
+                    self.missed[f"{victim}:{method}"] += 1
+                    continue
+                event = KillEvent(len(self.events) + 1, job.number, victim, method, step,
+                                  where, self.now())
+                self.events.append(event)
+                kills_in_run += 1
+                o.log(f"kill {event.n}/{o.kills}: {victim} by {method} at {step} ({where}), "
+                      f"run {job.number}, t={event.at:.1f}s")
+                self._after_kill(victim)
+                if victim == "driver":
+                    self._finish_run(job)
+                    job = None
+            # Run to the end: finish the current run, then one clean run with a last batch.
+            if job is not None:
+                self._finish_run(job)
+            final_rc = None
+            for _ in range(3):
+                job, _once = self._start_run("", "driver")
+                final_rc = self._finish_run(job)
+                job = None
+                if final_rc == 0:
+                    break
+            return self._report(final_rc)
+        finally:
+            if job is not None and job.alive:
+                job.kill_tree()
+            if self.daemon is not None:
+                self.daemon.stop()
+
+    # ------------------------------------------------------------------ report
+    def _report(self, final_rc: int | None) -> dict[str, Any]:
+        from twophase.verify import verify
+
+        commits = sorted(t - self.t0 for t, _, line in self.lines if "batch" in line)
+        for ev in self.events:
+            nxt = next((t for t in commits if t > ev.at), None)
+            ev.recovery_s = None if nxt is None else round(nxt - ev.at, 3)
+        rec = [ev.recovery_s for ev in self.events if ev.recovery_s is not None]
+        report = verify(build_participants(self.cfg),
+                        expected_ids(self.total_batches, self.o.rows_per_batch),
+                        sink=self.cfg.sink, judge_kafka=self.o.judge_kafka)
+        by_victim_step: dict[str, Counter[str]] = {}
+        for ev in self.events:
+            by_victim_step.setdefault(ev.victim, Counter())[ev.step] += 1
+        unsettled = self._unsettled()
+        out: dict[str, Any] = {
+            "ok": bool(report.ok and final_rc == 0),
+            "seed": self.o.seed,
+            "kills_requested": self.o.kills,
+            "kills": len(self.events),
+            "by_victim": dict(Counter(ev.victim for ev in self.events)),
+            "by_method": dict(Counter(ev.method for ev in self.events)),
+            "by_step": dict(Counter(ev.step for ev in self.events)),
+            "by_victim_step": {k: dict(v) for k, v in by_victim_step.items()},
+            "missed": dict(self.missed),
+            "runs": len(self.runs),
+            "job_failures": sum(1 for r in self.runs
+                                if r["returncode"] not in (0, -signal.SIGKILL)),
+            "final_returncode": final_rc,
+            "batches": self.total_batches,
+            "rows": self.total_batches * self.o.rows_per_batch,
+            "recovery_seconds": _summary(rec),
+            "coordinator_mode": self.o.coordinator_mode,
+            "coordinator_unsettled": unsettled,
+            "duration_s": self.now(),
+            "verify": json.loads(report.to_json()),
+            "verify_lines": report.lines(),
+            "events": [asdict(ev) for ev in self.events],
+            "run_log": self.runs,
+            "job": asdict(self.cfg) | {"token": None},
+            "workdir": str(self.work),
+        }
+        path = self.o.json_out or (self.work / "chaos-report.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2, default=str))
+        out["json_path"] = str(path)
+        return out
+
+    def _unsettled(self) -> int | str:
+        """Transactions of the sink still OPEN/PREPARING/COMMITTING (informational)."""
+        try:
+            from coordinator.txns_view import fetch
+
+            url = self.store_url
+            txns = fetch(url, sink=self.cfg.sink, limit=100000, token=self.cfg.token)
+        except Exception as exc:
+            return f"unknown ({type(exc).__name__}: {exc})"
+        return sum(1 for t in txns if t["state"] in ("OPEN", "PREPARING", "COMMITTING"))
+
+
+def _summary(values: Sequence[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "max": None}
+    xs = sorted(values)
+    return {
+        "n": len(xs),
+        "p50": round(statistics.median(xs), 3),
+        "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3),
+        "max": round(xs[-1], 3),
+    }
+
+
+def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
+    """Run the chaos loop; returns the report (also written as JSON, see ``json_path``)."""
+    return _Chaos(opts).run()
+
+
+def render(report: dict[str, Any]) -> list[str]:
+    """The human-readable report printed by ``twophase chaos``."""
+    rec = report["recovery_seconds"]
+    lines = [
+        f"chaos: {report['kills']} kills (seed {report['seed']}, "
+        f"{report['coordinator_mode']} coordinator), {report['runs']} job runs, "
+        f"{report['batches']} batches / {report['rows']} rows, {report['duration_s']:.0f}s",
+        "kills by victim: " + ", ".join(f"{k}={v}" for k, v in
+                                        sorted(report["by_victim"].items())),
+        "kills by protocol step reached:",
+    ]
+    for victim, steps in sorted(report["by_victim_step"].items()):
+        for step, n in sorted(steps.items()):
+            lines.append(f"  {victim:<12} {step:<32} {n}")
+    if report["missed"]:
+        lines.append("planned kills that did not land (job ended first): "
+                     + ", ".join(f"{k}={v}" for k, v in sorted(report["missed"].items())))
+    lines.append(f"job runs that gave up on a batch and were restarted: "
+                 f"{report['job_failures']}")
+    if rec["n"]:
+        lines.append(f"time to recover (kill -> next committed batch): p50 {rec['p50']:.1f}s, "
+                     f"p90 {rec['p90']:.1f}s, max {rec['max']:.1f}s (n={rec['n']})")
+    lines.append(f"coordinator transactions left unsettled: {report['coordinator_unsettled']}")
+    lines.append("verification per system:")
+    lines += ["  " + x for x in report["verify_lines"]]
+    verdict = "PASSED" if report["ok"] else "FAILED"
+    lines.append(f"exactly-once: {verdict}   (report: {report.get('json_path', '-')})")
+    return lines
