@@ -279,7 +279,7 @@ class ChaosOptions:
     workdir: Path
     kills: int = 10
     seed: int = 0
-    victims: tuple[str, ...] = VICTIMS
+    victims: tuple[str, ...] = ("driver", "worker")  # add "coordinator" in daemon mode
     batches: int = 3  # new input batches for every job run
     rows_per_batch: int = 200
     coordinator_mode: str = "embedded"

@@ -1,0 +1,77 @@
+"""Failpoints for chaos: the once-dir makes ``*N`` count across processes (a retried Spark
+task runs in a new Python worker), ``kill`` really SIGKILLs, and chaos' victim/point map
+covers every point."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from twophase import failpoints
+from twophase.chaos import VICTIMS, points_for
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    yield
+    failpoints.reload("", "")
+
+
+def _child(spec: str, once: Path, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+HIT = ("from twophase import failpoints\n"
+       "failpoints.hit('after_prepare', 'postgres-orders', 1)\n"
+       "print('survived')\n")
+
+
+def test_once_dir_counts_across_processes(tmp_path: Path) -> None:
+    once = tmp_path / "once"
+    spec = "after_prepare@postgres-orders/1=kill*2"
+    results = [_child(spec, once, HIT) for _ in range(4)]
+    assert [r.returncode for r in results] == [-signal.SIGKILL, -signal.SIGKILL, 0, 0]
+    assert results[2].stdout.strip() == "survived"
+    fired = failpoints.fired(str(once))
+    assert len(fired) == 2
+    assert all(f.startswith("after_prepare@postgres-orders/1 pid=") for f in fired)
+
+
+def test_without_once_dir_count_is_per_process(tmp_path: Path) -> None:
+    env = {**os.environ, failpoints.ENV: "after_prepare=kill*1"}
+    env.pop(failpoints.ONCE_DIR_ENV, None)
+    rcs = [subprocess.run([sys.executable, "-c", HIT], env=env, capture_output=True,
+                          timeout=60, check=False).returncode for _ in range(2)]
+    assert rcs == [-signal.SIGKILL, -signal.SIGKILL]
+
+
+def test_once_dir_in_process_and_non_matching_hits(tmp_path: Path) -> None:
+    once = tmp_path / "once"
+    failpoints.reload("before_commit@files-out/0=raise*1;after_vote=raise", str(once))
+    failpoints.hit("before_commit", "files-out", 1)  # other partition: no claim
+    failpoints.hit("before_commit", "postgres-x", 0)  # other participant
+    assert failpoints.fired(str(once)) == []
+    with pytest.raises(failpoints.FailpointHit, match="before_commit@files-out/0"):
+        failpoints.hit("before_commit", "files-out", 0)
+    failpoints.hit("before_commit", "files-out", 0)  # the one firing is taken
+    assert len(failpoints.fired(str(once))) == 1
+    # an entry without *N is not counted and never touches the folder
+    with pytest.raises(failpoints.FailpointHit, match="after_vote/3"):
+        failpoints.hit("after_vote", None, 3)
+    assert len(os.listdir(once)) == 1
+
+
+def test_victim_points_cover_every_point() -> None:
+    covered = {p for v in VICTIMS for mode in ("embedded", "daemon") for p in points_for(v, mode)}
+    assert covered == set(failpoints.POINTS)
+    assert points_for("coordinator", "embedded") == ()
+    with pytest.raises(ValueError, match="unknown victim"):
+        points_for("executor", "embedded")
