@@ -1,10 +1,13 @@
 """The decision log's tables (SQLAlchemy Core), shared by SQLite and PostgreSQL.
 
-One row per sink, one per transaction attempt, one per branch of an attempt, and an
-append-only event history. ``txns.version`` is the compare-and-set counter that every
-change checks; ``sinks.version`` does the same for the sink row. ``meta`` records the
-schema version, which the store checks at start so that an old daemon never writes into
-a newer layout (or the reverse).
+One row per sink, one per transaction attempt (its branches as one JSON column, so that
+loading or changing a transaction is one statement), and an append-only event history.
+``txns.version`` is the compare-and-set counter that every change checks; ``sinks.version``
+does the same for the sink row. ``meta`` records the schema version, which the store checks
+at start so that an old daemon never writes into a newer layout (or the reverse).
+
+Version 2 (this one) moved the branches from their own table into ``txns.branches``;
+version 1 stores are refused with a clear error (there is no migration: none was deployed).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from sqlalchemy import (
     Boolean,
     Column,
     Float,
-    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -24,7 +26,7 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 metadata = MetaData()
 
@@ -57,6 +59,9 @@ txns = Table(
     Column("epoch", Integer, nullable=False),
     Column("partitions", Integer, nullable=False),
     Column("branch_count", Integer, nullable=False),
+    # {branch id: {"vote", "handle", "reason", "ack"}} (absent keys are null); the branch
+    # ids are "participant/partition" (twophase.protocol.parse_branch_id)
+    Column("branches", Text, nullable=False),
     Column("state", String(16), nullable=False),
     Column("reason", Text, nullable=True),
     Column("deadline", Float, nullable=False),
@@ -69,27 +74,6 @@ txns = Table(
     Column("version", Integer, nullable=False),
     Index("twophase_txns_state", "state", "deadline"),
     Index("twophase_txns_finished", "finished_at"),
-)
-
-branches = Table(
-    "twophase_branches",
-    metadata,
-    Column("sink", String(64), primary_key=True),
-    Column("lineage", String(128), primary_key=True),
-    Column("checkpoint", Integer, primary_key=True, autoincrement=False),
-    Column("attempt", Integer, primary_key=True, autoincrement=False),
-    Column("branch", String(96), primary_key=True),
-    Column("participant", String(64), nullable=False),
-    Column("partition", Integer, nullable=False),
-    Column("vote", String(8), nullable=True),  # COMMIT (voted YES) / ABORT (voted NO)
-    Column("handle", Text, nullable=True),  # JSON object of strings
-    Column("reason", Text, nullable=True),
-    Column("ack", String(8), nullable=True),  # the outcome the branch confirmed
-    ForeignKeyConstraint(
-        list(_TXN_KEY),
-        [f"twophase_txns.{c}" for c in _TXN_KEY],
-        ondelete="CASCADE",
-    ),
 )
 
 events = Table(

@@ -7,8 +7,11 @@ another writer (a second replica) got there first: roll back, reload, run the ma
 again. No protocol rule lives here; this module only loads, stores and retries.
 
 SQLite: WAL, ``synchronous=FULL``, a busy timeout, ``BEGIN IMMEDIATE`` for writes, and an
-in-process lock so that the single writer never spins on SQLITE_BUSY. PostgreSQL: psycopg 3,
-several coordinator replicas may share one database; the CAS makes them agree.
+in-process lock so that the single writer never spins on SQLITE_BUSY. Writes go through
+*group commit*: one writer thread runs every request queued meanwhile inside one database
+transaction (each in its own SAVEPOINT, so a refusal only undoes that request) and one
+fsync, and answers each request after that commit. PostgreSQL: psycopg 3, several
+coordinator replicas may share one database; the CAS makes them agree.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import builtins
 import contextlib
 import json
 import logging
+import queue
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
@@ -88,6 +93,30 @@ class _Conflict(Exception):
     """A compare-and-set found a newer version: reload and try again."""
 
 
+Change = tuple[p.Transaction | None, p.Transaction]  # (before, after)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request waiting for the group-commit writer."""
+
+    fn: Callable[[Connection], tuple[Any, list[Change]]]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    changes: list[Change] = field(default_factory=list)
+    error: BaseException | None = None
+    retry: bool = False  # a CAS conflict or a failed group commit: run again on its own
+
+
+@dataclass
+class GroupStats:
+    """How well group commit is batching (for the benchmark and tests)."""
+
+    groups: int = 0
+    jobs: int = 0
+    largest: int = 0
+
+
 @dataclass(frozen=True)
 class Listed:
     """A transaction as listings show it, with the operational alert flag."""
@@ -120,9 +149,64 @@ def normalize_url(url: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# prepared statements (built once; SQLAlchemy caches their compiled form)
+# hot-path statements: plain SQL run on the driver's cursor (SQLAlchemy's per-statement
+# bookkeeping cost ~0.25 ms, as much as SQLite itself); written with :name parameters and
+# turned into psycopg's %(name)s form for PostgreSQL. Cold paths use SQLAlchemy Core.
 
-_T, _B, _E = s.txns, s.branches, s.events
+_T, _E = s.txns, s.events
+
+_TXN_COLS: Final = (
+    "sink", "lineage", "checkpoint", "attempt", "epoch", "partitions", "branches", "state",
+    "reason", "deadline", "created", "decided_at", "finished_at", "version", "alert",
+    "updated",
+)
+_KEY_SQL: Final = (
+    "sink = :k_sink AND lineage = :k_lineage AND checkpoint = :k_checkpoint "
+    "AND attempt = :k_attempt"
+)
+_TXN_INS_COLS: Final = (*_TXN_COLS, "branch_count")
+_EV_COLS: Final = ("sink", "lineage", "checkpoint", "attempt", "at", "kind", "branch", "detail",
+                   "state")
+
+
+def _ins(table: str, cols: Sequence[str]) -> str:
+    return (f"INSERT INTO {table} ({', '.join(cols)}) "
+            f"VALUES ({', '.join(':' + c for c in cols)})")
+
+
+class _Sql:
+    """The hot statements in one driver's parameter style."""
+
+    def __init__(self, pyformat: bool) -> None:
+        def q(text: str) -> str:
+            return re.sub(r":(\w+)", r"%(\1)s", text) if pyformat else text
+
+        cols = ", ".join(_TXN_COLS)
+        t, sk = s.txns.name, s.sinks.name
+        self.sel_txn = q(f"SELECT {cols} FROM {t} WHERE {_KEY_SQL}")
+        self.sel_attempts = q(
+            f"SELECT {cols} FROM {t} WHERE sink = :k_sink AND lineage = :k_lineage "
+            "AND checkpoint = :k_checkpoint ORDER BY attempt"
+        )
+        self.ins_txn = q(_ins(t, _TXN_INS_COLS))
+        self.upd_txn = q(
+            f"UPDATE {t} SET state = :state, reason = :reason, branches = :branches, "
+            "decided_at = :decided_at, finished_at = :finished_at, updated = :updated, "
+            f"alert = :alert, version = :version WHERE {_KEY_SQL} AND version = :old_version"
+        )
+        self.ins_event = q(_ins(s.events.name, _EV_COLS))
+        self.sel_sink = q(
+            f"SELECT name, epoch, lineage, last_committed, version FROM {sk} WHERE name = :k_name"
+        )
+        self.ins_sink = q(_ins(sk, ("name", "epoch", "lineage", "last_committed", "version")))
+        self.upd_sink = q(
+            f"UPDATE {sk} SET epoch = :epoch, lineage = :lineage, "
+            "last_committed = :last_committed, version = :version "
+            "WHERE name = :k_name AND version = :old_version"
+        )
+
+
+_SQL: Final = {False: _Sql(pyformat=False), True: _Sql(pyformat=True)}
 
 
 def _key_where(table: Any) -> Any:
@@ -134,53 +218,27 @@ def _key_where(table: Any) -> Any:
     )
 
 
-_SEL_TXN: Final = select(_T).where(_key_where(_T))
-_SEL_BRANCHES: Final = select(_B.c.branch, _B.c.vote, _B.c.handle, _B.c.reason, _B.c.ack).where(
-    _key_where(_B)
-)
-_SEL_ATTEMPTS: Final = (
-    select(_T)
-    .where(
-        _T.c.sink == bindparam("k_sink"),
-        _T.c.lineage == bindparam("k_lineage"),
-        _T.c.checkpoint == bindparam("k_checkpoint"),
-    )
-    .order_by(_T.c.attempt)
-)
-_UPD_TXN: Final = (
-    update(_T)
-    .where(_key_where(_T), _T.c.version == bindparam("old_version"))
-    .values(
-        state=bindparam("state"),
-        reason=bindparam("reason"),
-        decided_at=bindparam("decided_at"),
-        finished_at=bindparam("finished_at"),
-        updated=bindparam("updated"),
-        alert=bindparam("alert"),
-        version=bindparam("version"),
-    )
-)
-_UPD_BRANCH: Final = (
-    update(_B)
-    .where(_key_where(_B), _B.c.branch == bindparam("k_branch"))
-    .values(
-        vote=bindparam("vote"),
-        handle=bindparam("handle"),
-        reason=bindparam("reason"),
-        ack=bindparam("ack"),
-    )
-)
-_SEL_SINK: Final = select(s.sinks).where(s.sinks.c.name == bindparam("k_name"))
-_UPD_SINK: Final = (
-    update(s.sinks)
-    .where(s.sinks.c.name == bindparam("k_name"), s.sinks.c.version == bindparam("old_version"))
-    .values(
-        epoch=bindparam("epoch"),
-        lineage=bindparam("lineage"),
-        last_committed=bindparam("last_committed"),
-        version=bindparam("version"),
-    )
-)
+def _run(conn: Connection, sql: str, params: Any, *, many: bool = False) -> Any:
+    """Execute on the driver cursor; driver errors become SQLAlchemy's (retry logic keys on
+    them) and a lost connection is invalidated so that the pool drops it."""
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    cur = dbapi_conn.cursor()
+    try:
+        if many:
+            cur.executemany(sql, params)
+        else:
+            cur.execute(sql, params)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        gone = conn.dialect.is_disconnect(exc, dbapi_conn, cur)
+        wrapped = DBAPIError.instance(
+            sql, params, exc, conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=gone, dialect=conn.dialect,
+        )
+        if gone:
+            conn.invalidate(exc)
+        raise wrapped from exc
+    return cur
 
 
 def _kp(key: TxnKey) -> dict[str, Any]:
@@ -191,40 +249,51 @@ def _dec(v: str | None) -> p.Decision | None:
     return p.Decision(v) if v is not None else None
 
 
-def _branch_values(b: p.BranchState) -> dict[str, Any]:
-    return {
-        "vote": b.vote.value if b.vote else None,
-        "handle": json.dumps(dict(b.handle), sort_keys=True) if b.handle is not None else None,
-        "reason": b.reason,
-        "ack": b.ack.value if b.ack else None,
-    }
+def _encode_branches(branches: Mapping[str, p.BranchState]) -> str:
+    out: dict[str, dict[str, Any]] = {}
+    for bid, b in branches.items():
+        d: dict[str, Any] = {}
+        if b.vote is not None:
+            d["vote"] = b.vote.value
+        if b.handle is not None:
+            d["handle"] = dict(b.handle)
+        if b.reason is not None:
+            d["reason"] = b.reason
+        if b.ack is not None:
+            d["ack"] = b.ack.value
+        out[bid] = d
+    return json.dumps(out, separators=(",", ":"))
 
 
-def _to_txn(row: Any, brows: Sequence[Any]) -> p.Transaction:
-    branches = {
-        b.branch: p.BranchState(
-            vote=_dec(b.vote),
-            handle=MappingProxyType(json.loads(b.handle)) if b.handle is not None else None,
-            reason=b.reason,
-            ack=_dec(b.ack),
+def _decode_branches(text: str) -> Mapping[str, p.BranchState]:
+    return MappingProxyType({
+        bid: p.BranchState(
+            vote=_dec(d.get("vote")),
+            handle=MappingProxyType(d["handle"]) if d.get("handle") is not None else None,
+            reason=d.get("reason"),
+            ack=_dec(d.get("ack")),
         )
-        for b in brows
-    }
+        for bid, d in json.loads(text).items()
+    })
+
+
+def _to_txn(row: Sequence[Any]) -> p.Transaction:
+    """A row with the columns of ``_TXN_COLS``, in that order."""
     return p.Transaction(
-        sink=row.sink,
-        lineage=row.lineage,
-        checkpoint=row.checkpoint,
-        attempt=row.attempt,
-        epoch=row.epoch,
-        partitions=row.partitions,
-        branches=MappingProxyType(branches),
-        deadline=row.deadline,
-        state=p.State(row.state),
-        reason=row.reason,
-        created=row.created,
-        decided_at=row.decided_at,
-        finished_at=row.finished_at,
-        version=row.version,
+        sink=row[0],
+        lineage=row[1],
+        checkpoint=row[2],
+        attempt=row[3],
+        epoch=row[4],
+        partitions=row[5],
+        branches=_decode_branches(row[6]),
+        state=p.State(row[7]),
+        reason=row[8],
+        deadline=row[9],
+        created=row[10],
+        decided_at=row[11],
+        finished_at=row[12],
+        version=row[13],
     )
 
 
@@ -240,9 +309,6 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
     if isinstance(ev, p.Begin):
         return "begin", None, {"epoch": ev.epoch, "partitions": ev.partitions}
     return "expire", None, {}
-
-
-Change = tuple[p.Transaction | None, p.Transaction]  # (before, after)
 
 
 class Store:
@@ -261,6 +327,8 @@ class Store:
         on_change: Callable[[p.Transaction | None, p.Transaction], None] | None = None,
         clock: Callable[[], float] = time.time,
         pool_size: int = 8,
+        group_commit: bool = True,
+        max_group: int = 512,
     ) -> None:
         self.url = normalize_url(url)
         self.clock = clock
@@ -271,11 +339,19 @@ class Store:
             self.read_engine = self._sqlite_engine(immediate=False)
             self._write_lock: contextlib.AbstractContextManager[Any] = threading.Lock()
         else:
+            group_commit = False  # replicas share PostgreSQL: row locks + CAS, no one writer
             self.engine = create_engine(
                 self.url, pool_size=pool_size, max_overflow=pool_size * 2, pool_pre_ping=False
             )
             self.read_engine = self.engine
             self._write_lock = contextlib.nullcontext()
+        self._sql = _SQL[not self.is_sqlite]
+        self.group_commit = group_commit
+        self.max_group = max_group
+        self.group_stats = GroupStats()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._writer_start = threading.Lock()
         self._check_schema(create)
 
     # ----------------------------------------------------------------- setup
@@ -327,6 +403,11 @@ class Store:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def close(self) -> None:
+        with self._writer_start:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(None)
+            writer.join(timeout=30)
         self.engine.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.dispose()
@@ -334,7 +415,85 @@ class Store:
     # ----------------------------------------------------------------- plumbing
 
     def _write(self, fn: Callable[[Connection], tuple[T, list[Change]]]) -> T:
-        """Run ``fn`` in one write transaction; retry on CAS conflict or a lost race."""
+        """Run ``fn`` in a write transaction (grouped on SQLite); report changes once durable."""
+        if self.group_commit:
+            job = self._submit(fn)
+            if job.error is not None:
+                raise job.error
+            if not job.retry:
+                self._after_commit(job.changes)
+                return job.result  # type: ignore[no-any-return]
+        result, changes = self._write_alone(fn)
+        self._after_commit(changes)
+        return result
+
+    # group commit (SQLite): one writer thread, one transaction and one fsync per group
+
+    def _submit(self, fn: Callable[[Connection], tuple[Any, list[Change]]]) -> _Job:
+        job = _Job(fn)
+        if self._writer is None:
+            with self._writer_start:
+                if self._writer is None:
+                    self._writer = threading.Thread(
+                        target=self._writer_loop, name="twophase-store-writer", daemon=True
+                    )
+                    self._writer.start()
+        self._queue.put(job)
+        job.done.wait()
+        return job
+
+    def _writer_loop(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_group:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stopping = True
+                    break
+                batch.append(nxt)
+            try:
+                self._run_group(batch)
+            finally:
+                for job in batch:
+                    job.done.set()
+
+    def _run_group(self, batch: Sequence[_Job]) -> None:
+        """Each job in its own SAVEPOINT of one transaction; a failing job undoes only itself."""
+        try:
+            with self._write_lock, self.engine.begin() as conn:
+                for job in batch:
+                    _run(conn, "SAVEPOINT twophase_job", ())
+                    try:
+                        job.result, job.changes = job.fn(conn)
+                    except BaseException as exc:
+                        _run(conn, "ROLLBACK TO twophase_job", ())
+                        if isinstance(exc, (_Conflict, IntegrityError)):
+                            job.retry = True
+                        else:
+                            job.error = exc  # handed to that request alone
+                    _run(conn, "RELEASE twophase_job", ())
+        except Exception:  # BEGIN or COMMIT failed: nothing of the group is durable
+            log.warning("group commit failed; retrying its requests one by one",
+                        exc_info=True)
+            for job in batch:
+                job.result, job.changes, job.error, job.retry = None, [], None, True
+            return
+        st = self.group_stats
+        st.groups += 1
+        st.jobs += len(batch)
+        st.largest = max(st.largest, len(batch))
+
+    def _write_alone(
+        self, fn: Callable[[Connection], tuple[T, list[Change]]]
+    ) -> tuple[T, list[Change]]:
+        """Run ``fn`` in its own write transaction; retry on CAS conflict or a lost race."""
         for attempt in range(_MAX_RETRIES):
             try:
                 with self._write_lock, self.engine.begin() as conn:
@@ -349,6 +508,9 @@ class Store:
                 if attempt == _MAX_RETRIES - 1 or not _transient(exc):
                     raise
                 time.sleep(min(0.01 * 2**attempt, 0.5))
+        return result, changes
+
+    def _after_commit(self, changes: Sequence[Change]) -> None:
         decided = False
         for before, after in changes:
             if after.decision is not None and (before is None or before.decision is None):
@@ -363,15 +525,10 @@ class Store:
         if self.on_change is not None:
             for before, after in changes:
                 self.on_change(before, after)
-        return result
 
-    @staticmethod
-    def _load(conn: Connection, key: TxnKey) -> p.Transaction | None:
-        kp = _kp(key)
-        row = conn.execute(_SEL_TXN, kp).first()
-        if row is None:
-            return None
-        return _to_txn(row, conn.execute(_SEL_BRANCHES, kp).all())
+    def _load(self, conn: Connection, key: TxnKey) -> p.Transaction | None:
+        row = _run(conn, self._sql.sel_txn, _kp(key)).fetchone()
+        return None if row is None else _to_txn(row)
 
     def _persist(
         self,
@@ -381,49 +538,27 @@ class Store:
         evs: Sequence[tuple[p.Event | p.Begin, p.Transaction]],
     ) -> None:
         now = self.clock()
-        kp = _kp(new.key)
         if old is None:
-            conn.execute(
-                insert(_T),
-                {
-                    "sink": new.sink, "lineage": new.lineage, "checkpoint": new.checkpoint,
-                    "attempt": new.attempt, "epoch": new.epoch, "partitions": new.partitions,
-                    "branch_count": len(new.branches), "state": new.state.value,
-                    "reason": new.reason, "deadline": new.deadline, "created": new.created,
-                    "decided_at": new.decided_at, "finished_at": new.finished_at,
-                    "updated": now, "alert": False, "version": new.version,
-                },
-            )
-            rows = []
-            for bid, b in new.branches.items():
-                participant, partition = p.parse_branch_id(bid)
-                rows.append({
-                    "sink": new.sink, "lineage": new.lineage, "checkpoint": new.checkpoint,
-                    "attempt": new.attempt, "branch": bid, "participant": participant,
-                    "partition": partition, **_branch_values(b),
-                })
-            conn.execute(insert(_B), rows)
+            _run(conn, self._sql.ins_txn, {
+                "sink": new.sink, "lineage": new.lineage, "checkpoint": new.checkpoint,
+                "attempt": new.attempt, "epoch": new.epoch, "partitions": new.partitions,
+                "branches": _encode_branches(new.branches), "state": new.state.value,
+                "reason": new.reason, "deadline": new.deadline, "created": new.created,
+                "decided_at": new.decided_at, "finished_at": new.finished_at,
+                "version": new.version, "alert": False, "updated": now,
+                "branch_count": len(new.branches),
+            })
         else:
             if new.decision is not None and old.decision is None:
                 failpoints.hit("coordinator_before_decision")
-            res = conn.execute(
-                _UPD_TXN,
-                {
-                    **kp, "old_version": old.version, "state": new.state.value,
-                    "reason": new.reason, "decided_at": new.decided_at,
-                    "finished_at": new.finished_at, "updated": now,
-                    "alert": False, "version": new.version,
-                },
-            )
-            if res.rowcount != 1:
+            cur = _run(conn, self._sql.upd_txn, {
+                **_kp(new.key), "old_version": old.version, "state": new.state.value,
+                "reason": new.reason, "branches": _encode_branches(new.branches),
+                "decided_at": new.decided_at, "finished_at": new.finished_at,
+                "updated": now, "alert": False, "version": new.version,
+            })
+            if cur.rowcount != 1:
                 raise _Conflict(new.key)
-            changed = [
-                {**kp, "k_branch": bid, **_branch_values(b)}
-                for bid, b in new.branches.items()
-                if old.branches.get(bid) != b
-            ]
-            if changed:
-                conn.execute(_UPD_BRANCH, changed)
         if evs:
             hist = []
             for ev, after in evs:
@@ -433,37 +568,31 @@ class Store:
                     "attempt": new.attempt, "at": now, "kind": kind, "branch": branch,
                     "detail": json.dumps(detail), "state": after.state.value,
                 })
-            conn.execute(insert(_E), hist)
+            if len(hist) == 1:
+                _run(conn, self._sql.ins_event, hist[0])
+            else:
+                _run(conn, self._sql.ins_event, hist, many=True)
 
-    @staticmethod
-    def _load_sink(conn: Connection, name: str) -> tuple[p.SinkRecord | None, int]:
-        row = conn.execute(_SEL_SINK, {"k_name": name}).first()
+    def _load_sink(self, conn: Connection, name: str) -> tuple[p.SinkRecord | None, int]:
+        row = _run(conn, self._sql.sel_sink, {"k_name": name}).fetchone()
         if row is None:
             return None, 0
-        rec = p.SinkRecord(
-            name=row.name, epoch=row.epoch, lineage=row.lineage,
-            last_committed=row.last_committed,
-        )
-        return rec, row.version
+        rec = p.SinkRecord(name=row[0], epoch=row[1], lineage=row[2], last_committed=row[3])
+        return rec, int(row[4])
 
-    @staticmethod
     def _save_sink(
-        conn: Connection, old: p.SinkRecord | None, version: int, new: p.SinkRecord
+        self, conn: Connection, old: p.SinkRecord | None, version: int, new: p.SinkRecord
     ) -> None:
         if old is None:
-            conn.execute(
-                insert(s.sinks),
-                {"name": new.name, "epoch": new.epoch, "lineage": new.lineage,
-                 "last_committed": new.last_committed, "version": 1},
-            )
+            _run(conn, self._sql.ins_sink,
+                 {"name": new.name, "epoch": new.epoch, "lineage": new.lineage,
+                  "last_committed": new.last_committed, "version": 1})
             return
-        res = conn.execute(
-            _UPD_SINK,
-            {"k_name": new.name, "old_version": version, "epoch": new.epoch,
-             "lineage": new.lineage, "last_committed": new.last_committed,
-             "version": version + 1},
-        )
-        if res.rowcount != 1:
+        cur = _run(conn, self._sql.upd_sink,
+                   {"k_name": new.name, "old_version": version, "epoch": new.epoch,
+                    "lineage": new.lineage, "last_committed": new.last_committed,
+                    "version": version + 1})
+        if cur.rowcount != 1:
             raise _Conflict(new.name)
 
     # ----------------------------------------------------------------- protocol calls
@@ -482,15 +611,11 @@ class Store:
     def begin(self, req: p.Begin) -> p.BeginResult:
         def tx(conn: Connection) -> tuple[p.BeginResult, list[Change]]:
             sink, version = self._load_sink(conn, req.sink)
-            rows = conn.execute(
-                _SEL_ATTEMPTS,
+            rows = _run(
+                conn, self._sql.sel_attempts,
                 {"k_sink": req.sink, "k_lineage": req.lineage, "k_checkpoint": req.checkpoint},
-            ).all()
-            attempts = tuple(
-                _to_txn(r, conn.execute(_SEL_BRANCHES, _kp(
-                    (r.sink, r.lineage, r.checkpoint, r.attempt))).all())
-                for r in rows
-            )
+            ).fetchall()
+            attempts = tuple(_to_txn(r) for r in rows)
             res = p.begin(sink, attempts, req)
             if res.sink != sink:
                 self._save_sink(conn, sink, version, res.sink)
@@ -562,7 +687,7 @@ class Store:
         alert: bool | None = None,
     ) -> builtins.list[Listed]:
         """Newest first. ``state`` is a protocol state name (or ``ALERT`` via ``alert``)."""
-        q = select(_T)
+        q = select(*(_T.c[c] for c in _TXN_COLS))
         if sink is not None:
             q = q.where(_T.c.sink == sink)
         if state is not None:
@@ -573,10 +698,7 @@ class Store:
         out = []
         with self._read() as conn:
             for r in conn.execute(q).all():
-                brows = conn.execute(
-                    _SEL_BRANCHES, _kp((r.sink, r.lineage, r.checkpoint, r.attempt))
-                ).all()
-                out.append(Listed(_to_txn(r, brows), bool(r.alert), r.updated))
+                out.append(Listed(_to_txn(r), bool(r.alert), r.updated))
         return out
 
     def history(self, key: TxnKey) -> builtins.list[dict[str, Any]]:
@@ -679,7 +801,6 @@ class Store:
         params = [_kp(k) for k in keys]
         with self._write_lock, self.engine.begin() as conn:
             conn.execute(delete(_E).where(_key_where(_E)), params)
-            conn.execute(delete(_B).where(_key_where(_B)), params)
             conn.execute(delete(_T).where(_key_where(_T)), params)
         log.info("purged", extra={"transactions": len(keys)})
         return len(keys)

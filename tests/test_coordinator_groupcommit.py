@@ -1,0 +1,201 @@
+"""Group commit on SQLite: many requests, one transaction and one fsync, each judged alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, insert, select
+
+from coordinator import schema as s
+from coordinator.store import Store, TxnNotFound
+from twophase import protocol as p
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    st = Store(f"sqlite:///{tmp_path}/log.db")
+    yield st
+    st.close()
+
+
+def _sink() -> str:
+    return f"s{uuid.uuid4().hex[:10]}"
+
+
+def _wait(cond: Callable[[], bool], what: str) -> None:
+    end = time.monotonic() + 10
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def in_one_group(st: Store, calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
+    """Run ``calls`` concurrently so that the writer takes all of them as one group.
+
+    The test holds the store's write lock: the writer takes a first (plug) request and
+    blocks; the calls queue up behind it; releasing the lock commits the plug alone and
+    then every call together.
+    """
+    out: list[tuple[str, Any]] = [("none", None)] * len(calls)
+
+    def run(i: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[i] = ("ok", fn())
+        except BaseException as exc:
+            out[i] = ("err", exc)
+
+    lock: Any = st._write_lock
+    before = st.group_stats.largest
+    lock.acquire()
+    try:
+        plug = threading.Thread(target=st.register, args=(_sink(),))
+        plug.start()
+        _wait(lambda: st._writer is not None, "the writer thread")
+        time.sleep(0.05)
+        _wait(lambda: st._queue.qsize() == 0, "the writer to take the plug")
+        ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+        for t in ts:
+            t.start()
+        _wait(lambda: st._queue.qsize() == len(calls), "the calls to queue up")
+    finally:
+        lock.release()
+    for t in ts:
+        t.join(30)
+    plug.join(30)
+    assert st.group_stats.largest >= max(before, len(calls)), st.group_stats
+    return out
+
+
+def _decisions(st: Store, key: tuple[str, str, int, int]) -> int:
+    undecided = {"OPEN", "PREPARING"}
+    prev, n = "OPEN", 0
+    for ev in st.history(key):
+        if prev in undecided and ev["state"] not in undecided:
+            n += 1
+        prev = ev["state"]
+    return n
+
+
+def test_conflicting_writes_in_one_group_make_one_decision(store: Store) -> None:
+    sink = _sink()
+    epoch = store.register(sink).epoch
+    res = store.begin(p.Begin(sink, "L", 0, epoch, ("a", "b"), 2, time.time()))
+    assert res.txn is not None
+    key = res.txn.key
+    bids = list(res.txn.branches)
+    now = time.time()
+    calls: list[Callable[[], Any]] = []
+
+    def yes(b: str) -> Callable[[], Any]:
+        return lambda: store.apply(key, [p.Vote(b, epoch, True, now, {"h": b})])
+
+    calls += [yes(b) for b in bids]  # every branch votes YES (would COMMIT) ...
+    # ... while the writer abandons and one branch also votes NO (both would ABORT)
+    calls.append(lambda: store.apply(key, [p.Abandon(epoch, "writer gave up", now)]))
+    calls.append(lambda: store.apply(key, [p.Vote(bids[0], epoch, False, now,
+                                                  reason="disk full")]))
+    out = in_one_group(store, calls)
+    final = store.get(key)
+    assert final is not None and final.decision is not None
+    assert _decisions(store, key) == 1
+    for kind, val in out:
+        if kind == "ok":  # every answer that shows a decision shows the stored one
+            assert val.decision in (None, final.decision)
+        else:
+            assert isinstance(val, p.ProtocolError), val
+    assert sum(kind == "ok" for kind, _ in out) >= 1
+
+
+def test_a_failing_request_does_not_fail_its_group(store: Store) -> None:
+    keys = []
+    for _ in range(3):  # three writers, one open transaction each
+        sink = _sink()
+        epoch = store.register(sink).epoch
+        r = store.begin(p.Begin(sink, "L", 0, epoch, ("a",), 1, time.time()))
+        assert r.txn is not None
+        keys.append(r.txn.key)
+    bid = "a/0"
+    now = time.time()
+
+    def writes_then_fails(conn: Connection) -> tuple[None, list[Any]]:
+        conn.execute(insert(s.meta).values(key="half-done", value="x"))
+        raise RuntimeError("boom after a write")
+
+    calls: list[Callable[[], Any]] = [
+        lambda: store.apply(keys[0], [p.Vote(bid, epoch, True, now, {"h": "0"})]),
+        lambda: store.apply(keys[1], [p.Vote(bid, epoch - 1, True, now, {"h": "1"})]),
+        lambda: store.apply((sink, "L", 99, 1), [p.Vote(bid, epoch, True, now)]),
+        lambda: store._write(writes_then_fails),
+        lambda: store.apply(keys[2], [p.Vote(bid, epoch, True, now, {"h": "2"})]),
+    ]
+    out = in_one_group(store, calls)
+    assert out[0][0] == "ok" and out[0][1].decision == p.Decision.COMMIT
+    assert out[1][0] == "err" and isinstance(out[1][1], p.ProtocolError)
+    assert out[1][1].code == "stale_epoch"
+    assert out[2][0] == "err" and isinstance(out[2][1], TxnNotFound)
+    assert out[3][0] == "err" and "boom after a write" in str(out[3][1])
+    assert out[4][0] == "ok" and out[4][1].decision == p.Decision.COMMIT
+    # the failed request's own write was undone (its SAVEPOINT), the others are durable
+    with store.read_engine.connect() as conn:
+        assert conn.execute(select(s.meta).where(s.meta.c.key == "half-done")).first() is None
+    store.close()
+    again = Store(store.url)
+    try:
+        for k, want in ((keys[0], "COMMITTING"), (keys[1], "OPEN"), (keys[2], "COMMITTING")):
+            t = again.get(k)
+            assert t is not None and t.state.value == want, (k, t)
+    finally:
+        again.close()
+
+
+def test_many_concurrent_rounds_all_complete(store: Store) -> None:
+    """Threads running whole rounds share groups; every round ends COMMITTED."""
+    errors: list[BaseException] = []
+
+    def rounds() -> None:
+        try:
+            sink = _sink()
+            epoch = store.register(sink).epoch
+            for ckpt in range(5):
+                r = store.begin(p.Begin(sink, "L", ckpt, epoch, ("a", "b"), 2, time.time()))
+                assert r.txn is not None
+                k, bids = r.txn.key, list(r.txn.branches)
+                now = time.time()
+                t = store.apply(k, [p.Vote(b, epoch, True, now, {"h": b}) for b in bids])
+                assert t.decision == p.Decision.COMMIT
+                t = store.apply(k, [p.Ack(b, epoch, p.Decision.COMMIT, now) for b in bids])
+                assert t.state == p.State.COMMITTED
+            rec = store.sink(sink)
+            assert rec is not None and rec.last_committed == 4
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=rounds) for _ in range(12)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    assert store.group_stats.jobs == 12 * (1 + 5 * 3)
+    assert store.group_stats.groups < store.group_stats.jobs  # some requests shared a commit
+
+
+def test_store_without_group_commit_still_works(tmp_path: Path) -> None:
+    st = Store(f"sqlite:///{tmp_path}/plain.db", group_commit=False)
+    try:
+        sink = _sink()
+        epoch = st.register(sink).epoch
+        r = st.begin(p.Begin(sink, "L", 0, epoch, ("a",), 1, time.time()))
+        assert r.txn is not None
+        t = st.apply(r.txn.key, [p.Vote("a/0", epoch, True, time.time(), {"h": "x"})])
+        assert t.decision == p.Decision.COMMIT
+        assert st.group_stats.groups == 0 and st._writer is None
+    finally:
+        st.close()
