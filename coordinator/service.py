@@ -413,9 +413,9 @@ def create_app(
 
     @app.post("/v1/sinks/{sink}/register", tags=["sinks"], response_model=SinkOut,
               responses=_ERRORS)
-    def register(sink: SinkName) -> Response:
+    async def register(sink: SinkName) -> Response:
         """A writer (driver) starts: returns the sink's next epoch, fencing older writers."""
-        return _json(wire.encode_sink(st.register(sink)))
+        return _json(wire.encode_sink(await st.register_async(sink)))
 
     @app.get("/v1/sinks/{sink}", tags=["sinks"], response_model=SinkOut, responses=_ERRORS)
     def get_sink(sink: SinkName) -> Response:
@@ -426,9 +426,9 @@ def create_app(
 
     @app.post("/v1/sinks/{sink}/begin", tags=["sinks"], response_model=BeginOut,
               responses=_ERRORS)
-    def begin(sink: SinkName, body: BeginIn) -> Response:
+    async def begin(sink: SinkName, body: BeginIn) -> Response:
         """Start (or find) the attempt for a checkpoint; see protocol.begin."""
-        res = st.begin(
+        res = await st.begin_async(
             p.Begin(
                 sink=sink, lineage=body.lineage, checkpoint=body.checkpoint, epoch=body.epoch,
                 participants=tuple(body.participants), partitions=body.partitions,
@@ -438,8 +438,8 @@ def create_app(
         return _json(wire.encode_begin(res))
 
     @app.post(txn_path + "/votes", tags=["txns"], response_model=TxnOut, responses=_ERRORS)
-    def vote(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
-             body: VotesIn) -> Response:
+    async def vote(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                   body: VotesIn) -> Response:
         """Record one or more branch votes; the answer shows the decision if it was made."""
         now = st.clock()
         events: list[p.Event] = [
@@ -447,18 +447,18 @@ def create_app(
                    reason=v.reason)
             for v in body.votes
         ]
-        return txn_json(st.apply(key_of(sink, lineage, checkpoint, attempt), events))
+        return txn_json(await st.apply_async(key_of(sink, lineage, checkpoint, attempt), events))
 
     @app.post(txn_path + "/acks", tags=["txns"], response_model=TxnOut, responses=_ERRORS)
-    def ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
-            body: AcksIn) -> Response:
+    async def ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                  body: AcksIn) -> Response:
         """Branches confirm they applied the decision."""
         now = st.clock()
         events: list[p.Event] = [
             p.Ack(branch=a.branch, epoch=body.epoch, outcome=p.Decision(a.outcome), now=now)
             for a in body.acks
         ]
-        return txn_json(st.apply(key_of(sink, lineage, checkpoint, attempt), events))
+        return txn_json(await st.apply_async(key_of(sink, lineage, checkpoint, attempt), events))
 
     @app.post(txn_path + "/abandon", tags=["txns"], response_model=TxnOut, responses=_ERRORS)
     def abandon(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,

@@ -16,6 +16,7 @@ coordinator replicas may share one database; the CAS makes them agree.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import json
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
+import anyio.to_thread
 from sqlalchemy import (
     Connection,
     Engine,
@@ -106,6 +108,12 @@ class _Job:
     changes: list[Change] = field(default_factory=list)
     error: BaseException | None = None
     retry: bool = False  # a CAS conflict or a failed group commit: run again on its own
+    notify: Callable[[], None] | None = None  # wakes an event-loop caller
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 @dataclass
@@ -417,20 +425,46 @@ class Store:
     def _write(self, fn: Callable[[Connection], tuple[T, list[Change]]]) -> T:
         """Run ``fn`` in a write transaction (grouped on SQLite); report changes once durable."""
         if self.group_commit:
-            job = self._submit(fn)
+            job = _Job(fn)
+            self._enqueue(job)
+            job.done.wait()
             if job.error is not None:
                 raise job.error
             if not job.retry:
-                self._after_commit(job.changes)
                 return job.result  # type: ignore[no-any-return]
+        result, changes = self._write_alone(fn)
+        self._after_commit(changes)
+        return result
+
+    async def _write_async(self, fn: Callable[[Connection], tuple[T, list[Change]]]) -> T:
+        """:meth:`_write` for an event loop: with group commit it waits for the writer
+        without holding a worker thread (the HTTP hot path); otherwise in a worker thread."""
+        if self.group_commit:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def wake() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_settle, fut)
+
+            job = _Job(fn, notify=wake)
+            self._enqueue(job)
+            await fut
+            if job.error is not None:
+                raise job.error
+            if not job.retry:
+                return job.result  # type: ignore[no-any-return]
+            return await anyio.to_thread.run_sync(self._write_retry, fn)
+        return await anyio.to_thread.run_sync(self._write, fn)
+
+    def _write_retry(self, fn: Callable[[Connection], tuple[T, list[Change]]]) -> T:
         result, changes = self._write_alone(fn)
         self._after_commit(changes)
         return result
 
     # group commit (SQLite): one writer thread, one transaction and one fsync per group
 
-    def _submit(self, fn: Callable[[Connection], tuple[Any, list[Change]]]) -> _Job:
-        job = _Job(fn)
+    def _enqueue(self, job: _Job) -> None:
         if self._writer is None:
             with self._writer_start:
                 if self._writer is None:
@@ -439,8 +473,6 @@ class Store:
                     )
                     self._writer.start()
         self._queue.put(job)
-        job.done.wait()
-        return job
 
     def _writer_loop(self) -> None:
         stopping = False
@@ -460,9 +492,17 @@ class Store:
                 batch.append(nxt)
             try:
                 self._run_group(batch)
+                for job in batch:  # durable now: wake long-polls, then answer
+                    if job.error is None and not job.retry:
+                        try:
+                            self._after_commit(job.changes)
+                        except BaseException as exc:  # e.g. a failpoint: that request only
+                            job.error = exc
             finally:
                 for job in batch:
                     job.done.set()
+                    if job.notify is not None:
+                        job.notify()
 
     def _run_group(self, batch: Sequence[_Job]) -> None:
         """Each job in its own SAVEPOINT of one transaction; a failing job undoes only itself."""
@@ -599,16 +639,27 @@ class Store:
 
     def register(self, name: str) -> p.SinkRecord:
         """Hand out the sink's next writer epoch (fences every older writer)."""
+        return self._write(self._register_tx(name))
 
+    async def register_async(self, name: str) -> p.SinkRecord:
+        return await self._write_async(self._register_tx(name))
+
+    def _register_tx(self, name: str) -> Callable[[Connection], tuple[p.SinkRecord, list[Change]]]:
         def tx(conn: Connection) -> tuple[p.SinkRecord, list[Change]]:
             old, version = self._load_sink(conn, name)
             new = p.register(old, name)
             self._save_sink(conn, old, version, new)
             return new, []
 
-        return self._write(tx)
+        return tx
 
     def begin(self, req: p.Begin) -> p.BeginResult:
+        return self._write(self._begin_tx(req))
+
+    async def begin_async(self, req: p.Begin) -> p.BeginResult:
+        return await self._write_async(self._begin_tx(req))
+
+    def _begin_tx(self, req: p.Begin) -> Callable[[Connection], tuple[p.BeginResult, list[Change]]]:
         def tx(conn: Connection) -> tuple[p.BeginResult, list[Change]]:
             sink, version = self._load_sink(conn, req.sink)
             rows = _run(
@@ -630,14 +681,22 @@ class Store:
                 changes.append((old, t))
             return res, changes
 
-        return self._write(tx)
+        return tx
 
     def apply(self, key: TxnKey, events: Sequence[p.Event]) -> p.Transaction:
         """Apply events to one transaction, all or nothing, in one database transaction.
 
         Raises :class:`TxnNotFound` or the machine's :class:`~twophase.protocol.ProtocolError`.
         """
+        return self._write(self._apply_tx(key, events))
 
+    async def apply_async(self, key: TxnKey, events: Sequence[p.Event]) -> p.Transaction:
+        """:meth:`apply` for the service's event loop."""
+        return await self._write_async(self._apply_tx(key, events))
+
+    def _apply_tx(
+        self, key: TxnKey, events: Sequence[p.Event]
+    ) -> Callable[[Connection], tuple[p.Transaction, list[Change]]]:
         def tx(conn: Connection) -> tuple[p.Transaction, list[Change]]:
             old = self._load(conn, key)
             if old is None:
@@ -660,7 +719,7 @@ class Store:
                         self._save_sink(conn, sink, version, advanced)
             return new, [(old, new)]
 
-        return self._write(tx)
+        return tx
 
     # ----------------------------------------------------------------- reads
 

@@ -199,3 +199,30 @@ def test_store_without_group_commit_still_works(tmp_path: Path) -> None:
         assert st.group_stats.groups == 0 and st._writer is None
     finally:
         st.close()
+
+
+def test_async_writes_share_groups_and_fail_alone(store: Store) -> None:
+    """The service's event-loop path: no worker thread per request, same isolation."""
+    import asyncio
+
+    async def main() -> list[Any]:
+        sinks = [_sink() for _ in range(6)]
+        epochs = await asyncio.gather(*(store.register_async(sk) for sk in sinks))
+        begun = await asyncio.gather(*(
+            store.begin_async(p.Begin(sk, "L", 0, e.epoch, ("a",), 1, time.time()))
+            for sk, e in zip(sinks, epochs, strict=True)
+        ))
+        now = time.time()
+        votes = []
+        for i, (r, e) in enumerate(zip(begun, epochs, strict=True)):
+            assert r.txn is not None
+            epoch = e.epoch - 1 if i == 2 else e.epoch  # one stale writer
+            votes.append(store.apply_async(r.txn.key, [p.Vote("a/0", epoch, True, now, {})]))
+        return await asyncio.gather(*votes, return_exceptions=True)
+
+    out = asyncio.run(main())
+    assert isinstance(out[2], p.ProtocolError) and out[2].code == "stale_epoch"
+    for i, t in enumerate(out):
+        if i != 2:
+            assert isinstance(t, p.Transaction) and t.decision == p.Decision.COMMIT, t
+    assert store.group_stats.largest > 1  # gathered requests were committed together

@@ -149,6 +149,10 @@ class CoordinatorClient:
                 raise _refusal(resp)
             return resp.json()
 
+        try:  # the common case: one attempt, no retry machinery to build
+            return once()
+        except (httpx.TransportError, _Retryable):
+            pass
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
             wait=tenacity.wait_exponential(multiplier=0.05, max=2.0)
