@@ -12,10 +12,16 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from twophase.job import JobConfig, build_participants, expected_ids, run, write_input
+from twophase.job import (
+    JobConfig,
+    build_participants,
+    expected_ids,
+    place_batch,
+    run,
+    write_input,
+)
 from twophase.protocol import State
 from twophase.verify import verify
 
@@ -60,7 +66,7 @@ def test_every_id_exactly_once_in_every_system(spark: Any, job: JobConfig, pg_ds
 def test_empty_batch_commits_and_writes_nothing(spark: Any, job: JobConfig) -> None:
     write_input(job.input_dir, batches=1, rows_per_batch=10)
     empty = pa.table({"id": pa.array([], pa.int64())})
-    pq.write_table(empty, Path(job.input_dir) / "batch-000001.parquet")
+    place_batch(job.input_dir, 1, empty)
     write_input(job.input_dir, batches=1, rows_per_batch=10, first=2)
     sink = run(job, spark)
     assert [r.rows for r in sink.history] == [10, 0, 10]
@@ -91,7 +97,7 @@ def test_refused_batch_fails_query_naming_cause_and_leaves_nothing(
         )
     write_input(job.input_dir, batches=1, rows_per_batch=10)
     clash = pa.table({"id": pa.array([100, 100], pa.int64())})
-    pq.write_table(clash, Path(job.input_dir) / "batch-000001.parquet")
+    place_batch(job.input_dir, 1, clash)
     job.max_attempts = 2
     with pytest.raises(Exception) as info:
         run(job, spark, participants=None)

@@ -24,8 +24,16 @@ if TYPE_CHECKING:
 
     from twophase.spark import BatchReport
 
-__all__ = ["EVENT_DDL", "JobConfig", "build_participants", "expected_ids", "run", "spark_session",
-           "write_input"]
+__all__ = [
+    "EVENT_DDL",
+    "JobConfig",
+    "build_participants",
+    "expected_ids",
+    "place_batch",
+    "run",
+    "spark_session",
+    "write_input",
+]
 
 EVENT_DDL = "id long, customer string, amount decimal(12,2), ts timestamp"
 
@@ -62,10 +70,8 @@ def write_input(input_dir: str | Path, batches: int, rows_per_batch: int, first:
     import decimal
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     out = Path(input_dir)
-    out.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([
         ("id", pa.int64()), ("customer", pa.string()), ("amount", pa.decimal128(12, 2)),
         ("ts", pa.timestamp("us", tz="UTC")),
@@ -82,9 +88,26 @@ def write_input(input_dir: str | Path, batches: int, rows_per_batch: int, first:
             },
             schema=schema,
         )
-        tmp = out / f".batch-{b:06d}.parquet.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, out / f"batch-{b:06d}.parquet")  # the source never sees half a file
+        place_batch(out, b, table)
+
+
+def place_batch(input_dir: str | Path, index: int, table: Any) -> Path:
+    """Write one input file so that the file source reads it as batch ``index``.
+
+    Spark's file source orders new files by modification time only; files written within
+    the same clock tick would come in any order, so the mtime is set from ``index``.
+    """
+    import pyarrow.parquet as pq
+
+    out = Path(input_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".batch-{index:06d}.parquet.tmp"
+    pq.write_table(table, tmp)
+    stamp = 1_700_000_000 + index
+    os.utime(tmp, (stamp, stamp))
+    final = out / f"batch-{index:06d}.parquet"
+    os.replace(tmp, final)  # the source never sees half a file
+    return final
 
 
 def expected_ids(batches: int, rows_per_batch: int) -> list[int]:
