@@ -106,6 +106,18 @@ def _settle_earlier(
             client.ack((plan.sink, plan.lineage, plan.checkpoint, attempt), plan.epoch, acks)
 
 
+def _apply(
+    part: Participant, ref: BranchRef, handle: Handle | None, decision: Decision
+) -> None:
+    """Apply the decision to one branch, between the commit failpoints."""
+    failpoints.hit("before_commit", part.name, ref.partition)
+    if decision == Decision.COMMIT:
+        part.commit(ref, handle)
+    else:
+        part.abort(ref, handle)
+    failpoints.hit("after_commit", part.name, ref.partition)
+
+
 def _finish_commit(
     plan: BatchPlan,
     partition: int,
@@ -122,16 +134,11 @@ def _finish_commit(
         bid = branch_id(part.name, partition)
         status = part.status(ref)
         if status == BranchStatus.PREPARED:
-            failpoints.hit("before_commit", part.name, partition)
-            part.commit(ref, plan.handles.get(bid))
-            failpoints.hit("after_commit", part.name, partition)
+            _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
         elif status == BranchStatus.ABSENT:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
-            handle = part.prepare(ref, schema, batches)
-            failpoints.hit("before_commit", part.name, partition)
-            part.commit(ref, handle)
-            failpoints.hit("after_commit", part.name, partition)
+            _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
     failpoints.hit("before_ack", None, partition)
@@ -184,12 +191,7 @@ def _run_attempt(
     t2 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
     for part, ref, handle in prepared:
-        failpoints.hit("before_commit", part.name, partition)
-        if decision == Decision.COMMIT:
-            part.commit(ref, handle)
-        else:
-            part.abort(ref, handle)
-        failpoints.hit("after_commit", part.name, partition)
+        _apply(part, ref, handle, decision)
         acks.append((ref.branch_id, decision))
     failpoints.hit("before_ack", None, partition)
     if acks:
