@@ -6,12 +6,15 @@ with ``UPDATE ... WHERE version = :old`` (compare-and-set). When the UPDATE hits
 another writer (a second replica) got there first: roll back, reload, run the machine
 again. No protocol rule lives here; this module only loads, stores and retries.
 
-SQLite: WAL, ``synchronous=FULL``, a busy timeout, ``BEGIN IMMEDIATE`` for writes, and an
-in-process lock so that the single writer never spins on SQLITE_BUSY. Writes go through
-*group commit*: one writer thread runs every request queued meanwhile inside one database
-transaction (each in its own SAVEPOINT, so a refusal only undoes that request) and one
-fsync, and answers each request after that commit. PostgreSQL: psycopg 3, several
-coordinator replicas may share one database; the CAS makes them agree.
+Writes go through *group commit*: one writer thread per Store runs every request queued
+meanwhile inside one database transaction (each in its own SAVEPOINT, so a refusal only
+undoes that request) and one commit (one fsync), and answers each request after that
+commit. A request whose CAS lost to another replica, or that hit a transient error, is
+run again on its own (the classic retry loop), as is every request of a group whose
+commit failed. SQLite: WAL, ``synchronous=FULL``, a busy timeout, ``BEGIN IMMEDIATE`` for
+writes, and an in-process lock so that the single writer never spins on SQLITE_BUSY.
+PostgreSQL: psycopg 3, several coordinator replicas may share one database; the CAS makes
+them agree. ``group_commit=False`` runs each request in its own transaction instead.
 """
 
 from __future__ import annotations
@@ -347,7 +350,6 @@ class Store:
             self.read_engine = self._sqlite_engine(immediate=False)
             self._write_lock: contextlib.AbstractContextManager[Any] = threading.Lock()
         else:
-            group_commit = False  # replicas share PostgreSQL: row locks + CAS, no one writer
             self.engine = create_engine(
                 self.url, pool_size=pool_size, max_overflow=pool_size * 2, pool_pre_ping=False
             )
@@ -514,7 +516,9 @@ class Store:
                         job.result, job.changes = job.fn(conn)
                     except BaseException as exc:
                         _run(conn, "ROLLBACK TO twophase_job", ())
-                        if isinstance(exc, (_Conflict, IntegrityError)):
+                        if isinstance(exc, (_Conflict, IntegrityError)) or (
+                            isinstance(exc, OperationalError) and _transient(exc)
+                        ):
                             job.retry = True
                         else:
                             job.error = exc  # handed to that request alone
