@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import pyspark  # noqa: F401
     except ImportError:
-        console.print("twophase demo needs the spark extra: pip install 'twophase[all]'")
+        console.print("twophase demo needs the spark extra: pip install 'twophase\\[all]'")
         return 2
     from twophase.job import JobConfig, build_participants, expected_ids, write_input
     from twophase.job import run as run_job
