@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Connection, insert, select
 
 from coordinator import schema as s
-from coordinator.store import Store, TxnNotFound
+from coordinator.store import Store, TxnNotFound, _Job
 from twophase import protocol as p
 
 
@@ -55,10 +55,8 @@ def in_one_group(st: Store, calls: list[Callable[[], Any]]) -> list[tuple[str, A
     before = st.group_stats.largest
     lock.acquire()
     try:
-        plug = threading.Thread(target=st.register, args=(_sink(),))
-        plug.start()
-        _wait(lambda: st._writer is not None, "the writer thread")
-        time.sleep(0.05)
+        plug = _Job(lambda conn: (None, []))
+        st._enqueue(plug)  # queued before this returns: qsize 0 means the writer took it
         _wait(lambda: st._queue.qsize() == 0, "the writer to take the plug")
         ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
         for t in ts:
@@ -68,7 +66,7 @@ def in_one_group(st: Store, calls: list[Callable[[], Any]]) -> list[tuple[str, A
         lock.release()
     for t in ts:
         t.join(30)
-    plug.join(30)
+    assert plug.done.wait(30) and plug.error is None
     assert st.group_stats.largest >= max(before, len(calls)), st.group_stats
     return out
 
