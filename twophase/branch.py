@@ -182,11 +182,12 @@ def _run_attempt(
         _vote_and_abort(plan, client, votes, prepared)
         raise
     out.prepare_s = time.perf_counter() - t0
-    client.vote(plan.key, plan.epoch, votes)
+    answer = client.vote(plan.key, plan.epoch, votes)
     failpoints.hit("after_vote", None, partition)
 
     t1 = time.perf_counter()
-    decision = _await_decision(plan, client)
+    # The last voter's answer already carries the decision: no long-poll needed then.
+    decision = answer.decision or _await_decision(plan, client)
     out.wait_s = time.perf_counter() - t1
     t2 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
