@@ -1,10 +1,10 @@
 """Participant throughput against the raw library doing the same writes, in one run.
 
-Reproduce (from the repository root, with the dev venv)::
+Reproduce (from the repository root, after `bash scripts/test.sh` made .venv)::
 
-    /work/venv-dev/bin/python bench/participants.py                 # 10k and 100k rows
-    /work/venv-dev/bin/python bench/participants.py --sizes 10000 --repeats 9
-    /work/venv-dev/bin/python bench/participants.py --dsn postgresql://u@host/db
+    .venv/bin/python bench/participants.py                 # 10k and 100k rows
+    .venv/bin/python bench/participants.py --sizes 10000 --repeats 9
+    .venv/bin/python bench/participants.py --dsn postgresql://u@host/db
 
 Without ``--dsn`` a private PostgreSQL server (``twophase.localpg``, fsync on unless
 ``--no-fsync``) is started in a temporary folder and stopped at the end; files go to a

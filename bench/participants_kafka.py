@@ -2,8 +2,8 @@
 
 Reproduce (from the repository root, with the dev venv)::
 
-    /work/venv-dev/bin/python bench/participants_kafka.py                  # tansu, 10k + 100k
-    /work/venv-dev/bin/python bench/participants_kafka.py --bootstrap host:9092 --repeats 9
+    .venv/bin/python bench/participants_kafka.py                  # tansu, 10k + 100k
+    .venv/bin/python bench/participants_kafka.py --bootstrap host:9092 --repeats 9
 
 Without ``--bootstrap`` a private tansu broker (``twophase.localkafka``) is started and
 stopped at the end. Compared (median of ``--repeats`` alternating runs, fresh topic each):
