@@ -466,17 +466,18 @@ class _Chaos:
         """Block until the failpoint fired (returns where) or the job ended without it."""
         deadline = time.monotonic() + self.o.run_timeout
         while time.monotonic() < deadline:
+            ended = not job.alive  # read before the once-dir: a firing then is seen below
             fired = failpoints.fired(str(once))
-            if victim == "driver" and not job.alive:
+            if victim == "driver" and ended:
                 job.wait(30)
                 return fired[0] if fired and job.proc.returncode == -signal.SIGKILL else None
             if victim == "coordinator":
                 assert self.daemon is not None
                 if not self.daemon.alive:
-                    return fired[0] if fired else "daemon killed"
+                    return (failpoints.fired(str(once)) or ["daemon killed"])[0]
             if victim == "worker" and fired:
                 return fired[0]
-            if victim != "driver" and not job.alive:
+            if victim != "driver" and ended:
                 return None
             time.sleep(0.05)
         raise ChaosError(f"run {job.number} neither fired its failpoint nor ended within "
