@@ -34,6 +34,10 @@ class SystemReport:
     examples: dict[str, list[Any]] = field(default_factory=dict)
     exact: bool = True  # False when the reader cannot judge exactly-once (e.g. tansu)
     note: str = ""
+    # Temp files of a prepare killed mid-write (files: ``_twophase_staging/.*.tmp``): never
+    # visible to readers and never prepared (the staged name did not appear), so they do not
+    # break exactly-once; reported so the litter is seen.
+    temp_leftovers: int = 0
 
     @property
     def ok(self) -> bool:
@@ -68,6 +72,9 @@ class VerifyReport:
                 f"missing={s.missing:<5} unexpected={s.unexpected:<5} "
                 f"prepared_leftovers={s.prepared_leftovers:<3} {verdict}"
             )
+            if s.temp_leftovers:
+                out.append(f"  {'':<24} + {s.temp_leftovers} temp file(s) of a prepare killed "
+                           "mid-write (never visible, not prepared)")
         return out
 
 
@@ -102,8 +109,20 @@ def _file_ids(p: Any, column: str) -> tuple[list[Any], int]:
     if files:
         ids = ds.dataset(files, format=fmt).to_table(columns=[column]).column(column).to_pylist()
     staging = path / "_twophase_staging"
-    leftovers = sum(1 for f in staging.iterdir() if f.is_file()) if staging.exists() else 0
+    leftovers = sum(1 for f in staging.iterdir() if f.is_file() and not _is_temp(f.name)) \
+        if staging.exists() else 0
     return ids, leftovers
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _file_temp_leftovers(p: Any) -> int:
+    staging = p.path / "_twophase_staging"
+    if not staging.exists():
+        return 0
+    return sum(1 for f in staging.iterdir() if f.is_file() and _is_temp(f.name))
 
 
 def _kafka_ids(p: Any, column: str) -> tuple[list[Any], int]:
@@ -196,6 +215,7 @@ def verify(
                           "unexpected": unexpected[:5]},
                 exact=exact,
                 note="" if exact else "broker shows aborted records (tansu)",
+                temp_leftovers=_file_temp_leftovers(p) if p.kind == "files" else 0,
             )
         )
     return VerifyReport(expected=len(want), systems=systems)
