@@ -199,6 +199,10 @@ class _Sql:
             f"SELECT {cols} FROM {t} WHERE sink = :k_sink AND lineage = :k_lineage "
             "AND checkpoint = :k_checkpoint ORDER BY attempt"
         )
+        self.sel_committing_other = q(
+            f"SELECT {cols} FROM {t} WHERE sink = :k_sink AND lineage <> :k_lineage "
+            "AND state = 'COMMITTING'"
+        )
         self.ins_txn = q(_ins(t, _TXN_INS_COLS))
         self.upd_txn = q(
             f"UPDATE {t} SET state = :state, reason = :reason, branches = :branches, "
@@ -671,7 +675,14 @@ class Store:
                 {"k_sink": req.sink, "k_lineage": req.lineage, "k_checkpoint": req.checkpoint},
             ).fetchall()
             attempts = tuple(_to_txn(r) for r in rows)
-            res = p.begin(sink, attempts, req)
+            elsewhere: tuple[p.Transaction, ...] = ()
+            if sink is not None and sink.lineage not in (None, req.lineage):
+                others = _run(
+                    conn, self._sql.sel_committing_other,
+                    {"k_sink": req.sink, "k_lineage": req.lineage},
+                ).fetchall()
+                elsewhere = tuple(_to_txn(r) for r in others)
+            res = p.begin(sink, attempts, req, committing_elsewhere=elsewhere)
             if res.sink != sink:
                 self._save_sink(conn, sink, version, res.sink)
             by_attempt = {a.attempt: a for a in attempts}

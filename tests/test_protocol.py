@@ -235,3 +235,29 @@ def test_branch_id_validation(bad: str) -> None:
     with pytest.raises(ValueError):
         p.branch_id(bad, 0)
     assert p.parse_branch_id(p.branch_id("pg.orders-1", 12)) == ("pg.orders-1", 12)
+
+
+def test_begin_refuses_a_changed_participant_set() -> None:
+    txn = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    with pytest.raises(p.ProtocolError, match=r"added \['kafka'\], removed \['files'\]"):
+        p.begin(rec, (txn,), _begin(epoch=2, participants=("pg", "kafka")))
+
+
+def test_in_doubt_also_settles_earlier_aborting_attempts() -> None:
+    first = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (first,), _begin(epoch=2))
+    aborting, second = res.changed
+    assert aborting.state == State.ABORTING
+    committing = _vote_all(second)
+    again = p.begin(res.sink, (aborting, committing), _begin(epoch=3))
+    assert again.kind == BeginKind.IN_DOUBT
+    assert [t.attempt for t in again.recover] == [1, 2]
+
+
+def test_new_lineage_refused_while_an_old_lineage_batch_is_committing() -> None:
+    committing = _vote_all(_new())
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    with pytest.raises(p.ProtocolError, match="twophase resolve"):
+        p.begin(rec, (), _begin(epoch=2, lineage="lin-b"), committing_elsewhere=(committing,))

@@ -479,10 +479,18 @@ class BeginResult:
 
 
 def begin(
-    sink: SinkRecord | None, attempts: tuple[Transaction, ...], req: Begin
+    sink: SinkRecord | None,
+    attempts: tuple[Transaction, ...],
+    req: Begin,
+    *,
+    committing_elsewhere: tuple[Transaction, ...] = (),
 ) -> BeginResult:
     """Decide what a driver's ``begin`` means, from the sink row and every earlier
     attempt of this checkpoint in this lineage (oldest first).
+
+    ``committing_elsewhere`` are the sink's COMMITTING transactions of other lineages:
+    a switch to a new lineage is refused while one exists, because the old lineage
+    would never be replayed to finish it (a lost Kafka branch would stay lost).
 
     The caller persists ``result.sink`` and every transaction in ``result.changed``
     (including a new ``result.txn``) atomically.
@@ -499,6 +507,27 @@ def begin(
     if req.epoch < rec.epoch:
         raise StaleEpoch(f"epoch {req.epoch} is older than sink {req.sink!r}'s epoch {rec.epoch}")
     new_lineage = rec.lineage is not None and rec.lineage != req.lineage
+    if new_lineage:
+        pending = [t for t in committing_elsewhere if t.lineage != req.lineage]
+        if pending:
+            names = ", ".join(f"{t.lineage}/{t.checkpoint}/attempt-{t.attempt}" for t in pending)
+            raise ProtocolError(
+                f"sink {req.sink!r} starts lineage {req.lineage} (a new checkpoint location) "
+                f"while committed batches of an earlier lineage are unfinished: {names}. "
+                "Restart the query from its old checkpoint to finish them, or run "
+                "`twophase resolve` for the sink, then start the new checkpoint."
+            )
+    if attempts:
+        stored = {parse_branch_id(b)[0] for b in attempts[0].branches}
+        if stored != set(req.participants):
+            added = sorted(set(req.participants) - stored)
+            removed = sorted(stored - set(req.participants))
+            raise ProtocolError(
+                f"sink {req.sink!r} checkpoint {req.checkpoint} was begun with participants "
+                f"{sorted(stored)}; this writer has {sorted(req.participants)} (added "
+                f"{added}, removed {removed}). A batch must finish with the participants it "
+                "started with: restore them until this batch commits, or resolve it."
+            )
     rec = replace(
         rec,
         epoch=req.epoch,
@@ -520,8 +549,10 @@ def begin(
     if latest.state == State.COMMITTED:
         return BeginResult(BeginKind.COMMITTED, rec, latest, new_lineage=new_lineage)
     if latest.state == State.COMMITTING:
+        aborting = tuple(a for a in attempts[:-1] if a.state == State.ABORTING)
         return BeginResult(
-            BeginKind.IN_DOUBT, rec, latest, recover=(latest,), new_lineage=new_lineage
+            BeginKind.IN_DOUBT, rec, latest, recover=(*aborting, latest),
+            new_lineage=new_lineage,
         )
     changed: list[Transaction] = []
     if not latest.state.decided:
