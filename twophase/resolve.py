@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from twophase.client import TransactionNotFound
 from twophase.participant import BranchRef, BranchStatus, Participant
 from twophase.protocol import Decision, State, Transaction, parse_branch_id
 
@@ -91,8 +92,10 @@ def resolve_sink(
             try:
                 txn = client.get((ref.sink, ref.lineage, ref.checkpoint, ref.attempt))
                 decision = txn.effective_decision
-            except Exception:  # no record: presumed abort
+            except TransactionNotFound:  # no record: presumed abort
                 decision = Decision.ABORT
+            # Any other error propagates: a branch must never be aborted because the
+            # coordinator could not be asked (its decision may be COMMIT).
             act = _settle(part, ref, BranchStatus.PREPARED, decision, None, dry_run)
             report.actions.append(
                 Action(f"{ref.sink}/{ref.lineage}/{ref.checkpoint}/attempt-{ref.attempt}",
