@@ -48,7 +48,7 @@ class BatchPlan:
     partitions: int
     mode: str  # "run" a new attempt, or "finish" one whose decision is COMMIT
     coordinator_url: str
-    token: str | None
+    token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
     participants: tuple[Participant, ...]
     handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
@@ -118,6 +118,18 @@ def _apply(
     failpoints.hit("after_commit", part.name, ref.partition)
 
 
+def _check_redo_rows(plan: BatchPlan, part: Participant, partition: int, rows: int) -> None:
+    """A redo must write what was voted on. If the replayed batch differs (a
+    nondeterministic column or source), refuse rather than land other rows."""
+    voted = plan.handles.get(branch_id(part.name, partition), {}).get("rows")
+    if voted is not None and voted.isdigit() and int(voted) != rows:
+        raise ParticipantError(
+            f"{part.describe()} partition {partition}: the replayed batch has {rows} rows "
+            f"but the committed vote had {voted}; the query's input or transformation is "
+            "not deterministic, so the lost branch cannot be redone exactly"
+        )
+
+
 def _finish_commit(
     plan: BatchPlan,
     partition: int,
@@ -138,6 +150,7 @@ def _finish_commit(
         elif status == BranchStatus.ABSENT:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
+            _check_redo_rows(plan, part, partition, out.rows)
             _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
