@@ -244,3 +244,19 @@ def _lineage(job: JobConfig) -> str:
         return str(store.list(sink=job.sink)[0].txn.lineage)
     finally:
         store.close()
+
+
+def test_sink_construction_checks(tmp_path: Path) -> None:
+    from sinks.files import StagedFileParticipant
+    from sinks.kafka import KafkaParticipant
+    from twophase.spark import TransactionalSink
+
+    kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
+                             transaction_timeout_ms=60_000)
+    with pytest.raises(ValueError, match="must exceed the sink's vote window"):
+        TransactionalSink("s", [kafka], "sqlite:///x.db", vote_timeout=300)
+    files = StagedFileParticipant(path=str(tmp_path))
+    with pytest.raises(ValueError, match="invalid lineage"):
+        TransactionalSink("s", [files], "sqlite:///x.db", lineage="job_1")
+    with pytest.raises(ValueError, match="unique"):
+        TransactionalSink("s", [files, files], "sqlite:///x.db")

@@ -38,7 +38,8 @@ Handle = Mapping[str, str]
 """What a YES vote carries: all a later process needs to commit or abort the branch."""
 
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_LINEAGE_RE: Final = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+LINEAGE_RE: Final = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_LINEAGE_RE: Final = LINEAGE_RE
 
 
 def validate_name(kind: str, value: str, pattern: re.Pattern[str] = _NAME_RE) -> str:

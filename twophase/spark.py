@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.branch import BatchPlan, run_partition
-from twophase.participant import Participant, validate_name
+from twophase.participant import LINEAGE_RE, Participant, validate_name
 from twophase.protocol import BeginKind, Decision, State
 
 if TYPE_CHECKING:
@@ -106,7 +106,19 @@ class TransactionalSink:
         self.max_attempts = max_attempts
         self.backoff = backoff
         self.vote_timeout = vote_timeout
+        if lineage is not None:
+            validate_name("lineage", lineage, LINEAGE_RE)
         self.lineage = lineage
+        for p in participants:
+            # A Kafka transaction must outlive the vote window, or the broker aborts it
+            # while the other branches are still preparing.
+            timeout_ms = getattr(p, "transaction_timeout_ms", None)
+            if timeout_ms is not None and timeout_ms / 1000 <= vote_timeout + 60:
+                raise ValueError(
+                    f"{p.describe()}: transaction_timeout_ms={timeout_ms} must exceed the "
+                    f"sink's vote window (vote_timeout {vote_timeout:.0f}s + 60s); raise it "
+                    "(within the broker's transaction.max.timeout.ms) or lower vote_timeout"
+                )
         self.on_batch = on_batch
         self.history: list[BatchReport] = []
         self._conn: Connection | None = None
@@ -134,7 +146,7 @@ class TransactionalSink:
 
     def _lineage(self, df: DataFrame) -> str:
         if self.lineage is not None:
-            return validate_name("lineage", self.lineage)
+            return self.lineage
         qid = df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
         if not qid:
             raise BatchFailed(
@@ -198,6 +210,8 @@ class TransactionalSink:
                 final = client.abandon(
                     final.key, self._epoch, f"Spark job failed: {job_error or 'unknown'}"
                 )
+                if final.decision == Decision.COMMIT:
+                    continue  # the last vote won the race with abandon: finish the commit
             reason = final.reason or job_error or "aborted"
             aborted += 1
             log.warning("sink %s batch %d attempt %d aborted: %s",
