@@ -177,7 +177,7 @@ class KafkaParticipant(Participant):
         key: str | None = None,
         value: str | None = None,
         name: str | None = None,
-        transaction_timeout_ms: int = 60_000,
+        transaction_timeout_ms: int = 600_000,
         connect_timeout_s: float = 30.0,
         commit_retry_s: float = 120.0,
     ) -> None:
@@ -636,7 +636,9 @@ class KafkaParticipant(Participant):
             except Exception as exc:
                 err = _kafka_error(exc)
                 if err is not None and err.fatal():
-                    pass  # fenced: whoever fenced us aborted the transaction; fence anew
+                    # Fenced: a newer producer of this transactional.id already aborted our
+                    # transaction. Fencing again here would abort *its* open transaction.
+                    return
                 else:
                     raise ParticipantError(
                         f"{self.describe()}: abort of branch {branch.branch_id} failed: "
