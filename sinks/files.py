@@ -41,7 +41,8 @@ __all__ = ["STAGING_DIR", "StagedFileParticipant"]
 STAGING_DIR: Final = "_twophase_staging"
 _FORMATS: Final = {"parquet": "parquet", "jsonl": "jsonl"}
 _STAGED_RE: Final = re.compile(
-    r"^(?P<sink>[A-Za-z0-9_.-]+)~part-(?P<lineage>[A-Za-z0-9-]+)-(?P<checkpoint>\d{20})-"
+    r"^(?P<sink>[A-Za-z0-9_.-]+)~part-(?P=sink)~(?P<lineage>[A-Za-z0-9-]+)-"
+    r"(?P<checkpoint>\d{20})-"
     r"(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})\.attempt-(?P<attempt>\d+)\.(?P<ext>\w+)$"
 )
 
@@ -95,9 +96,11 @@ class StagedFileParticipant(Participant):
 
     def final_path(self, branch: BranchRef) -> Path:
         self._own(branch)
+        # The sink is in the name: two sinks sharing a folder never take each other's
+        # files for "already committed" (and so never drop rows).
         return self.path / (
-            f"part-{branch.lineage}-{branch.checkpoint:020d}-{branch.participant}-"
-            f"{branch.partition:05d}.{self.ext}"
+            f"part-{branch.sink}~{branch.lineage}-{branch.checkpoint:020d}-"
+            f"{branch.participant}-{branch.partition:05d}.{self.ext}"
         )
 
     def staged_path(self, branch: BranchRef) -> Path:
@@ -146,6 +149,7 @@ class StagedFileParticipant(Participant):
             self.staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise PrepareRefused(f"{self.describe()}: cannot create staging: {exc}") from exc
+        self._remove_torn(branch, every_attempt=True)  # left by a killed earlier attempt
         tmp = staged.with_name(f".{staged.name}.{uuid.uuid4().hex}.tmp")
         try:
             rows = self._write(tmp, schema, batches)
@@ -202,8 +206,21 @@ class StagedFileParticipant(Participant):
         # reappear after a crash, status() still says COMMITTED (the final file exists).
         _fsync_dir(self.path)
 
+    def _remove_torn(self, branch: BranchRef, *, every_attempt: bool) -> None:
+        """Delete temp files of a prepare killed mid-write. They were never prepared
+        (never renamed to the staged name), so no reader or status sees them, but
+        nothing else would ever delete them."""
+        staged = self.staged_path(branch)
+        stem = staged.name
+        if every_attempt:
+            stem = stem[: stem.rindex(".attempt-")] + ".attempt-*." + self.ext
+        for torn in self.staging.glob(f".{stem}.*.tmp"):
+            with suppress(FileNotFoundError):
+                torn.unlink()
+
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         staged = self.staged_path(branch)
+        self._remove_torn(branch, every_attempt=False)
         try:
             staged.unlink()
         except FileNotFoundError:

@@ -40,9 +40,9 @@ def test_file_names_and_handle(tmp_path: Path) -> None:
     assert p.name == "files-out" and p.kind == "files" and p.durable_prepare
     b = _branch(p, checkpoint=42, attempt=2, partition=7)
     h = p.prepare(b, SCHEMA, [_batch([1, 2])])
-    staged = f"s~part-lin-1-{42:020d}-files-out-00007.attempt-2.parquet"
+    staged = f"s~part-s~lin-1-{42:020d}-files-out-00007.attempt-2.parquet"
     assert dict(h) == {"kind": "files", "participant": "files-out", "staged": staged,
-                       "final": f"part-lin-1-{42:020d}-files-out-00007.parquet",
+                       "final": f"part-s~lin-1-{42:020d}-files-out-00007.parquet",
                        "rows": "2", "state": "prepared"}
     assert _all_files(tmp_path / "out") == [f"{STAGING_DIR}/{staged}"]
     p.commit(b, h)
