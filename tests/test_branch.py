@@ -167,6 +167,13 @@ def test_redo_refuses_a_replay_that_differs_from_the_vote(setup) -> None:  # typ
     with pytest.raises(Exception, match="not deterministic"):
         run_partition(finish, 0, SCHEMA, _batch(0, n=7))
     assert files.status(finish.ref(files, 0)) == BranchStatus.ABSENT
+    # the same replay as voted then finishes the batch (and leaves nothing prepared on
+    # the suite's shared server)
+    _run_all(finish)
+    assert client.get(plan.key).state == State.COMMITTED
+    want = [p * 1000 + i for p in range(2) for i in range(5)]
+    report = verify(parts, want, sink=sink)
+    assert report.ok, report.lines()
 
 
 def test_two_sinks_share_a_files_folder_without_dropping_rows(tmp_path: Path) -> None:
