@@ -7,6 +7,7 @@ import itertools
 import pickle
 import threading
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -58,6 +59,19 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
                                            if t.attempt != res.txn.attempt),
     )
     return plan, res.kind
+
+
+def _prepare_and_vote_yes(plan: BatchPlan, parts: list[Participant], client: Any,
+                          epoch: int) -> None:
+    """Every branch prepares and votes YES by hand: COMMIT is decided, nothing applied."""
+    from twophase.client import VoteIn
+
+    for p in range(2):
+        votes = []
+        for part in parts:
+            handle = part.prepare(plan.ref(part, p), SCHEMA, _batch(p))
+            votes.append(VoteIn(branch=f"{part.name}/{p}", yes=True, handle=dict(handle)))
+        client.vote(plan.key, epoch, votes)
 
 
 def _run_all(plan: BatchPlan) -> list[BranchOutcome]:
@@ -123,14 +137,7 @@ def test_finish_mode_commits_prepared_and_redoes_lost(setup) -> None:  # type: i
     client = conn.client()
     epoch = client.register(sink)
     plan, _ = _plan(sink, parts, conn, epoch)
-    from twophase.client import VoteIn
-
-    for p in range(2):
-        votes = []
-        for part in parts:
-            handle = part.prepare(plan.ref(part, p), SCHEMA, _batch(p))
-            votes.append(VoteIn(branch=f"{part.name}/{p}", yes=True, handle=dict(handle)))
-        client.vote(plan.key, epoch, votes)
+    _prepare_and_vote_yes(plan, parts, client, epoch)
     assert client.get(plan.key).state == State.COMMITTING
     files = parts[1]
     files.abort(plan.ref(files, 1), None)  # the "lost" branch
@@ -153,14 +160,7 @@ def test_redo_refuses_a_replay_that_differs_from_the_vote(setup) -> None:  # typ
     client = conn.client()
     epoch = client.register(sink)
     plan, _ = _plan(sink, parts, conn, epoch)
-    from twophase.client import VoteIn
-
-    for p in range(2):
-        votes = []
-        for part in parts:
-            handle = part.prepare(plan.ref(part, p), SCHEMA, _batch(p))
-            votes.append(VoteIn(branch=f"{part.name}/{p}", yes=True, handle=dict(handle)))
-        client.vote(plan.key, epoch, votes)
+    _prepare_and_vote_yes(plan, parts, client, epoch)
     files = parts[1]
     files.abort(plan.ref(files, 0), None)  # lost
     finish, _ = _plan(sink, parts, conn, client.register(sink))

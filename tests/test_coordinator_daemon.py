@@ -15,23 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
-from psycopg import sql
 
 from coordinator.store import Store
+from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
 from twophase.client import CoordinatorClient, VoteIn
 from twophase.localpg import free_port
 
 TOKEN = "test-token-123"
-
-
-def fresh_pg_db(dsn: str, prefix: str) -> str:
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return dsn.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(scope="module")

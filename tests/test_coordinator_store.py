@@ -8,20 +8,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from coordinator.background import Background, Settings, parse_duration
 from coordinator.store import SchemaMismatch, Store, TxnNotFound, normalize_url
+from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
-
-
-def fresh_pg_db(dsn: str, prefix: str) -> str:
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return dsn.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(scope="module")
