@@ -125,8 +125,17 @@ def _file_temp_leftovers(p: Any) -> int:
     return sum(1 for f in staging.iterdir() if f.is_file() and _is_temp(f.name))
 
 
-def _kafka_ids(p: Any, column: str) -> tuple[list[Any], int]:
-    from confluent_kafka import Consumer, TopicPartition
+def _kafka_ids(p: Any, column: str, timeout: float = 120.0) -> tuple[list[Any], int]:
+    """Read the topic to its end with a ``read_committed`` consumer.
+
+    Robust to a slow or briefly confused broker: the topic's metadata and end offsets are
+    retried until they answer, and a partition is done when the consumer's *position*
+    reaches the end offset (the last offsets of a transactional topic are commit
+    markers, which are never delivered as messages).
+    """
+    import time
+
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     conf = dict(p.config)
     conf.update({
@@ -135,31 +144,43 @@ def _kafka_ids(p: Any, column: str) -> tuple[list[Any], int]:
         "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",
     })
+    deadline = time.monotonic() + timeout
     consumer = Consumer(conf)
     ids: list[Any] = []
     try:
-        meta = consumer.list_topics(p.topic, timeout=10)
-        parts = meta.topics[p.topic].partitions
-        tps = [TopicPartition(p.topic, i, 0) for i in parts]
-        ends = {i: consumer.get_watermark_offsets(TopicPartition(p.topic, i), timeout=10)[1]
-                for i in parts}
-        consumer.assign(tps)
-        done = {i for i, end in ends.items() if end == 0}
-        idle = 0
-        while len(done) < len(ends) and idle < 20:
+        while True:
+            try:
+                meta = consumer.list_topics(p.topic, timeout=10)
+                topic = meta.topics.get(p.topic)
+                if topic is not None and topic.error is None and topic.partitions:
+                    parts = sorted(topic.partitions)
+                    ends = {
+                        i: consumer.get_watermark_offsets(
+                            TopicPartition(p.topic, i), timeout=10)[1]
+                        for i in parts
+                    }
+                    break
+            except KafkaException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"verify: no metadata for Kafka topic {p.topic!r}")
+            time.sleep(0.5)
+        consumer.assign([TopicPartition(p.topic, i, 0) for i in parts])
+        pending = {i for i, end in ends.items() if end > 0}
+        while pending and time.monotonic() < deadline:
             msg = consumer.poll(0.5)
-            if msg is None:
-                idle += 1
-                continue
-            if msg.error():
-                continue
-            idle = 0
-            value = msg.value()
-            if value and p.value is None:
-                ids.append(json.loads(value)[column])
-            offset, partition = msg.offset(), msg.partition()
-            if offset is not None and partition is not None and offset + 1 >= ends[partition]:
-                done.add(partition)
+            if msg is not None and not msg.error():
+                value = msg.value()
+                if value and p.value is None:
+                    ids.append(json.loads(value)[column])
+            for tp in consumer.position([TopicPartition(p.topic, i) for i in pending]):
+                if tp.offset is not None and tp.offset >= ends[tp.partition]:
+                    pending.discard(tp.partition)
+        if pending:
+            raise RuntimeError(
+                f"verify: Kafka topic {p.topic!r} partitions {sorted(pending)} were not read "
+                f"to their end within {timeout:.0f}s"
+            )
     finally:
         consumer.close()
     return ids, 0
