@@ -39,10 +39,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.store import Store  # noqa: E402
 from twophase import protocol as p  # noqa: E402
 from twophase.client import CoordinatorClient, VoteIn  # noqa: E402
-from twophase.localpg import LocalPostgres, free_port  # noqa: E402
+from twophase.coordinator.store import Store  # noqa: E402
+from twophase.testing.localpg import LocalPostgres, free_port  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -51,7 +51,7 @@ def start_daemon(store: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "TWOPHASE_TOKEN": TOKEN}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--store", store, "--port", str(port),
+        [sys.executable, "-m", "twophase.cli", "serve", "--store", store, "--port", str(port),
          "--log-level", "warning"],
         env=env, cwd=ROOT,
     )

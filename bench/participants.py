@@ -6,7 +6,7 @@ Reproduce (from the repository root, after `bash scripts/test.sh` made .venv)::
     .venv/bin/python bench/participants.py --sizes 10000 --repeats 9
     .venv/bin/python bench/participants.py --dsn postgresql://u@host/db
 
-Without ``--dsn`` a private PostgreSQL server (``twophase.localpg``, fsync on unless
+Without ``--dsn`` a private PostgreSQL server (``twophase.testing.localpg``, fsync on unless
 ``--no-fsync``) is started in a temporary folder and stopped at the end; files go to a
 temporary folder (``--dir`` to choose the disk).
 
@@ -52,12 +52,12 @@ import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from sinks._arrow_pg import csv_chunks  # noqa: E402
-from sinks.files import StagedFileParticipant  # noqa: E402
-from sinks.postgres import PostgresParticipant  # noqa: E402
 from twophase.jsoncodec import json_rows  # noqa: E402
-from twophase.localpg import LocalPostgres  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
+from twophase.sinks._arrow_pg import csv_chunks  # noqa: E402
+from twophase.sinks.files import StagedFileParticipant  # noqa: E402
+from twophase.sinks.postgres import PostgresParticipant  # noqa: E402
+from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 
 class Result(NamedTuple):

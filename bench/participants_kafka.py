@@ -5,7 +5,7 @@ Reproduce (from the repository root, with the dev venv)::
     .venv/bin/python bench/participants_kafka.py                  # tansu, 10k + 100k
     .venv/bin/python bench/participants_kafka.py --bootstrap host:9092 --repeats 9
 
-Without ``--bootstrap`` a private tansu broker (``twophase.localkafka``) is started and
+Without ``--bootstrap`` a private tansu broker (``twophase.testing.localkafka``) is started and
 stopped at the end. Compared (median of ``--repeats`` alternating runs, fresh topic each):
 
 - participant: ``KafkaParticipant.prepare + commit`` as one Spark task runs it: a new
@@ -40,10 +40,10 @@ from confluent_kafka import Producer  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 from confluent_kafka.cimpl import NewTopic  # noqa: E402
 
-from sinks.kafka import KafkaParticipant  # noqa: E402
 from twophase.jsoncodec import json_rows  # noqa: E402
-from twophase.localkafka import LocalTansu  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
+from twophase.sinks.kafka import KafkaParticipant  # noqa: E402
+from twophase.testing.localkafka import LocalTansu  # noqa: E402
 
 
 def make_batch(n: int) -> pa.RecordBatch:

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Final
 
-from coordinator.store import Store
+from twophase.coordinator.store import Store
 
 log = logging.getLogger("twophase.coordinator.background")
 

@@ -32,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.background import Background, Settings
-from coordinator.metrics import Metrics
-from coordinator.store import Store, StoreError, TxnKey, TxnNotFound
 from twophase import __version__, wire
 from twophase import protocol as p
+from twophase.coordinator.background import Background, Settings
+from twophase.coordinator.metrics import Metrics
+from twophase.coordinator.store import Store, StoreError, TxnKey, TxnNotFound
 
 __all__ = ["MAX_BODY", "DecisionHub", "EmbeddedServer", "create_app", "setup_logging"]
 
@@ -64,7 +64,7 @@ class _Strict(BaseModel):
 
 class BeginIn(_Strict):
     lineage: str = Field(pattern=LINEAGE_PATTERN, description="identity of the Spark checkpoint")
-    checkpoint: int = Field(ge=0, description="Spark batch id")
+    checkpoint: int = Field(ge=0, description="Spark's micro-batch id (batch_id)")
     epoch: int = Field(ge=0, description="writer epoch from /register")
     participants: list[str] = Field(min_length=1, max_length=64)
     partitions: int = Field(ge=1, le=100_000)
@@ -430,7 +430,7 @@ def create_app(
         """Start (or find) the attempt for a checkpoint; see protocol.begin."""
         res = await st.begin_async(
             p.Begin(
-                sink=sink, lineage=body.lineage, checkpoint=body.checkpoint, epoch=body.epoch,
+                sink=sink, lineage=body.lineage, batch_id=body.checkpoint, epoch=body.epoch,
                 participants=tuple(body.participants), partitions=body.partitions,
                 now=st.clock(), vote_timeout=body.vote_timeout,
             )

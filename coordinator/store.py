@@ -51,9 +51,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from coordinator import schema as s
 from twophase import failpoints
 from twophase import protocol as p
+from twophase.coordinator import schema as s
 
 __all__ = [
     "Listed",
@@ -297,7 +297,7 @@ def _to_txn(row: Sequence[Any]) -> p.Transaction:
     return p.Transaction(
         sink=row[0],
         lineage=row[1],
-        checkpoint=row[2],
+        batch_id=row[2],
         attempt=row[3],
         epoch=row[4],
         partitions=row[5],
@@ -588,7 +588,7 @@ class Store:
         now = self.clock()
         if old is None:
             _run(conn, self._sql.ins_txn, {
-                "sink": new.sink, "lineage": new.lineage, "checkpoint": new.checkpoint,
+                "sink": new.sink, "lineage": new.lineage, "checkpoint": new.batch_id,
                 "attempt": new.attempt, "epoch": new.epoch, "partitions": new.partitions,
                 "branches": _encode_branches(new.branches), "state": new.state.value,
                 "reason": new.reason, "deadline": new.deadline, "created": new.created,
@@ -612,7 +612,7 @@ class Store:
             for ev, after in evs:
                 kind, branch, detail = _event_detail(ev)
                 hist.append({
-                    "sink": new.sink, "lineage": new.lineage, "checkpoint": new.checkpoint,
+                    "sink": new.sink, "lineage": new.lineage, "checkpoint": new.batch_id,
                     "attempt": new.attempt, "at": now, "kind": kind, "branch": branch,
                     "detail": json.dumps(detail), "state": after.state.value,
                 })
@@ -672,7 +672,7 @@ class Store:
             sink, version = self._load_sink(conn, req.sink)
             rows = _run(
                 conn, self._sql.sel_attempts,
-                {"k_sink": req.sink, "k_lineage": req.lineage, "k_checkpoint": req.checkpoint},
+                {"k_sink": req.sink, "k_lineage": req.lineage, "k_checkpoint": req.batch_id},
             ).fetchall()
             attempts = tuple(_to_txn(r) for r in rows)
             elsewhere: tuple[p.Transaction, ...] = ()

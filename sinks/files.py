@@ -99,7 +99,7 @@ class StagedFileParticipant(Participant):
         # The sink is in the name: two sinks sharing a folder never take each other's
         # files for "already committed" (and so never drop rows).
         return self.path / (
-            f"part-{branch.sink}~{branch.lineage}-{branch.checkpoint:020d}-"
+            f"part-{branch.sink}~{branch.lineage}-{branch.batch_id:020d}-"
             f"{branch.participant}-{branch.partition:05d}.{self.ext}"
         )
 
@@ -250,7 +250,7 @@ class StagedFileParticipant(Participant):
                 ref = BranchRef(
                     sink=sink,
                     lineage=m["lineage"],
-                    checkpoint=int(m["checkpoint"]),
+                    batch_id=int(m["checkpoint"]),
                     attempt=int(m["attempt"]),
                     participant=m["participant"],
                     partition=int(m["partition"]),

@@ -303,7 +303,7 @@ class KafkaParticipant(Participant):
         return {
             "transactional_id": self.transactional_id(branch),
             "marker_group": self.marker_group(branch),
-            "marker_offset": str(branch.checkpoint + 1),
+            "marker_offset": str(branch.batch_id + 1),
             "topic": self.topic,
             "rows": str(rows),
             "already_committed": "yes" if already else "no",
@@ -448,7 +448,7 @@ class KafkaParticipant(Participant):
         consumer = self._marker_consumer(group)
         keep = False
         try:
-            if self._committed_marker(consumer, branch) >= branch.checkpoint + 1:
+            if self._committed_marker(consumer, branch) >= branch.batch_id + 1:
                 # Idempotent redo: this checkpoint's rows are already committed.
                 return self._handle(branch, 0, already=True)
             rows = self._write(producer, consumer, branch, schema, batches)
@@ -486,7 +486,7 @@ class KafkaParticipant(Participant):
             rows = self._produce_all(producer, schema, batches, on_delivery, errors)
             step = "send the marker offset"
             producer.send_offsets_to_transaction(
-                [TopicPartition(self.topic, 0, branch.checkpoint + 1)],
+                [TopicPartition(self.topic, 0, branch.batch_id + 1)],
                 consumer.consumer_group_metadata(),
                 self.connect_timeout_s,
             )
@@ -501,14 +501,14 @@ class KafkaParticipant(Participant):
         except (_Refusal, ValueError) as exc:
             self._abort_own(producer)
             raise PrepareRefused(
-                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
-                f"{branch.checkpoint} refused: {exc}"
+                f"{self.describe()}: branch {branch.branch_id} of batch "
+                f"{branch.batch_id} refused: {exc}"
             ) from exc
         except Exception as exc:
             self._abort_own(producer)
             raise PrepareRefused(
-                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
-                f"{branch.checkpoint} refused: cannot {step}: {_describe(exc)}"
+                f"{self.describe()}: branch {branch.branch_id} of batch "
+                f"{branch.batch_id} refused: cannot {step}: {_describe(exc)}"
             ) from exc
         return rows
 
@@ -585,8 +585,8 @@ class KafkaParticipant(Participant):
             if self.status(branch) is BranchStatus.COMMITTED:
                 return
             raise ParticipantError(
-                f"{self.describe()}: kafka branch {branch.branch_id} of checkpoint "
-                f"{branch.checkpoint} cannot be committed from another process: it must be "
+                f"{self.describe()}: kafka branch {branch.branch_id} of batch "
+                f"{branch.batch_id} cannot be committed from another process: it must be "
                 "redone (prepare again and commit under the existing COMMIT decision)"
             )
         producer = prepared.producer
@@ -608,15 +608,15 @@ class KafkaParticipant(Participant):
                 if action == "retry":
                     # Still in doubt: keep the producer so a later commit() resumes it.
                     raise ParticipantError(
-                        f"{self.describe()}: commit of branch {branch.branch_id} checkpoint "
-                        f"{branch.checkpoint} still in doubt after {attempts} attempts: "
+                        f"{self.describe()}: commit of branch {branch.branch_id} batch "
+                        f"{branch.batch_id} still in doubt after {attempts} attempts: "
                         f"{_describe(exc)}; call commit again"
                     ) from exc
                 with self._lock:
                     self._prepared.pop(branch, None)
                 raise ParticipantError(
-                    f"{self.describe()}: commit of branch {branch.branch_id} checkpoint "
-                    f"{branch.checkpoint} failed and was not aborted: {_describe(exc)}; "
+                    f"{self.describe()}: commit of branch {branch.branch_id} batch "
+                    f"{branch.batch_id} failed and was not aborted: {_describe(exc)}; "
                     "the branch must be redone under the COMMIT decision"
                 ) from exc
         with self._lock:
@@ -660,7 +660,7 @@ class KafkaParticipant(Participant):
             committed = self._committed_marker(consumer, branch)
         finally:
             consumer.close()
-        if committed >= branch.checkpoint + 1:
+        if committed >= branch.batch_id + 1:
             return BranchStatus.COMMITTED
         with self._lock:
             prepared = self._prepared.get(branch)

@@ -32,7 +32,6 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from sinks._arrow_pg import ExistingColumn, UnsupportedType, csv_chunks, pg_type_for, table_misfits
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -41,6 +40,13 @@ from twophase.participant import (
     ParticipantError,
     PrepareRefused,
     validate_name,
+)
+from twophase.sinks._arrow_pg import (
+    ExistingColumn,
+    UnsupportedType,
+    csv_chunks,
+    pg_type_for,
+    table_misfits,
 )
 
 __all__ = ["GID_MAX_BYTES", "PostgresParticipant", "gid_for", "gid_prefix", "parse_gid"]
@@ -73,7 +79,7 @@ def gid_prefix(sink: str) -> str:
 def gid_for(branch: BranchRef) -> str:
     """The prepared transaction's name; ``ValueError`` if it would not fit the server."""
     gid = (
-        f"{gid_prefix(branch.sink)}{branch.lineage}:{branch.checkpoint}:{branch.attempt}:"
+        f"{gid_prefix(branch.sink)}{branch.lineage}:{branch.batch_id}:{branch.attempt}:"
         f"{branch.participant}:{branch.partition}"
     )
     if len(gid.encode()) > GID_MAX_BYTES:
@@ -93,7 +99,7 @@ def parse_gid(gid: str) -> BranchRef | None:
         return BranchRef(
             sink=m["sink"],
             lineage=m["lineage"],
-            checkpoint=int(m["checkpoint"]),
+            batch_id=int(m["checkpoint"]),
             attempt=int(m["attempt"]),
             participant=m["participant"],
             partition=int(m["partition"]),
@@ -350,7 +356,7 @@ class PostgresParticipant(Participant):
                     "SELECT attempt FROM {} WHERE sink = %s AND lineage = %s AND checkpoint = %s"
                     " AND participant = %s AND partition = %s"
                 ).format(self._marker_sql()),
-                (branch.sink, branch.lineage, branch.checkpoint, branch.participant,
+                (branch.sink, branch.lineage, branch.batch_id, branch.participant,
                  branch.partition),
             ).fetchone()
         except pgerr.UndefinedTable:
@@ -378,8 +384,8 @@ class PostgresParticipant(Participant):
             if (
                 other is not None
                 and other.attempt != branch.attempt
-                and (other.lineage, other.checkpoint, other.participant, other.partition)
-                == (branch.lineage, branch.checkpoint, branch.participant, branch.partition)
+                and (other.lineage, other.batch_id, other.participant, other.partition)
+                == (branch.lineage, branch.batch_id, branch.participant, branch.partition)
             ):
                 out.append(gid)
         return out
@@ -406,8 +412,8 @@ class PostgresParticipant(Participant):
             return self._handle(gid, 0, "already-prepared")
         if others:
             raise PrepareRefused(
-                f"{self.describe()}: branch {branch.branch_id} of checkpoint "
-                f"{branch.checkpoint} is still prepared by an earlier attempt "
+                f"{self.describe()}: branch {branch.branch_id} of batch "
+                f"{branch.batch_id} is still prepared by an earlier attempt "
                 f"({', '.join(others)}); resolve it first (twophase resolve)"
             )
         conn = self._conn_ok()
@@ -425,7 +431,7 @@ class PostgresParticipant(Participant):
                     "INSERT INTO {} (sink, lineage, checkpoint, participant, partition, attempt)"
                     " VALUES (%s, %s, %s, %s, %s, %s)"
                 ).format(self._marker_sql()),
-                (branch.sink, branch.lineage, branch.checkpoint, branch.participant,
+                (branch.sink, branch.lineage, branch.batch_id, branch.participant,
                  branch.partition, branch.attempt),
             )
             stage = "prepare"

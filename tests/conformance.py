@@ -96,14 +96,14 @@ def make_branch(
     *,
     sink: str = "conf",
     lineage: str | None = None,
-    checkpoint: int = 0,
+    batch_id: int = 0,
     attempt: int = 0,
     partition: int = 0,
 ) -> BranchRef:
     return BranchRef(
         sink=sink,
         lineage=lineage or uuid.uuid4().hex[:16],
-        checkpoint=checkpoint,
+        batch_id=batch_id,
         attempt=attempt,
         participant=p.name,
         partition=partition,
@@ -112,7 +112,7 @@ def make_branch(
 
 def rows_for(branch: BranchRef, n: int = 6) -> list[dict[str, Any]]:
     """Deterministic rows of a branch (a redo writes the very same rows)."""
-    base = branch.checkpoint * 1_000_000 + branch.partition * 10_000
+    base = branch.batch_id * 1_000_000 + branch.partition * 10_000
     return [
         {
             "id": base + i,
@@ -175,7 +175,7 @@ def check_status_before_and_after_each_step(h: Harness) -> None:
         assert other.status(b) is BranchStatus.COMMITTED
         other.close()
 
-        a = make_branch(p, lineage=b.lineage, checkpoint=1)
+        a = make_branch(p, lineage=b.lineage, batch_id=1)
         handle_a = _prepare(p, a)
         if h.status_sees_prepared:
             assert p.status(a) is BranchStatus.PREPARED
@@ -209,7 +209,7 @@ def check_abort_is_idempotent(h: Harness) -> None:
         p.abort(b, handle)
         p.abort(b, handle)
         p.abort(b, None)
-        never = make_branch(p, lineage=b.lineage, checkpoint=7)
+        never = make_branch(p, lineage=b.lineage, batch_id=7)
         p.abort(never, None)  # aborting a branch that was never prepared is success
         assert t.rows() == []
         assert p.status(b) is BranchStatus.ABSENT
@@ -255,10 +255,10 @@ def check_redo_never_applies_twice(h: Harness) -> None:
     same attempt again) must not land twice: the marker says it is already applied."""
 
     def body(t: Target, p: Participant) -> None:
-        b = make_branch(p, checkpoint=3)
+        b = make_branch(p, batch_id=3)
         p.commit(b, _prepare(p, b))
         for attempt in (0, 1, 2):
-            redo = make_branch(p, lineage=b.lineage, checkpoint=3, attempt=attempt)
+            redo = make_branch(p, lineage=b.lineage, batch_id=3, attempt=attempt)
             fresh = t.participant()
             fresh.commit(redo, _prepare(fresh, redo))
             assert fresh.status(redo) is BranchStatus.COMMITTED

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from twophase.localpg import LocalPostgres  # noqa: E402
+from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 # tansu_bootstrap / real_kafka_bootstrap fixtures for every test module
 pytest_plugins = ["tests.kafka_support"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from twophase.localkafka import LocalTansu
+from twophase.testing.localkafka import LocalTansu
 
 REAL_KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 

@@ -12,13 +12,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from sinks.files import StagedFileParticipant
-from sinks.postgres import PostgresParticipant
-from twophase.branch import BatchPlan, BranchOutcome, run_partition
 from twophase.client import Connection, connect
 from twophase.participant import BranchStatus, Participant
 from twophase.protocol import BeginKind, State
-from twophase.verify import verify
+from twophase.sinks.files import StagedFileParticipant
+from twophase.sinks.postgres import PostgresParticipant
+from twophase.task import BatchPlan, BranchOutcome, run_partition
+from twophase.testing.verify import verify
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 _n = itertools.count()
@@ -45,13 +45,13 @@ def setup(tmp_path: Path, pg_dsn: str):  # type: ignore[no-untyped-def]
 
 
 def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
-          checkpoint: int = 0) -> tuple[BatchPlan, BeginKind]:
+          batch_id: int = 0) -> tuple[BatchPlan, BeginKind]:
     client = conn.client()
-    res = client.begin(sink, "lin-1", checkpoint, epoch, [p.name for p in parts], 2, 30.0)
+    res = client.begin(sink, "lin-1", batch_id, epoch, [p.name for p in parts], 2, 30.0)
     assert res.txn is not None
     handles = {b: dict(s.handle) for b, s in res.txn.branches.items() if s.handle}
     plan = BatchPlan(
-        sink=sink, lineage="lin-1", checkpoint=checkpoint, attempt=res.txn.attempt,
+        sink=sink, lineage="lin-1", batch_id=batch_id, attempt=res.txn.attempt,
         epoch=epoch, partitions=2,
         mode="finish" if res.kind == BeginKind.IN_DOUBT else "run",
         coordinator_url=conn.url, token=conn.token, participants=tuple(parts),

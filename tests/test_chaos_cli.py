@@ -15,7 +15,7 @@ pytestmark = pytest.mark.spark
 
 
 def _chaos(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", "chaos", *args],
+    return subprocess.run([sys.executable, "-m", "twophase.cli", "chaos", *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -52,7 +52,7 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
 
 def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
     """--seed makes the plan reproducible: victims and methods drawn in the same order."""
-    from twophase.chaos import ChaosOptions, _Chaos
+    from twophase.testing.chaos import ChaosOptions, _Chaos
 
     plans = []
     for i in range(2):
@@ -78,7 +78,7 @@ def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: 
 
 
 def test_job_with_used_input_is_refused(tmp_path: Path) -> None:
-    from twophase.job import JobConfig
+    from twophase.testing.job import JobConfig
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "old.parquet").write_bytes(b"x")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from twophase import failpoints
-from twophase.chaos import VICTIMS, points_for
+from twophase.testing.chaos import VICTIMS, points_for
 
 
 @pytest.fixture(autouse=True)

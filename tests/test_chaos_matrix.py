@@ -29,11 +29,11 @@ import pytest
 
 from tests.kafka_support import real_kafka_servers
 from twophase import failpoints
-from twophase.chaos import PER_BRANCH_POINTS, VICTIMS, Daemon, points_for
-from twophase.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.participant import BranchRef, BranchStatus
 from twophase.protocol import parse_branch_id
-from twophase.verify import verify
+from twophase.testing.chaos import PER_BRANCH_POINTS, VICTIMS, Daemon, points_for
+from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
@@ -77,7 +77,7 @@ def _run_job(
     env.update(env_extra)
     with open(log, "a") as err:
         return subprocess.run(
-            [sys.executable, "-m", "twophase.job", str(cfg_path)],
+            [sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
             env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=600, check=False,
         )
 
@@ -90,7 +90,7 @@ def _prepared(pg_dsn: str) -> list[str]:
 def _kafka_markers_all_committed(cfg: JobConfig, store_url: str) -> int:
     """Every branch of every COMMITTED transaction shows COMMITTED through its marker
     (read over the wire); returns how many branches were checked."""
-    from coordinator.store import Store
+    from twophase.coordinator.store import Store
 
     [part] = build_participants(cfg)
     store = Store(store_url, create=False)
@@ -102,7 +102,7 @@ def _kafka_markers_all_committed(cfg: JobConfig, store_url: str) -> int:
                 continue
             for bid in txn.branches:
                 name, partition = parse_branch_id(bid)
-                ref = BranchRef(txn.sink, txn.lineage, txn.checkpoint, txn.attempt, name,
+                ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt, name,
                                 partition)
                 assert part.status(ref) == BranchStatus.COMMITTED, (bid, txn.key)
                 checked += 1

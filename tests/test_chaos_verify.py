@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sinks.files import StagedFileParticipant
-from twophase.verify import verify
+from twophase.sinks.files import StagedFileParticipant
+from twophase.testing.verify import verify
 
 
 def test_staged_file_fails_temp_file_is_reported_apart(tmp_path: Path) -> None:

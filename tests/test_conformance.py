@@ -12,10 +12,10 @@ import psycopg
 import pyarrow.dataset as ds
 import pytest
 
-from sinks.files import StagedFileParticipant
-from sinks.postgres import PostgresParticipant
 from tests.conformance import Harness, applicable_checks
 from twophase.participant import Participant
+from twophase.sinks.files import StagedFileParticipant
+from twophase.sinks.postgres import PostgresParticipant
 
 
 class PgTarget:

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coordinator.store import Store
 from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
 from twophase.client import CoordinatorClient, VoteIn
-from twophase.localpg import free_port
+from twophase.coordinator.store import Store
+from twophase.testing.localpg import free_port
 
 TOKEN = "test-token-123"
 
@@ -43,7 +43,7 @@ class Daemon:
         self.log = log
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "serve", "--store", store,
+            [sys.executable, "-m", "twophase.cli", "serve", "--store", store,
              "--port", str(self.port), "--log-level", "warning"],
             env=env, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
         )
@@ -229,7 +229,7 @@ def test_fifty_concurrent_sinks(tmp_path: Path, daemons: list[Daemon]) -> None:
 
 def test_cli_serve_and_txns(tmp_path: Path, daemons: list[Daemon]) -> None:
     store = f"sqlite:///{tmp_path}/cli.db"
-    cli = [sys.executable, "-m", "coordinator.cli"]
+    cli = [sys.executable, "-m", "twophase.cli"]
     env = {k: v for k, v in os.environ.items() if k != "TWOPHASE_TOKEN"}
     out = subprocess.run([*cli, "serve", "--store", store], env=env, capture_output=True,
                          text=True, timeout=60)

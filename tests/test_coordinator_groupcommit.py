@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, insert, select
 
-from coordinator import schema as s
-from coordinator.store import Store, TxnNotFound, _Job
 from twophase import protocol as p
+from twophase.coordinator import schema as s
+from twophase.coordinator.store import Store, TxnNotFound, _Job
 
 
 @pytest.fixture

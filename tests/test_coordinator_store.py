@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.background import Background, Settings, parse_duration
-from coordinator.store import SchemaMismatch, Store, TxnNotFound, normalize_url
 from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
+from twophase.coordinator.background import Background, Settings, parse_duration
+from twophase.coordinator.store import SchemaMismatch, Store, TxnNotFound, normalize_url
 
 
 @pytest.fixture(scope="module")

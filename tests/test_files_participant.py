@@ -14,14 +14,14 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from sinks.files import STAGING_DIR, StagedFileParticipant
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
+from twophase.sinks.files import STAGING_DIR, StagedFileParticipant
 
 SCHEMA = pa.schema([("id", pa.int64()), ("v", pa.float64())])
 
 
 def _branch(p: StagedFileParticipant, **kw: Any) -> BranchRef:
-    args: dict[str, Any] = {"sink": "s", "lineage": "lin-1", "checkpoint": 0, "attempt": 0,
+    args: dict[str, Any] = {"sink": "s", "lineage": "lin-1", "batch_id": 0, "attempt": 0,
                             "participant": p.name, "partition": 0}
     args.update(kw)
     return BranchRef(**args)
@@ -38,7 +38,7 @@ def _all_files(root: Path) -> list[str]:
 def test_file_names_and_handle(tmp_path: Path) -> None:
     p = StagedFileParticipant(str(tmp_path / "out"))
     assert p.name == "files-out" and p.kind == "files" and p.durable_prepare
-    b = _branch(p, checkpoint=42, attempt=2, partition=7)
+    b = _branch(p, batch_id=42, attempt=2, partition=7)
     h = p.prepare(b, SCHEMA, [_batch([1, 2])])
     staged = f"s~part-s~lin-1-{42:020d}-files-out-00007.attempt-2.parquet"
     assert dict(h) == {"kind": "files", "participant": "files-out", "staged": staged,

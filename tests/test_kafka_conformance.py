@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from sinks.kafka import KafkaParticipant
 from tests.conformance import (
     Harness,
     applicable_checks,
@@ -36,6 +35,7 @@ from tests.kafka_support import (
     unique_topic,
 )
 from twophase.participant import Participant
+from twophase.sinks.kafka import KafkaParticipant
 
 __all__ = ["real_kafka_bootstrap", "tansu_bootstrap"]
 

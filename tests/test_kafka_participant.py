@@ -19,7 +19,6 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from sinks.kafka import KafkaParticipant
 from tests.kafka_support import (
     committed_offset,
     create_topic,
@@ -28,6 +27,7 @@ from tests.kafka_support import (
     unique_topic,
 )
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
+from twophase.sinks.kafka import KafkaParticipant
 
 __all__ = ["tansu_bootstrap"]  # the fixture, imported for pytest
 
@@ -49,9 +49,9 @@ def batch(start: int, n: int) -> pa.RecordBatch:
     )
 
 
-def branch(participant: KafkaParticipant, checkpoint: int = 0, *, attempt: int = 0,
+def branch(participant: KafkaParticipant, batch_id: int = 0, *, attempt: int = 0,
            partition: int = 0, sink: str = "orders", lineage: str | None = None) -> BranchRef:
-    return BranchRef(sink=sink, lineage=lineage or uuid.uuid4().hex[:16], checkpoint=checkpoint,
+    return BranchRef(sink=sink, lineage=lineage or uuid.uuid4().hex[:16], batch_id=batch_id,
                      attempt=attempt, participant=participant.name, partition=partition)
 
 
@@ -64,7 +64,7 @@ def make(bootstrap: str, topic: str | None = None, **kw: object) -> KafkaPartici
 
 def test_prepare_commit_rows_marker_and_status(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap, key="k")
-    b = branch(p, checkpoint=4)
+    b = branch(p, batch_id=4)
     group = p.marker_group(b)
     assert p.status(b) is BranchStatus.ABSENT
     handle = p.prepare(b, SCHEMA, [batch(0, 300), batch(300, 200), batch(500, 0)])
@@ -90,7 +90,7 @@ def test_prepare_commit_rows_marker_and_status(tansu_bootstrap: str) -> None:
 
 def test_redo_after_commit_writes_nothing(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap)
-    b = branch(p, checkpoint=0)
+    b = branch(p, batch_id=0)
     p.commit(b, p.prepare(b, SCHEMA, [batch(0, 50)]))
     before = len(read_all(tansu_bootstrap, p.topic, isolation="read_uncommitted", expect=50))
     # Another process (a pickled copy) redoes the same branch: nothing is produced.
@@ -104,12 +104,12 @@ def test_redo_after_commit_writes_nothing(tansu_bootstrap: str) -> None:
     earlier = BranchRef(b.sink, b.lineage, 0, 1, b.participant, 0)
     assert q.status(earlier) is BranchStatus.COMMITTED
     # A new lineage (new checkpoint location) starts from nothing: never skipped.
-    assert q.status(branch(p, checkpoint=0)) is BranchStatus.ABSENT
+    assert q.status(branch(p, batch_id=0)) is BranchStatus.ABSENT
 
 
 def test_commit_from_another_process_must_redo(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap)
-    b = branch(p, checkpoint=2)
+    b = branch(p, batch_id=2)
     handle = p.prepare(b, SCHEMA, [batch(0, 10)])
     q: KafkaParticipant = pickle.loads(pickle.dumps(p))  # no producer travels
     assert q.status(b) is BranchStatus.ABSENT
@@ -127,7 +127,7 @@ def test_commit_from_another_process_must_redo(tansu_bootstrap: str) -> None:
 
 def test_abort_in_process(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap)
-    b = branch(p, checkpoint=7)
+    b = branch(p, batch_id=7)
     handle = p.prepare(b, SCHEMA, [batch(0, 20)])
     p.abort(b, handle)
     assert p.status(b) is BranchStatus.ABSENT
@@ -141,7 +141,7 @@ def test_abort_in_process(tansu_bootstrap: str) -> None:
 
 def test_abort_from_another_process_fences_the_zombie(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap)
-    b = branch(p, checkpoint=1)
+    b = branch(p, batch_id=1)
     handle = p.prepare(b, SCHEMA, [batch(0, 20)])
     q: KafkaParticipant = pickle.loads(pickle.dumps(p))
     q.abort(b, handle)  # no producer here: fence the transactional.id
@@ -154,7 +154,7 @@ def test_abort_from_another_process_fences_the_zombie(tansu_bootstrap: str) -> N
 
 def test_zombie_is_fenced_by_second_instance(tansu_bootstrap: str) -> None:
     p = make(tansu_bootstrap)
-    b = branch(p, checkpoint=3)
+    b = branch(p, batch_id=3)
     zombie = KafkaParticipant(p.topic, p.config, connect_timeout_s=2,  # type: ignore[arg-type]
                               commit_retry_s=2)
     old = zombie.prepare(b, SCHEMA, [batch(0, 5)])

@@ -17,7 +17,6 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from sinks.kafka import KafkaParticipant
 from tests.kafka_support import (
     committed_offset,
     create_topic,
@@ -26,6 +25,7 @@ from tests.kafka_support import (
     unique_topic,
 )
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
+from twophase.sinks.kafka import KafkaParticipant
 
 __all__ = ["real_kafka_bootstrap"]
 
@@ -47,8 +47,8 @@ def make(bootstrap: str, **kw: object) -> KafkaParticipant:
                             **kw)  # type: ignore[arg-type]
 
 
-def branch(p: KafkaParticipant, checkpoint: int, attempt: int = 0, lineage: str = "") -> BranchRef:
-    return BranchRef("real", lineage or uuid.uuid4().hex[:12], checkpoint, attempt, p.name, 0)
+def branch(p: KafkaParticipant, batch_id: int, attempt: int = 0, lineage: str = "") -> BranchRef:
+    return BranchRef("real", lineage or uuid.uuid4().hex[:12], batch_id, attempt, p.name, 0)
 
 
 def test_aborted_attempt_invisible_then_retry_exactly_once(real_kafka_bootstrap: str) -> None:

@@ -18,7 +18,8 @@ from confluent_kafka import KafkaError, Producer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinks.kafka import (
+from twophase.participant import BranchRef, ParticipantError
+from twophase.sinks.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KafkaParticipant,
     _Prepared,
@@ -26,7 +27,6 @@ from sinks.kafka import (
     validate_config,
     validate_topic,
 )
-from twophase.participant import BranchRef, ParticipantError
 
 CODES = sorted(
     {getattr(KafkaError, n) for n in dir(KafkaError) if n.isupper() or n.startswith("_")
@@ -45,9 +45,9 @@ def part(**kw: object) -> KafkaParticipant:
     return KafkaParticipant("orders", {"bootstrap.servers": _closed()}, **kw)  # type: ignore[arg-type]
 
 
-def ref(p: KafkaParticipant, checkpoint: int = 3, attempt: int = 0, partition: int = 2,
+def ref(p: KafkaParticipant, batch_id: int = 3, attempt: int = 0, partition: int = 2,
         lineage: str = "lin-1", sink: str = "orders") -> BranchRef:
-    return BranchRef(sink, lineage, checkpoint, attempt, p.name, partition)
+    return BranchRef(sink, lineage, batch_id, attempt, p.name, partition)
 
 
 # -- commit error classification ---------------------------------------------------------
@@ -159,21 +159,21 @@ def test_constructor_errors() -> None:
     assert (p.name, p.kind, p.durable_prepare) == ("kafka-orders", "kafka", False)
 
 
-@given(checkpoint=st.integers(0, 10**12), attempt=st.integers(0, 1000),
+@given(batch_id=st.integers(0, 10**12), attempt=st.integers(0, 1000),
        partition=st.integers(0, 10_000))
-def test_names_and_handle(checkpoint: int, attempt: int, partition: int) -> None:
+def test_names_and_handle(batch_id: int, attempt: int, partition: int) -> None:
     p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"})
-    b = ref(p, checkpoint, attempt, partition)
+    b = ref(p, batch_id, attempt, partition)
     tid = p.transactional_id(b)
     # Stable per sink and partition: every checkpoint, attempt and lineage shares it.
     assert tid == f"twophase.orders.kafka-orders.{partition}"
-    assert tid == p.transactional_id(ref(p, checkpoint + 1, attempt + 1, partition, "other"))
+    assert tid == p.transactional_id(ref(p, batch_id + 1, attempt + 1, partition, "other"))
     # The marker group is per lineage: a new checkpoint location starts a new group.
     assert p.marker_group(b) == f"twophase.orders.lin-1.kafka-orders.{partition}"
-    assert p.marker_group(b) != p.marker_group(ref(p, checkpoint, attempt, partition, "lin-2"))
+    assert p.marker_group(b) != p.marker_group(ref(p, batch_id, attempt, partition, "lin-2"))
     h = p._handle(b, 17, already=False)
     assert h == {"transactional_id": tid, "marker_group": p.marker_group(b),
-                 "marker_offset": str(checkpoint + 1), "topic": "orders", "rows": "17",
+                 "marker_offset": str(batch_id + 1), "topic": "orders", "rows": "17",
                  "already_committed": "no"}
     assert all(isinstance(v, str) for v in h.values())
 

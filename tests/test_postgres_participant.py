@@ -15,9 +15,9 @@ import pyarrow as pa
 import pytest
 from psycopg import sql
 
-from sinks.postgres import GID_MAX_BYTES, PostgresParticipant, gid_for, parse_gid
-from twophase.localpg import LocalPostgres
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
+from twophase.sinks.postgres import GID_MAX_BYTES, PostgresParticipant, gid_for, parse_gid
+from twophase.testing.localpg import LocalPostgres
 
 
 def _q(conn: psycopg.Connection[Any], query: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -37,7 +37,7 @@ def table() -> str:
 
 
 def _branch(p: PostgresParticipant, **kw: Any) -> BranchRef:
-    args: dict[str, Any] = {"sink": "s", "lineage": "lin", "checkpoint": 0, "attempt": 0,
+    args: dict[str, Any] = {"sink": "s", "lineage": "lin", "batch_id": 0, "attempt": 0,
                             "participant": p.name, "partition": 0}
     args.update(kw)
     return BranchRef(**args)
@@ -111,7 +111,7 @@ def test_handle_names_the_gid_and_participant(pg_dsn: str, table: str) -> None:
     p = PostgresParticipant(pg_dsn, table)
     schema = pa.schema([("x", pa.int64())])
     p.check(schema)
-    b = _branch(p, checkpoint=12, attempt=3, partition=4)
+    b = _branch(p, batch_id=12, attempt=3, partition=4)
     h = p.prepare(b, schema, [pa.record_batch({"x": [1, 2]})])
     assert dict(h) == {"kind": "postgres", "participant": p.name, "gid": gid_for(b),
                        "rows": "2", "state": "prepared"}
@@ -250,7 +250,7 @@ def test_gid_longer_than_the_server_allows_is_a_clear_error(pg_dsn: str) -> None
 
 
 def test_unreachable_server_fails_check_and_votes_no(table: str) -> None:
-    from twophase.localpg import free_port
+    from twophase.testing.localpg import free_port
 
     dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     p = PostgresParticipant(dsn, table, connect_timeout=1)
@@ -308,7 +308,7 @@ def test_new_attempt_is_refused_while_an_earlier_one_is_prepared(
         p.abort(second, None)
     p.abort(first, None)  # another attempt landed the data: aborting the old one is success
     with pytest.raises(ParticipantError, match="not prepared and no marker"):
-        p.commit(_branch(p, checkpoint=99), None)
+        p.commit(_branch(p, batch_id=99), None)
 
 
 def test_in_doubt_sees_only_this_database_and_participant(

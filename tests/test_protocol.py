@@ -20,9 +20,9 @@ from twophase.protocol import (
 PARTS = ("pg", "files")
 
 
-def _begin(epoch: int = 1, checkpoint: int = 0, partitions: int = 2, **kw: object) -> Begin:
+def _begin(epoch: int = 1, batch_id: int = 0, partitions: int = 2, **kw: object) -> Begin:
     args: dict[str, object] = dict(
-        sink="orders", lineage="lin-a", checkpoint=checkpoint, epoch=epoch,
+        sink="orders", lineage="lin-a", batch_id=batch_id, epoch=epoch,
         participants=PARTS, partitions=partitions, now=100.0, vote_timeout=30.0,
     )
     args.update(kw)
@@ -199,9 +199,9 @@ def test_begin_after_abort_starts_next_attempt() -> None:
 
 def test_new_lineage_is_never_skipped_as_committed() -> None:
     rec = p.SinkRecord("orders", epoch=1, lineage="lin-a", last_committed=10)
-    same = p.begin(rec, (), _begin(epoch=2, checkpoint=3))
+    same = p.begin(rec, (), _begin(epoch=2, batch_id=3))
     assert same.kind == BeginKind.COMMITTED and same.txn is None
-    reset = p.begin(rec, (), _begin(epoch=2, checkpoint=3, lineage="lin-b"))
+    reset = p.begin(rec, (), _begin(epoch=2, batch_id=3, lineage="lin-b"))
     assert reset.kind == BeginKind.NEW and reset.new_lineage
     assert reset.sink.lineage == "lin-b" and reset.sink.last_committed is None
 
@@ -222,7 +222,7 @@ def test_register_and_committed_advance_the_sink() -> None:
         ({"participants": ()}, "at least one participant"),
         ({"participants": ("a", "a")}, "unique"),
         ({"partitions": 0}, "partitions"),
-        ({"checkpoint": -1}, "checkpoint"),
+        ({"batch_id": -1}, "batch id"),
     ],
 )
 def test_begin_rejects_bad_requests(kw: dict[str, object], msg: str) -> None:

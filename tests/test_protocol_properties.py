@@ -25,7 +25,7 @@ VOTE_TIMEOUT = 10.0
 
 @dataclass
 class LastCall:
-    checkpoint: int
+    batch_id: int
     attempt: int
     event: p.Event
 
@@ -44,7 +44,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def _store(self, txn: p.Transaction) -> None:
-        lst = self.attempts.setdefault(txn.checkpoint, [])
+        lst = self.attempts.setdefault(txn.batch_id, [])
         if txn.attempt <= len(lst):
             lst[txn.attempt - 1] = txn
         else:
@@ -52,22 +52,22 @@ class ProtocolMachine(RuleBasedStateMachine):
             lst.append(txn)
         event(f"reached {txn.state.value}")
         if txn.decision is not None:
-            self.decisions.setdefault((txn.checkpoint, txn.attempt), txn.decision)
+            self.decisions.setdefault((txn.batch_id, txn.attempt), txn.decision)
 
-    def _latest(self, checkpoint: int) -> p.Transaction | None:
-        lst = self.attempts.get(checkpoint)
+    def _latest(self, batch_id: int) -> p.Transaction | None:
+        lst = self.attempts.get(batch_id)
         return lst[-1] if lst else None
 
-    def _apply(self, checkpoint: int, event: p.Event) -> None:
-        txn = self._latest(checkpoint)
+    def _apply(self, batch_id: int, event: p.Event) -> None:
+        txn = self._latest(batch_id)
         assert txn is not None
         try:
             new = p.handle(txn, event)
         except p.ProtocolError:
-            assert self._latest(checkpoint) is txn
+            assert self._latest(batch_id) is txn
             return
         self._store(new)
-        self.last = LastCall(checkpoint, new.attempt, event)
+        self.last = LastCall(batch_id, new.attempt, event)
 
     # ------------------------------------------------------------------ rules
     @rule()
@@ -77,14 +77,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.epoch = self.sink.epoch
 
     @precondition(lambda self: self.epoch > 0)
-    @rule(checkpoint=st.sampled_from(CHECKPOINTS))
-    def begin(self, checkpoint: int) -> None:
+    @rule(batch_id=st.sampled_from(CHECKPOINTS))
+    def begin(self, batch_id: int) -> None:
         req = p.Begin(
-            sink="orders", lineage="lin", checkpoint=checkpoint, epoch=self.epoch,
+            sink="orders", lineage="lin", batch_id=batch_id, epoch=self.epoch,
             participants=PARTICIPANTS, partitions=PARTITIONS, now=self.now,
             vote_timeout=VOTE_TIMEOUT,
         )
-        earlier = tuple(self.attempts.get(checkpoint, ()))
+        earlier = tuple(self.attempts.get(batch_id, ()))
         res = p.begin(self.sink, earlier, req)
         self.sink = res.sink
         for t in res.changed:
@@ -93,7 +93,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         if res.kind == p.BeginKind.NEW:
             assert res.txn is not None and not res.txn.state.decided
             # a new attempt only ever follows attempts whose outcome is ABORT
-            for t in self.attempts[checkpoint][:-1]:
+            for t in self.attempts[batch_id][:-1]:
                 assert t.decision == Decision.ABORT
         elif res.kind == p.BeginKind.COMMITTED:
             assert res.txn is not None and res.txn.state == State.COMMITTED
@@ -102,58 +102,58 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.epoch > 0 and self.attempts)
     @rule(
-        checkpoint=st.sampled_from(CHECKPOINTS),
+        batch_id=st.sampled_from(CHECKPOINTS),
         participant=st.sampled_from(PARTICIPANTS),
         partition=st.integers(0, PARTITIONS - 1),
         yes=st.booleans(),
     )
-    def vote(self, checkpoint: int, participant: str, partition: int, yes: bool) -> None:
-        txn = self._latest(checkpoint)
+    def vote(self, batch_id: int, participant: str, partition: int, yes: bool) -> None:
+        txn = self._latest(batch_id)
         if txn is None:
             return
         bid = p.branch_id(participant, partition)
         self._apply(
-            checkpoint,
+            batch_id,
             p.Vote(branch=bid, epoch=txn.epoch, yes=yes, now=self.now,
                    handle={"gid": bid} if yes else None, reason=None if yes else "refused"),
         )
 
     @precondition(lambda self: self.epoch > 0 and self.attempts)
-    @rule(checkpoint=st.sampled_from(CHECKPOINTS), acks=st.booleans())
-    def healthy_round(self, checkpoint: int, acks: bool) -> None:
+    @rule(batch_id=st.sampled_from(CHECKPOINTS), acks=st.booleans())
+    def healthy_round(self, batch_id: int, acks: bool) -> None:
         """Every branch votes YES, then (or the driver dies first) every branch acks."""
-        txn = self._latest(checkpoint)
+        txn = self._latest(batch_id)
         if txn is None:
             return
         for bid in txn.branches:
-            self._apply(checkpoint, p.Vote(branch=bid, epoch=txn.epoch, yes=True, now=self.now))
-        decided = self._latest(checkpoint)
+            self._apply(batch_id, p.Vote(branch=bid, epoch=txn.epoch, yes=True, now=self.now))
+        decided = self._latest(batch_id)
         assert decided is not None
         if acks and decided.decision is not None:
             for bid in decided.branches:
                 self._apply(
-                    checkpoint,
+                    batch_id,
                     p.Ack(branch=bid, epoch=self.epoch, outcome=decided.decision, now=self.now),
                 )
 
     @precondition(lambda self: self.epoch > 0 and self.attempts)
-    @rule(checkpoint=st.sampled_from(CHECKPOINTS), participant=st.sampled_from(PARTICIPANTS),
+    @rule(batch_id=st.sampled_from(CHECKPOINTS), participant=st.sampled_from(PARTICIPANTS),
           partition=st.integers(0, PARTITIONS - 1))
-    def ack(self, checkpoint: int, participant: str, partition: int) -> None:
-        txn = self._latest(checkpoint)
+    def ack(self, batch_id: int, participant: str, partition: int) -> None:
+        txn = self._latest(batch_id)
         if txn is None or txn.decision is None:
             return
         self._apply(
-            checkpoint,
+            batch_id,
             p.Ack(branch=p.branch_id(participant, partition), epoch=self.epoch,
                   outcome=txn.decision, now=self.now),
         )
 
     @precondition(lambda self: self.epoch > 0 and self.attempts)
-    @rule(checkpoint=st.sampled_from(CHECKPOINTS))
-    def abandon(self, checkpoint: int) -> None:
-        if self._latest(checkpoint) is not None:
-            self._apply(checkpoint, p.Abandon(epoch=self.epoch, reason="gave up", now=self.now))
+    @rule(batch_id=st.sampled_from(CHECKPOINTS))
+    def abandon(self, batch_id: int) -> None:
+        if self._latest(batch_id) is not None:
+            self._apply(batch_id, p.Abandon(epoch=self.epoch, reason="gave up", now=self.now))
 
     @rule(dt=st.floats(0.0, VOTE_TIMEOUT * 1.5))
     def tick(self, dt: float) -> None:
@@ -164,16 +164,16 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.epoch > 1 and self.attempts)
     @rule(
-        checkpoint=st.sampled_from(CHECKPOINTS),
+        batch_id=st.sampled_from(CHECKPOINTS),
         participant=st.sampled_from(PARTICIPANTS),
         partition=st.integers(0, PARTITIONS - 1),
         kind=st.sampled_from(["vote", "ack", "abandon"]),
     )
     def stale_epoch_call(
-        self, checkpoint: int, participant: str, partition: int, kind: str
+        self, batch_id: int, participant: str, partition: int, kind: str
     ) -> None:
         """A zombie from an older epoch: refused, and nothing changes."""
-        txn = self._latest(checkpoint)
+        txn = self._latest(batch_id)
         if txn is None or txn.epoch <= 1:
             return
         stale = txn.epoch - 1
@@ -191,14 +191,14 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert isinstance(exc, p.StaleEpoch | p.IllegalTransition)
         else:
             raise AssertionError("a stale-epoch message was accepted")
-        assert self._latest(checkpoint) is txn
+        assert self._latest(batch_id) is txn
 
     @precondition(lambda self: self.last is not None)
     @rule()
     def repeat_last(self) -> None:
         """The network delivers the previous message again."""
         assert self.last is not None
-        lst = self.attempts[self.last.checkpoint]
+        lst = self.attempts[self.last.batch_id]
         txn = lst[self.last.attempt - 1]
         again = p.handle(txn, self.last.event)
         assert again is txn, f"repeating {self.last.event} changed the transaction"

@@ -11,10 +11,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from coordinator.store import Store
-from twophase.job import JobConfig, build_participants, write_input
+from twophase.coordinator.store import Store
 from twophase.protocol import State
-from twophase.verify import verify
+from twophase.testing.job import JobConfig, build_participants, write_input
+from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
@@ -46,14 +46,14 @@ def test_resolve_settles_a_dead_jobs_leftovers(
     write_input(cfg.input_dir, batches=1, rows_per_batch=20)
     cfg.dump(tmp_path / "job.json")
     env = dict(os.environ, TWOPHASE_FAILPOINTS=f"{point}=kill*1")
-    job = subprocess.run([sys.executable, "-m", "twophase.job", str(tmp_path / "job.json")],
+    job = subprocess.run([sys.executable, "-m", "twophase.testing.job", str(tmp_path / "job.json")],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert job.returncode == -9, job.stderr[-2000:]
     # the dead job's leftovers: 2 partitions x (postgres, files)
     assert _prepared(pg_dsn) == 2 and _staged(cfg.files_path) == 2
 
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "resolve", "--coordinator", cfg.coordinator,
+        [sys.executable, "-m", "twophase.cli", "resolve", "--coordinator", cfg.coordinator,
          "--sink", cfg.sink, "--job", str(tmp_path / "job.json"), "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -14,7 +14,8 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from twophase.job import (
+from twophase.protocol import State
+from twophase.testing.job import (
     JobConfig,
     build_participants,
     expected_ids,
@@ -22,8 +23,7 @@ from twophase.job import (
     run,
     write_input,
 )
-from twophase.protocol import State
-from twophase.verify import verify
+from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
@@ -80,9 +80,9 @@ def test_replay_of_committed_batch_writes_nothing(spark: Any, job: JobConfig) ->
     # Forget that Spark finished batch 1: on restart Spark runs batch 1 again, as after a
     # crash between the sink's return and Spark's commit log write.
     for name in ("1", ".1.crc"):
-        (Path(job.checkpoint) / "commits" / name).unlink(missing_ok=True)
+        (Path(job.batch_id) / "commits" / name).unlink(missing_ok=True)
     sink = run(job, spark)
-    assert [(r.checkpoint, r.outcome) for r in sink.history] == [(1, "replay")]
+    assert [(r.batch_id, r.outcome) for r in sink.history] == [(1, "replay")]
     report = verify(build_participants(job), expected_ids(2, 20), sink=job.sink)
     assert report.ok, report.lines()
 
@@ -111,14 +111,14 @@ def test_refused_batch_fails_query_naming_cause_and_leaves_nothing(
 
 
 def test_checkpoint_reset_starts_new_lineage(spark: Any, job: JobConfig) -> None:
-    from coordinator.store import Store
+    from twophase.coordinator.store import Store
 
     write_input(job.input_dir, batches=2, rows_per_batch=5)
     run(job, spark)
-    job.checkpoint = job.checkpoint + "-reset"
+    job.batch_id = job.batch_id + "-reset"
     sink = run(job, spark)
     # batch ids restarted at 0 and were *not* skipped as already committed
-    outcomes = [(r.checkpoint, r.outcome) for r in sink.history]
+    outcomes = [(r.batch_id, r.outcome) for r in sink.history]
     assert outcomes == [(0, "committed"), (1, "committed")]
     store = Store(job.coordinator)
     try:
@@ -140,7 +140,7 @@ def _run_job_process(
     if failpoints:
         env["TWOPHASE_FAILPOINTS"] = failpoints
     return subprocess.run(
-        [sys.executable, "-m", "twophase.job", str(path)],
+        [sys.executable, "-m", "twophase.testing.job", str(path)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
 
@@ -165,7 +165,7 @@ def test_two_queries_two_sinks_share_one_daemon(
     spark: Any, tmp_path: Path, pg_dsn: str
 ) -> None:
     from tests.test_coordinator_daemon import TOKEN, Daemon
-    from twophase.spark import TransactionalSink
+    from twophase.driver import TransactionalSink
 
     daemon = Daemon(f"sqlite:///{tmp_path / 'daemon.db'}")
     try:
@@ -237,7 +237,7 @@ def test_kafka_branch_over_the_wire_against_tansu(
 
 
 def _lineage(job: JobConfig) -> str:
-    from coordinator.store import Store
+    from twophase.coordinator.store import Store
 
     store = Store(job.coordinator)
     try:
@@ -247,9 +247,9 @@ def _lineage(job: JobConfig) -> str:
 
 
 def test_sink_construction_checks(tmp_path: Path) -> None:
-    from sinks.files import StagedFileParticipant
-    from sinks.kafka import KafkaParticipant
-    from twophase.spark import TransactionalSink
+    from twophase.driver import TransactionalSink
+    from twophase.sinks.files import StagedFileParticipant
+    from twophase.sinks.kafka import KafkaParticipant
 
     kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
                              transaction_timeout_ms=60_000)

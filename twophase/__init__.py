@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 __all__ = ["TransactionalSink", "__version__"]
 
 if TYPE_CHECKING:
-    from twophase.spark import TransactionalSink
+    from twophase.driver import TransactionalSink
 
 
 def __getattr__(name: str) -> Any:
     if name == "TransactionalSink":
-        from twophase.spark import TransactionalSink
+        from twophase.driver import TransactionalSink
 
         return TransactionalSink
     raise AttributeError(f"module 'twophase' has no attribute {name!r}")

@@ -186,7 +186,7 @@ class CoordinatorClient:
         self,
         sink: str,
         lineage: str,
-        checkpoint: int,
+        batch_id: int,
         epoch: int,
         participants: Sequence[str],
         partitions: int,
@@ -196,7 +196,7 @@ class CoordinatorClient:
             "POST",
             f"/v1/sinks/{_seg(sink)}/begin",
             body={
-                "lineage": lineage, "checkpoint": checkpoint, "epoch": epoch,
+                "lineage": lineage, "checkpoint": batch_id, "epoch": epoch,
                 "participants": list(participants), "partitions": partitions,
                 "vote_timeout": float(vote_timeout),
             },
@@ -395,8 +395,10 @@ def connect(coordinator: str, token: str | None = None) -> Connection:
         return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
     if coordinator.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://",
                                "postgres://")):
-        from coordinator.service import EmbeddedServer  # lazy: twophase never imports it eagerly
-        from coordinator.store import normalize_url
+        from twophase.coordinator.service import (
+            EmbeddedServer,  # lazy: twophase never imports it eagerly
+        )
+        from twophase.coordinator.store import normalize_url
 
         host = os.environ.get(EMBEDDED_HOST_ENV, "127.0.0.1")
         key = (normalize_url(coordinator), host)

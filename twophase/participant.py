@@ -68,7 +68,7 @@ class BranchRef:
 
     sink: str
     lineage: str
-    checkpoint: int
+    batch_id: int
     attempt: int
     participant: str
     partition: int
@@ -78,7 +78,7 @@ class BranchRef:
         validate_name("lineage", self.lineage, _LINEAGE_RE)
         validate_name("participant name", self.participant)
         for label, n in (
-            ("checkpoint", self.checkpoint),
+            ("checkpoint", self.batch_id),
             ("attempt", self.attempt),
             ("partition", self.partition),
         ):

@@ -147,7 +147,7 @@ class Transaction:
 
     sink: str
     lineage: str
-    checkpoint: int
+    batch_id: int
     attempt: int
     epoch: int
     partitions: int
@@ -176,7 +176,7 @@ class Transaction:
 
     @property
     def key(self) -> tuple[str, str, int, int]:
-        return (self.sink, self.lineage, self.checkpoint, self.attempt)
+        return (self.sink, self.lineage, self.batch_id, self.attempt)
 
     def pending_acks(self) -> list[str]:
         """Branches whose acknowledgement the current decision still waits for."""
@@ -452,7 +452,7 @@ _HANDLERS: Final = {
 class Begin:
     sink: str
     lineage: str
-    checkpoint: int
+    batch_id: int
     epoch: int
     participants: tuple[str, ...]
     partitions: int
@@ -501,8 +501,8 @@ def begin(
         raise ProtocolError(f"participant names must be unique, got {list(req.participants)}")
     if req.partitions < 1:
         raise ProtocolError(f"partitions must be >= 1, got {req.partitions}")
-    if req.checkpoint < 0:
-        raise ProtocolError(f"checkpoint id must be >= 0, got {req.checkpoint}")
+    if req.batch_id < 0:
+        raise ProtocolError(f"batch id must be >= 0, got {req.batch_id}")
     rec = sink or SinkRecord(name=req.sink)
     if req.epoch < rec.epoch:
         raise StaleEpoch(f"epoch {req.epoch} is older than sink {req.sink!r}'s epoch {rec.epoch}")
@@ -510,7 +510,7 @@ def begin(
     if new_lineage:
         pending = [t for t in committing_elsewhere if t.lineage != req.lineage]
         if pending:
-            names = ", ".join(f"{t.lineage}/{t.checkpoint}/attempt-{t.attempt}" for t in pending)
+            names = ", ".join(f"{t.lineage}/{t.batch_id}/attempt-{t.attempt}" for t in pending)
             raise ProtocolError(
                 f"sink {req.sink!r} starts lineage {req.lineage} (a new checkpoint location) "
                 f"while committed batches of an earlier lineage are unfinished: {names}. "
@@ -523,7 +523,7 @@ def begin(
             added = sorted(set(req.participants) - stored)
             removed = sorted(stored - set(req.participants))
             raise ProtocolError(
-                f"sink {req.sink!r} checkpoint {req.checkpoint} was begun with participants "
+                f"sink {req.sink!r} batch {req.batch_id} was begun with participants "
                 f"{sorted(stored)}; this writer has {sorted(req.participants)} (added "
                 f"{added}, removed {removed}). A batch must finish with the participants it "
                 "started with: restore them until this batch commits, or resolve it."
@@ -538,7 +538,7 @@ def begin(
         if (
             not new_lineage
             and rec.last_committed is not None
-            and req.checkpoint <= rec.last_committed
+            and req.batch_id <= rec.last_committed
         ):
             return BeginResult(BeginKind.COMMITTED, rec, None)
         return BeginResult(
@@ -590,7 +590,7 @@ def committed(sink: SinkRecord, txn: Transaction) -> SinkRecord:
     if txn.state != State.COMMITTED or sink.lineage != txn.lineage:
         return sink
     last = sink.last_committed
-    newest = txn.checkpoint if last is None else max(last, txn.checkpoint)
+    newest = txn.batch_id if last is None else max(last, txn.batch_id)
     return replace(sink, last_committed=newest)
 
 
@@ -601,7 +601,7 @@ def _new_txn(req: Begin, attempt: int, partitions: int) -> Transaction:
     return Transaction(
         sink=req.sink,
         lineage=req.lineage,
-        checkpoint=req.checkpoint,
+        batch_id=req.batch_id,
         attempt=attempt,
         epoch=req.epoch,
         partitions=partitions,

@@ -46,7 +46,7 @@ _WAITING = (State.COMMITTING, State.ABORTING)
 
 
 def _txn_name(t: Transaction) -> str:
-    return f"{t.sink}/{t.lineage}/{t.checkpoint}/attempt-{t.attempt}"
+    return f"{t.sink}/{t.lineage}/{t.batch_id}/attempt-{t.attempt}"
 
 
 def resolve_sink(
@@ -74,7 +74,7 @@ def resolve_sink(
                     Action(_txn_name(txn), bid, "unknown", "name this participant to resolve")
                 )
                 continue
-            ref = BranchRef(txn.sink, txn.lineage, txn.checkpoint, txn.attempt,
+            ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt,
                             participant_name, partition)
             status = part.status(ref)
             act = _settle(part, ref, status, decision, st.handle, dry_run)
@@ -90,7 +90,7 @@ def resolve_sink(
     for part in participants:
         for ref in part.in_doubt(sink):
             try:
-                txn = client.get((ref.sink, ref.lineage, ref.checkpoint, ref.attempt))
+                txn = client.get((ref.sink, ref.lineage, ref.batch_id, ref.attempt))
                 decision = txn.effective_decision
             except TransactionNotFound:  # no record: presumed abort
                 decision = Decision.ABORT
@@ -98,7 +98,7 @@ def resolve_sink(
             # coordinator could not be asked (its decision may be COMMIT).
             act = _settle(part, ref, BranchStatus.PREPARED, decision, None, dry_run)
             report.actions.append(
-                Action(f"{ref.sink}/{ref.lineage}/{ref.checkpoint}/attempt-{ref.attempt}",
+                Action(f"{ref.sink}/{ref.lineage}/{ref.batch_id}/attempt-{ref.attempt}",
                        ref.branch_id, "PREPARED", act)
             )
     return report

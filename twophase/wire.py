@@ -43,7 +43,7 @@ def encode_txn(t: p.Transaction) -> JSON:
     return {
         "sink": t.sink,
         "lineage": t.lineage,
-        "checkpoint": t.checkpoint,
+        "checkpoint": t.batch_id,
         "attempt": t.attempt,
         "epoch": t.epoch,
         "partitions": t.partitions,
@@ -144,7 +144,7 @@ def decode_txn(d: Mapping[str, Any], where: str = "txn") -> p.Transaction:
     return p.Transaction(
         sink=_get(d, "sink", str, where),
         lineage=_get(d, "lineage", str, where),
-        checkpoint=_get(d, "checkpoint", int, where),
+        batch_id=_get(d, "checkpoint", int, where),
         attempt=_get(d, "attempt", int, where),
         epoch=_get(d, "epoch", int, where),
         partitions=_get(d, "partitions", int, where),

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.branch import BatchPlan, run_partition
 from twophase.participant import LINEAGE_RE, Participant, validate_name
 from twophase.protocol import BeginKind, Decision, State
+from twophase.task import BatchPlan, run_partition
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -53,7 +53,7 @@ class BatchFailed(RuntimeError):
 class BatchReport:
     """What happened to one micro-batch (shown by the demo, kept in ``sink.history``)."""
 
-    checkpoint: int
+    batch_id: int
     outcome: str  # "committed", "replay", "recovered"
     attempts: int
     rows: int = 0
@@ -240,7 +240,7 @@ class TransactionalSink:
         return BatchPlan(
             sink=self.name,
             lineage=txn.lineage,
-            checkpoint=txn.checkpoint,
+            batch_id=txn.batch_id,
             attempt=txn.attempt,
             epoch=self._epoch,
             partitions=txn.partitions,
@@ -294,7 +294,7 @@ class TransactionalSink:
             for k in ("prepare_s", "wait_s", "commit_s")
         }
         return BatchReport(
-            checkpoint=batch_id,
+            batch_id=batch_id,
             outcome="recovered" if kind == BeginKind.IN_DOUBT else "committed",
             attempts=txn.attempt,
             rows=sum(int(o["rows"]) for o in outcomes),

@@ -1,7 +1,7 @@
 """The reference streaming job: generated events -> TransactionalSink -> every system.
 
 ``twophase demo`` runs it in-process; ``twophase chaos`` and the crash tests run it as a
-separate driver process (``python -m twophase.job CONFIG.json``) so that it can be
+separate driver process (``python -m twophase.testing.job CONFIG.json``) so that it can be
 SIGKILLed and restarted from its checkpoint. Input is a folder of Parquet files, one
 per micro-batch (``maxFilesPerTrigger=1``), with deterministic ids, so a replayed batch
 has exactly the same rows.
@@ -22,7 +22,7 @@ from twophase.participant import Participant
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from twophase.spark import BatchReport
+    from twophase.driver import BatchReport
 
 __all__ = [
     "EVENT_DDL",
@@ -117,15 +117,15 @@ def expected_ids(batches: int, rows_per_batch: int) -> list[int]:
 def build_participants(cfg: JobConfig) -> list[Participant]:
     parts: list[Participant] = []
     if cfg.pg_dsn:
-        from sinks.postgres import PostgresParticipant
+        from twophase.sinks.postgres import PostgresParticipant
 
         parts.append(PostgresParticipant(dsn=cfg.pg_dsn, table=cfg.pg_table))
     if cfg.files_path:
-        from sinks.files import StagedFileParticipant
+        from twophase.sinks.files import StagedFileParticipant
 
         parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format))
     if cfg.kafka_bootstrap:
-        from sinks.kafka import KafkaParticipant
+        from twophase.sinks.kafka import KafkaParticipant
 
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
@@ -164,7 +164,7 @@ def run(
     on_batch: Callable[[BatchReport], None] | None = None,
 ) -> Any:
     """Process every input file present now (``availableNow``), then return the sink."""
-    from twophase.spark import TransactionalSink
+    from twophase.driver import TransactionalSink
 
     spark = spark or spark_session(cfg.spark_conf)
     sink = TransactionalSink(
@@ -196,12 +196,12 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m twophase.job CONFIG.json", file=sys.stderr)
+        print("usage: python -m twophase.testing.job CONFIG.json", file=sys.stderr)
         return 2
     cfg = JobConfig.load(args[0])
 
     def progress(r: BatchReport) -> None:
-        print(json.dumps({"batch": r.checkpoint, "outcome": r.outcome, "attempts": r.attempts,
+        print(json.dumps({"batch": r.batch_id, "outcome": r.outcome, "attempts": r.attempts,
                           "rows": r.rows, "seconds": round(r.seconds, 3)}), flush=True)
 
     run(cfg, on_batch=progress)

@@ -70,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         console.print("twophase demo needs the spark extra: pip install 'twophase\\[all]'")
         return 2
-    from twophase.job import JobConfig, build_participants, expected_ids, write_input
-    from twophase.job import run as run_job
-    from twophase.localkafka import LocalTansu
-    from twophase.localpg import LocalPostgres, PostgresUnavailable, find_bindir
-    from twophase.verify import verify
+    from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+    from twophase.testing.job import run as run_job
+    from twophase.testing.localkafka import LocalTansu
+    from twophase.testing.localpg import LocalPostgres, PostgresUnavailable, find_bindir
+    from twophase.testing.verify import verify
 
     work = Path(args.workdir).resolve()
     if work.exists():
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             totals["batches"] += 1
             totals["seconds"] += r.seconds
             console.print(
-                f"{r.checkpoint:>5}  {r.outcome:<9} {r.rows:>7} {r.attempts:>3}  "
+                f"{r.batch_id:>5}  {r.outcome:<9} {r.rows:>7} {r.attempts:>3}  "
                 f"{_phase(r, 'prepare_s'):>9} {_phase(r, 'wait_s'):>9} "
                 f"{_phase(r, 'commit_s'):>9} {r.seconds * 1000:6.0f}ms"
             )

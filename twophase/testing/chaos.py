@@ -1,6 +1,6 @@
 """The chaos runner behind ``twophase chaos``: kill, restart, run to the end, verify.
 
-It runs the reference job (``python -m twophase.job``) as a separate driver process and,
+It runs the reference job (``python -m twophase.testing.job``) as a separate driver process and,
 in daemon mode, the coordinator as a ``twophase serve`` process, then SIGKILLs one of
 three victims again and again, each time at a moment drawn from ``random.Random(seed)``:
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from twophase import failpoints
-from twophase.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 
 __all__ = [
     "COORDINATOR_POINTS",
@@ -144,7 +144,7 @@ class Daemon:
     same port and store."""
 
     def __init__(self, store: str, token: str, log: Path, port: int | None = None) -> None:
-        from twophase.localpg import free_port
+        from twophase.testing.localpg import free_port
 
         self.store = store
         self.token = token
@@ -162,7 +162,7 @@ class Daemon:
             extra[failpoints.ONCE_DIR_ENV] = once_dir
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", "serve", "--store", self.store,
+                [sys.executable, "-m", "twophase.cli", "serve", "--store", self.store,
                  "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
                 env=_clean_env(**extra), stdout=out, stderr=subprocess.STDOUT,
             )
@@ -213,7 +213,7 @@ class _JobRun:
         self.ended: float | None = None
         with open(log, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "twophase.job", str(config)],
+                [sys.executable, "-m", "twophase.testing.job", str(config)],
                 env=env, stdout=subprocess.PIPE, stderr=err, text=True,
             )
         self.log = log
@@ -406,7 +406,7 @@ class _Chaos:
     def _step_state(self) -> str:
         """The newest transaction of the sink as ``STATE`` (``none`` before the first)."""
         try:
-            from coordinator.txns_view import fetch
+            from twophase.coordinator.listing import fetch
 
             txns = fetch(self.store_url, sink=self.cfg.sink, limit=1, token=self.cfg.token)
         except Exception as exc:  # the store may be mid-write or the daemon down
@@ -593,7 +593,7 @@ class _Chaos:
 
     # ------------------------------------------------------------------ report
     def _report(self, final_rc: int | None) -> dict[str, Any]:
-        from twophase.verify import verify
+        from twophase.testing.verify import verify
 
         commits = sorted(t - self.t0 for t, _, line in self.lines if "batch" in line)
         for ev in self.events:
@@ -643,7 +643,7 @@ class _Chaos:
     def _unsettled(self) -> int | str:
         """Transactions of the sink still OPEN/PREPARING/COMMITTING (informational)."""
         try:
-            from coordinator.txns_view import fetch
+            from twophase.coordinator.listing import fetch
 
             url = self.store_url
             txns = fetch(url, sink=self.cfg.sink, limit=100000, token=self.cfg.token)

@@ -42,7 +42,7 @@ class BatchPlan:
 
     sink: str
     lineage: str
-    checkpoint: int
+    batch_id: int
     attempt: int
     epoch: int
     partitions: int
@@ -56,7 +56,7 @@ class BatchPlan:
 
     @property
     def key(self) -> tuple[str, str, int, int]:
-        return (self.sink, self.lineage, self.checkpoint, self.attempt)
+        return (self.sink, self.lineage, self.batch_id, self.attempt)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -64,7 +64,7 @@ class BatchPlan:
         return BranchRef(
             sink=self.sink,
             lineage=self.lineage,
-            checkpoint=self.checkpoint,
+            batch_id=self.batch_id,
             attempt=self.attempt if attempt is None else attempt,
             participant=participant.name,
             partition=partition,
@@ -103,7 +103,7 @@ def _settle_earlier(
                 out.recovered += 1
             acks.append((branch_id(part.name, partition), Decision.ABORT))
         if attempt in plan.ack_earlier:
-            client.ack((plan.sink, plan.lineage, plan.checkpoint, attempt), plan.epoch, acks)
+            client.ack((plan.sink, plan.lineage, plan.batch_id, attempt), plan.epoch, acks)
 
 
 def _apply(
@@ -236,7 +236,7 @@ def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ParticipantError(
-                f"no decision for {plan.sink} checkpoint {plan.checkpoint} attempt "
+                f"no decision for {plan.sink} batch {plan.batch_id} attempt "
                 f"{plan.attempt} within {plan.decision_timeout:.0f}s"
             )
         txn = client.await_decision(plan.key, timeout=min(remaining, 30.0))

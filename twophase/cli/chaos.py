@@ -21,8 +21,9 @@ examples:
                                                     (reported, not judged: tansu shows
                                                     aborted records to read_committed readers)
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
-                                                    by `python -m twophase.job`); chaos writes
-                                                    the input into its (empty) input_dir
+                                                    by `python -m twophase.testing.job`);
+                                                    chaos writes the input into its
+                                                    (empty) input_dir
 
 Victims: driver (the Spark driver process), worker (a Spark Python worker), coordinator
 (the `twophase serve` daemon; needs --coordinator-mode daemon). A kill is a failpoint at a
@@ -81,8 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _run_chaos(args: argparse.Namespace) -> int:
-    from twophase.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
-    from twophase.job import JobConfig
+    from twophase.testing.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
+    from twophase.testing.job import JobConfig
 
     def say(msg: str) -> None:
         if not args.quiet:
@@ -105,7 +106,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
     try:
         pg_dsn = args.pg_dsn
         if job is None and pg_dsn is None and not args.no_postgres:
-            from twophase.localpg import LocalPostgres, find_bindir
+            from twophase.testing.localpg import LocalPostgres, find_bindir
 
             if find_bindir() is not None:
                 say("starting a private PostgreSQL server ...")
@@ -122,7 +123,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
                 print("twophase chaos: pass --kafka-bootstrap or --kafka-tansu, not both",
                       file=sys.stderr)
                 return 2
-            from twophase.localkafka import LocalTansu
+            from twophase.testing.localkafka import LocalTansu
 
             say("starting a private tansu broker ...")
             broker = LocalTansu()

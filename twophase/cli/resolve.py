@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
     p.add_argument("--sink", required=True, help="sink name")
     p.add_argument("--job", default=None, metavar="CONFIG.json",
-                   help="take participants from a twophase.job config file")
+                   help="take participants from a twophase.testing.job config file")
     p.add_argument("--pg-dsn", default=None)
     p.add_argument("--pg-table", default=None)
     p.add_argument("--files-path", default=None)
@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from twophase.client import CoordinatorError, connect
-    from twophase.job import JobConfig, build_participants
     from twophase.resolve import resolve_sink
+    from twophase.testing.job import JobConfig, build_participants
 
     if args.job:
         cfg = JobConfig.load(args.job)

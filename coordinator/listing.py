@@ -1,0 +1,42 @@
+"""Transactions of a coordinator location, as wire JSON: for operators' tools.
+
+The location is either a store (``sqlite:///...``, ``postgresql://...``; read-only use)
+or a daemon over HTTP (``http(s)://...``, token from ``token`` or ``TWOPHASE_TOKEN``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twophase import wire
+
+__all__ = ["fetch"]
+
+
+def fetch(
+    coordinator: str,
+    *,
+    sink: str | None = None,
+    state: str | None = None,
+    limit: int = 100,
+    token: str | None = None,
+) -> list[dict[str, Any]]:
+    """Transactions as wire JSON (each with ``alert``), newest first."""
+    if state is not None:
+        state = state.upper()
+    if coordinator.startswith(("http://", "https://")):
+        from twophase.client import CoordinatorClient
+
+        with CoordinatorClient(coordinator, token, retry_budget=10.0) as client:
+            return client.list_raw(sink=sink, state=state, limit=limit)
+    from twophase.coordinator.store import Store
+
+    store = Store(coordinator, create=False)
+    try:
+        if state == "ALERT":
+            rows = store.list(sink=sink, limit=limit, alert=True)
+        else:
+            rows = store.list(sink=sink, state=state, limit=limit)
+        return [{**wire.encode_txn(r.txn), "alert": r.alert} for r in rows]
+    finally:
+        store.close()

@@ -1,0 +1,56 @@
+"""The ``twophase`` command line.
+
+One module per subcommand (``serve``, ``txns``, ``demo``, ``resolve``, ``chaos``), each
+with ``register(subparsers)``; a command imports what it needs only when it runs, so
+``twophase --help`` works without pyspark, psycopg or confluent-kafka installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from twophase import __version__
+from twophase.cli import chaos, demo, resolve, serve, txns
+
+DESCRIPTION = """\
+twophase: exactly-once output for PySpark Structured Streaming.
+
+foreachBatch is at-least-once: after a crash Spark runs the same micro-batch again.
+twophase wraps the batch's writes to Kafka, PostgreSQL and files in one two-phase
+commit per micro-batch, so every row lands exactly once in every system.
+"""
+
+EPILOG = """\
+examples:
+  twophase demo                                   run the demo job end to end
+  twophase serve --store sqlite:///tp.db --port 7070 --token "$TWOPHASE_TOKEN"
+  twophase txns --coordinator http://host:7070 --sink orders --json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="twophase",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"twophase {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in (serve, txns, demo, resolve, chaos):
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rc: int = args.run(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
