@@ -111,7 +111,7 @@ def test_refusals_are_clear(client: CoordinatorClient, server: EmbeddedServer) -
         client.begin(sink, "lin-1", 3, epoch, ["pg", "kafka"], 2)
     assert exc.value.status == 409 and exc.value.code == "stale_epoch"
     assert newer == epoch + 1
-    with pytest.raises(TransactionNotFound, match="batch_id=99") as nf:
+    with pytest.raises(TransactionNotFound, match="checkpoint=99") as nf:
         client.get((sink, "lin-1", 99, 1))
     assert nf.value.status == 404
     with pytest.raises(CoordinatorError, match="unknown_branch"):
@@ -135,7 +135,7 @@ def test_refusals_are_clear(client: CoordinatorClient, server: EmbeddedServer) -
     assert r.status_code == 400 and r.json()["error"] == "malformed_json"
     r = httpx.post(begin, headers=auth, json={"lineage": "x", "checkpoint": "1", "epoch": 1,
                                               "participants": ["pg"], "partitions": 1})
-    assert r.status_code == 422 and "body.batch_id" in r.json()["message"]
+    assert r.status_code == 422 and "body.checkpoint" in r.json()["message"]
     r = httpx.post(begin, headers=auth, json={"lineage": "x", "checkpoint": 1, "epoch": 1,
                                               "participants": ["pg"], "partitions": 1,
                                               "colour": "red"})
