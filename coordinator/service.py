@@ -36,7 +36,10 @@ from twophase import __version__, wire
 from twophase import protocol as p
 from twophase.coordinator.background import Background, Settings
 from twophase.coordinator.metrics import Metrics
-from twophase.coordinator.store import Store, StoreError, TxnKey, TxnNotFound
+from twophase.coordinator.store import Store
+from twophase.errors import StoreError, TransactionNotFound, TwophaseError
+from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
+from twophase.protocol import TxnKey
 
 __all__ = ["MAX_BODY", "DecisionHub", "EmbeddedServer", "create_app", "setup_logging"]
 
@@ -44,8 +47,6 @@ log = logging.getLogger("twophase.coordinator.service")
 
 MAX_BODY: Final = 1 << 20  # 1 MiB
 OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc"})
-NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
-LINEAGE_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -360,15 +361,13 @@ def create_app(
     app.state.metrics = metrics
     app.state.background = bg
 
-    @app.exception_handler(p.ProtocolError)
-    async def _protocol_error(_r: Request, exc: p.ProtocolError) -> Response:
+    @app.exception_handler(TwophaseError)
+    async def _twophase_error(_r: Request, exc: TwophaseError) -> Response:
+        # every refusal maps itself: its class names the code and the status
         metrics.requests.labels(exc.code).inc()
-        return _error(409, exc.code, str(exc))
-
-    @app.exception_handler(TxnNotFound)
-    async def _not_found(_r: Request, exc: TxnNotFound) -> Response:
-        metrics.requests.labels("not_found").inc()
-        return _error(404, "not_found", str(exc))
+        if isinstance(exc, StoreError):
+            log.error("store error", extra={"error": str(exc)})
+        return _error(exc.http_status, exc.code, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_r: Request, exc: RequestValidationError) -> Response:
@@ -381,19 +380,13 @@ def create_app(
         metrics.requests.labels("invalid_request").inc()
         return _error(422, "invalid_request", str(exc))
 
-    @app.exception_handler(StoreError)
-    async def _store_error(_r: Request, exc: StoreError) -> Response:
-        metrics.requests.labels("store_error").inc()
-        log.error("store error", extra={"error": str(exc)})
-        return _error(503, "store_error", str(exc))
-
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_r: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
 
     def key_of(sink: str, lineage: str, checkpoint: int, attempt: int) -> TxnKey:
-        return (sink, lineage, checkpoint, attempt)
+        return TxnKey(sink, lineage, checkpoint, attempt)
 
     def txn_json(txn: p.Transaction) -> Response:
         return _json(wire.encode_txn(txn))
@@ -487,7 +480,7 @@ def create_app(
             try:
                 txn = await run_in_threadpool(st.get, key)
                 if txn is None:
-                    raise TxnNotFound(key)
+                    raise TransactionNotFound.for_key(key)
                 left = end - loop.time()
                 if done(txn) or left <= 0:
                     return txn_json(txn)
@@ -505,7 +498,7 @@ def create_app(
         key = key_of(sink, lineage, checkpoint, attempt)
         txn = st.get(key)
         if txn is None:
-            raise TxnNotFound(key)
+            raise TransactionNotFound.for_key(key)
         out = wire.encode_txn(txn)
         if history:
             out["history"] = st.history(key)
@@ -541,11 +534,8 @@ def create_app(
         """Operator: write ABORT for an undecided transaction whose writer is gone
         (a decided one keeps its decision)."""
         key = key_of(sink, lineage, checkpoint, attempt)
-        txn = st.get(key)
-        if txn is None:
-            raise TxnNotFound(key)
         log.warning("admin abort", extra={"txn": list(key), "reason": body.reason})
-        ev = p.Abandon(epoch=txn.epoch, reason=f"admin: {body.reason}", now=st.clock())
+        ev = p.AdminAbort(reason=body.reason, now=st.clock())
         return txn_json(st.apply(key, [ev]))
 
     @app.post("/v1/admin/tick", tags=["admin"])

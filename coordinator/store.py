@@ -54,47 +54,23 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from twophase import failpoints
 from twophase import protocol as p
 from twophase.coordinator import schema as s
+from twophase.errors import SchemaMismatch, StoreError, TransactionNotFound
+from twophase.protocol import TxnKey
 
 __all__ = [
     "Listed",
-    "SchemaMismatch",
     "Store",
-    "StoreError",
-    "TxnKey",
-    "TxnNotFound",
     "normalize_url",
 ]
 
 log = logging.getLogger("twophase.coordinator.store")
 
-TxnKey = tuple[str, str, int, int]
 T = TypeVar("T")
 
 _MAX_RETRIES: Final = 50
 
 
-class StoreError(Exception):
-    """The store cannot do what was asked (bad URL, schema mismatch, persistent conflict)."""
-
-
-class SchemaMismatch(StoreError):
-    pass
-
-
-class TxnNotFound(StoreError, KeyError):
-    def __init__(self, key: TxnKey) -> None:
-        super().__init__(key)
-        self.key = key
-
-    def __str__(self) -> str:
-        sink, lineage, ckpt, attempt = self.key
-        return (
-            f"no transaction sink={sink!r} lineage={lineage!r} checkpoint={ckpt} "
-            f"attempt={attempt}"
-        )
-
-
-class _Conflict(Exception):
+class _Conflict(StoreError):
     """A compare-and-set found a newer version: reload and try again."""
 
 
@@ -321,6 +297,8 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
         return "force_ack", ev.branch, {"outcome": ev.outcome.value}
     if isinstance(ev, p.Abandon):
         return "abandon", None, {"reason": ev.reason, "epoch": ev.epoch}
+    if isinstance(ev, p.AdminAbort):
+        return "admin_abort", None, {"reason": ev.reason}
     if isinstance(ev, p.Begin):
         return "begin", None, {"epoch": ev.epoch, "partitions": ev.partitions}
     return "expire", None, {}
@@ -606,7 +584,7 @@ class Store:
                 "updated": now, "alert": False, "version": new.version,
             })
             if cur.rowcount != 1:
-                raise _Conflict(new.key)
+                raise _Conflict(f"lost a compare-and-set on {new.key}")
         if evs:
             hist = []
             for ev, after in evs:
@@ -641,7 +619,7 @@ class Store:
                     "lineage": new.lineage, "last_committed": new.last_committed,
                     "version": version + 1})
         if cur.rowcount != 1:
-            raise _Conflict(new.name)
+            raise _Conflict(f"lost a compare-and-set on sink {new.name}")
 
     # ----------------------------------------------------------------- protocol calls
 
@@ -701,7 +679,8 @@ class Store:
     def apply(self, key: TxnKey, events: Sequence[p.Event]) -> p.Transaction:
         """Apply events to one transaction, all or nothing, in one database transaction.
 
-        Raises :class:`TxnNotFound` or the machine's :class:`~twophase.protocol.ProtocolError`.
+        Raises :class:`~twophase.errors.TransactionNotFound`, or the machine's
+        :class:`~twophase.errors.ProtocolError`.
         """
         return self._write(self._apply_tx(key, events))
 
@@ -715,7 +694,7 @@ class Store:
         def tx(conn: Connection) -> tuple[p.Transaction, list[Change]]:
             old = self._load(conn, key)
             if old is None:
-                raise TxnNotFound(key)
+                raise TransactionNotFound.for_key(key)
             new = old
             applied: list[tuple[p.Event | p.Begin, p.Transaction]] = []
             for ev in events:
@@ -823,12 +802,12 @@ class Store:
             .limit(limit)
         )
         with self._read() as conn:
-            keys = [tuple(r) for r in conn.execute(q).all()]
+            keys = [TxnKey(*r) for r in conn.execute(q).all()]
         out = []
         for key in keys:
             try:
                 out.append(self.apply(key, [p.Expire(now=now)]))
-            except TxnNotFound:
+            except TransactionNotFound:
                 continue  # purged meanwhile by another replica
         return out
 
@@ -869,7 +848,7 @@ class Store:
             .limit(limit)
         )
         with self._read() as conn:
-            keys = [tuple(r) for r in conn.execute(q).all()]
+            keys = [TxnKey(*r) for r in conn.execute(q).all()]
         if not keys:
             return 0
         params = [_kp(k) for k in keys]

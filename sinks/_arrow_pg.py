@@ -25,6 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.types as pat
 
+from twophase.errors import InvalidRequest
+
 __all__ = [
     "ExistingColumn",
     "UnsupportedType",
@@ -39,7 +41,7 @@ CHUNK_ROWS = 65_536
 _WRITE = pacsv.WriteOptions(include_header=False, batch_size=CHUNK_ROWS)
 
 
-class UnsupportedType(ValueError):
+class UnsupportedType(InvalidRequest):
     """An Arrow type with no PostgreSQL column type in the mapping."""
 
 

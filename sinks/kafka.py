@@ -27,6 +27,7 @@ from typing import Any, Final, Literal
 import pyarrow as pa
 import pyarrow.types as pat
 
+from twophase.errors import TwophaseError
 from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
@@ -689,7 +690,7 @@ class KafkaParticipant(Participant):
         return f"kafka participant {self.name!r} (topic {self.topic!r})"
 
 
-class _Refusal(Exception):
+class _Refusal(TwophaseError):
     """Internal: a reason to vote NO that the data or the broker explains."""
 
 

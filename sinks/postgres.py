@@ -32,6 +32,7 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from twophase.names import validate_name
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -39,7 +40,6 @@ from twophase.participant import (
     Participant,
     ParticipantError,
     PrepareRefused,
-    validate_name,
 )
 from twophase.sinks._arrow_pg import (
     ExistingColumn,

@@ -14,7 +14,8 @@ from sqlalchemy import Connection, insert, select
 
 from twophase import protocol as p
 from twophase.coordinator import schema as s
-from twophase.coordinator.store import Store, TxnNotFound, _Job
+from twophase.coordinator.store import Store, _Job
+from twophase.errors import TransactionNotFound
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_a_failing_request_does_not_fail_its_group(store: Store) -> None:
     assert out[0][0] == "ok" and out[0][1].decision == p.Decision.COMMIT
     assert out[1][0] == "err" and isinstance(out[1][1], p.ProtocolError)
     assert out[1][1].code == "stale_epoch"
-    assert out[2][0] == "err" and isinstance(out[2][1], TxnNotFound)
+    assert out[2][0] == "err" and isinstance(out[2][1], TransactionNotFound)
     assert out[3][0] == "err" and "boom after a write" in str(out[3][1])
     assert out[4][0] == "ok" and out[4][1].decision == p.Decision.COMMIT
     # the failed request's own write was undone (its SAVEPOINT), the others are durable

@@ -13,17 +13,15 @@ import httpx
 import pytest
 
 from twophase import protocol as p
-from twophase.client import (
-    Connection,
-    CoordinatorClient,
+from twophase.client import Connection, CoordinatorClient, VoteIn, connect
+from twophase.coordinator.service import EmbeddedServer, create_app
+from twophase.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
-    StaleEpochError,
+    InvalidRequest,
+    StaleEpoch,
     TransactionNotFound,
-    VoteIn,
-    connect,
 )
-from twophase.coordinator.service import EmbeddedServer, create_app
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +105,7 @@ def test_refusals_are_clear(client: CoordinatorClient, server: EmbeddedServer) -
     epoch, txn = _start(client)
     sink = txn.sink
     newer = client.register(sink)
-    with pytest.raises(StaleEpochError, match="older than") as exc:
+    with pytest.raises(StaleEpoch, match="older than") as exc:
         client.begin(sink, "lin-1", 3, epoch, ["pg", "kafka"], 2)
     assert exc.value.status == 409 and exc.value.code == "stale_epoch"
     assert newer == epoch + 1
@@ -116,7 +114,7 @@ def test_refusals_are_clear(client: CoordinatorClient, server: EmbeddedServer) -
     assert nf.value.status == 404
     with pytest.raises(CoordinatorError, match="unknown_branch"):
         client.vote(txn.key, epoch, [VoteIn("nope/0", True)])
-    with pytest.raises(CoordinatorError, match="participant name"):
+    with pytest.raises(InvalidRequest, match="participant name"):
         client.begin(sink, "lin-1", 4, newer, ["bad name!"], 1)
     with pytest.raises(ValueError, match="MAYBE"):
         client.ack(txn.key, epoch, [("pg/0", "MAYBE")])  # type: ignore[list-item]

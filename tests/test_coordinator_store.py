@@ -13,7 +13,8 @@ import pytest
 from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
 from twophase.coordinator.background import Background, Settings, parse_duration
-from twophase.coordinator.store import SchemaMismatch, Store, TxnNotFound, normalize_url
+from twophase.coordinator.store import Store, normalize_url
+from twophase.errors import SchemaMismatch, TransactionNotFound
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_no_vote_aborts_and_refusals_change_nothing(store: Store) -> None:
     with pytest.raises(p.UnknownBranch):
         store.apply(key, [p.Vote("kafka/0", epoch, True, time.time())])
     assert store.get(key) == before
-    with pytest.raises(TxnNotFound):
+    with pytest.raises(TransactionNotFound):
         store.apply((sink, "L", 99, 1), [p.Expire(time.time())])
     t = store.apply(key, [p.Ack("pg/0", epoch, p.Decision.ABORT, time.time())])
     assert t.state == p.State.ABORTED

@@ -24,14 +24,16 @@ import httpx
 import tenacity
 
 from twophase import protocol, wire
+from twophase.errors import (
+    CoordinatorUnavailable,
+    TwophaseError,
+    error_class,
+)
+from twophase.protocol import TxnKey
 
 __all__ = [
     "Connection",
     "CoordinatorClient",
-    "CoordinatorError",
-    "CoordinatorUnavailable",
-    "StaleEpochError",
-    "TransactionNotFound",
     "TxnKey",
     "VoteIn",
     "connect",
@@ -42,35 +44,9 @@ CA_ENV: Final = "TWOPHASE_CA_CERT"
 EMBEDDED_HOST_ENV: Final = "TWOPHASE_EMBEDDED_HOST"
 POLL_SLICE: Final = 30.0
 
-TxnKey = tuple[str, str, int, int]  # (sink, lineage, checkpoint, attempt)
-
-
-class CoordinatorError(Exception):
-    """A refusal or failure reported by (or about) the coordinator."""
-
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-
-
-class StaleEpochError(CoordinatorError):
-    """409 ``stale_epoch``: a newer writer took over this sink; this one must stop."""
-
-
-class TransactionNotFound(CoordinatorError):
-    """404: no such transaction (or sink)."""
-
-
-class CoordinatorUnavailable(CoordinatorError):
-    """The coordinator could not be reached (or kept failing) within the retry budget."""
-
-
-class _Retryable(Exception):
+class _Retryable(TwophaseError):
     def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:500]}")
-        self.status = status
+        super().__init__(f"HTTP {status}: {body[:500]}", status=status)
 
 
 @dataclass(frozen=True)
@@ -305,7 +281,8 @@ class CoordinatorClient:
         self.close()
 
 
-def _refusal(resp: httpx.Response) -> CoordinatorError:
+def _refusal(resp: httpx.Response) -> TwophaseError:
+    """The error an HTTP error body names, as the same class the server raised."""
     try:
         data = resp.json()
         code = str(data.get("error", "error"))
@@ -313,11 +290,7 @@ def _refusal(resp: httpx.Response) -> CoordinatorError:
     except ValueError:
         code, message = "error", resp.text[:500]
     text = f"coordinator refused ({resp.status_code} {code}): {message}"
-    if resp.status_code == 404:
-        return TransactionNotFound(text, status=404, code=code)
-    if code == "stale_epoch":
-        return StaleEpochError(text, status=resp.status_code, code=code)
-    return CoordinatorError(text, status=resp.status_code, code=code)
+    return error_class(code)(text, status=resp.status_code, code=code)
 
 
 # ---------------------------------------------------------------------------------------

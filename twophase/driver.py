@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.participant import LINEAGE_RE, Participant, validate_name
+from twophase.errors import BatchFailed
+from twophase.names import validate_lineage, validate_name
+from twophase.participant import Participant
 from twophase.protocol import BeginKind, Decision, State
 from twophase.task import BatchPlan, run_partition
 
@@ -42,11 +44,6 @@ _REPORT_SCHEMA = (
     "partition long, rows long, decision string, recovered long, redone long, "
     "prepare_s double, wait_s double, commit_s double, error string"
 )
-
-
-class BatchFailed(RuntimeError):
-    """A micro-batch could not be committed; the message names participant, partition
-    and cause. The query stops; restarting it replays the batch."""
 
 
 @dataclass
@@ -107,7 +104,7 @@ class TransactionalSink:
         self.backoff = backoff
         self.vote_timeout = vote_timeout
         if lineage is not None:
-            validate_name("lineage", lineage, LINEAGE_RE)
+            validate_lineage(lineage)
         self.lineage = lineage
         for p in participants:
             # A Kafka transaction must outlive the vote window, or the broker aborts it

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
+from twophase.errors import FailpointHit
+
 ENV: Final = "TWOPHASE_FAILPOINTS"
 ONCE_DIR_ENV: Final = "TWOPHASE_FAILPOINTS_ONCE_DIR"
 
@@ -42,10 +44,6 @@ POINTS: Final = (
     "before_return",  # driver: coordinator shows COMMITTED, foreachBatch not returned
     "coordinator_before_decision",  # coordinator: all votes in, decision not written
 )
-
-
-class FailpointHit(RuntimeError):
-    """Raised by the ``raise`` action."""
 
 
 @dataclass

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import abc
 import enum
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+
+from twophase.errors import ParticipantError, PrepareRefused
+from twophase.names import validate_lineage, validate_name
+from twophase.protocol import TxnKey
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -31,25 +34,10 @@ __all__ = [
     "Participant",
     "ParticipantError",
     "PrepareRefused",
-    "validate_name",
 ]
 
 Handle = Mapping[str, str]
 """What a YES vote carries: all a later process needs to commit or abort the branch."""
-
-_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-LINEAGE_RE: Final = re.compile(r"^[A-Za-z0-9-]{1,64}$")
-_LINEAGE_RE: Final = LINEAGE_RE
-
-
-def validate_name(kind: str, value: str, pattern: re.Pattern[str] = _NAME_RE) -> str:
-    """Names reach SQL identifiers, file names and Kafka group ids: allow a safe alphabet."""
-    if not isinstance(value, str) or not pattern.match(value) or value in (".", ".."):
-        raise ValueError(
-            f"invalid {kind} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
-        )
-    return value
-
 
 class BranchStatus(str, enum.Enum):
     COMMITTED = "COMMITTED"
@@ -75,7 +63,7 @@ class BranchRef:
 
     def __post_init__(self) -> None:
         validate_name("sink name", self.sink)
-        validate_name("lineage", self.lineage, _LINEAGE_RE)
+        validate_lineage(self.lineage)
         validate_name("participant name", self.participant)
         for label, n in (
             ("checkpoint", self.batch_id),
@@ -86,19 +74,13 @@ class BranchRef:
                 raise ValueError(f"{label} must be a non-negative int, got {n!r}")
 
     @property
+    def key(self) -> TxnKey:
+        """The transaction this branch belongs to."""
+        return TxnKey(self.sink, self.lineage, self.batch_id, self.attempt)
+
+    @property
     def branch_id(self) -> str:
         return f"{self.participant}/{self.partition}"
-
-
-class ParticipantError(Exception):
-    """A participant failed; the message names the participant and the cause."""
-
-
-class PrepareRefused(ParticipantError):
-    """Prepare failed for a reason the data or the target explains: vote NO with it.
-
-    Raised after the participant has undone whatever it had written for the branch.
-    """
 
 
 class Participant(abc.ABC):

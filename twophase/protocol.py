@@ -21,16 +21,25 @@ transaction unchanged and gets the same reply.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Final
+from typing import Final, NamedTuple
+
+from twophase.errors import (
+    IllegalTransition,
+    InvalidRequest,
+    ProtocolError,
+    StaleEpoch,
+    UnknownBranch,
+)
+from twophase.names import validate_name
 
 __all__ = [
     "TRANSITIONS",
     "Abandon",
     "Ack",
+    "AdminAbort",
     "Begin",
     "BeginKind",
     "BeginResult",
@@ -45,6 +54,7 @@ __all__ = [
     "StaleEpoch",
     "State",
     "Transaction",
+    "TxnKey",
     "UnknownBranch",
     "Vote",
     "begin",
@@ -82,50 +92,36 @@ _DECIDED: Final = frozenset({State.COMMITTING, State.COMMITTED, State.ABORTING, 
 _COMMIT_STATES: Final = frozenset({State.COMMITTING, State.COMMITTED})
 
 
-class ProtocolError(Exception):
-    """Base of every refusal; ``code`` is stable and the HTTP layer maps it to a status."""
-
-    code = "protocol_error"
-
-
-class IllegalTransition(ProtocolError):
-    code = "illegal_transition"
-
-
-class StaleEpoch(ProtocolError):
-    """A message from a writer older than the transaction's (a zombie driver or task)."""
-
-    code = "stale_epoch"
-
-
-class UnknownBranch(ProtocolError):
-    code = "unknown_branch"
-
-
 # ---------------------------------------------------------------------------------------
 # identifiers
 
-_PARTICIPANT_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
 def branch_id(participant: str, partition: int) -> str:
     """Branch ids are ``participant/partition``; both parts are validated."""
-    if not _PARTICIPANT_RE.match(participant):
-        raise ValueError(f"participant name {participant!r} must match {_PARTICIPANT_RE.pattern}")
+    validate_name("participant name", participant)
     if not isinstance(partition, int) or isinstance(partition, bool) or partition < 0:
-        raise ValueError(f"partition must be a non-negative int, got {partition!r}")
+        raise InvalidRequest(f"partition must be a non-negative int, got {partition!r}")
     return f"{participant}/{partition}"
 
 
 def parse_branch_id(bid: str) -> tuple[str, int]:
     participant, _, partition = bid.rpartition("/")
     if not participant or not partition.isdigit():
-        raise ValueError(f"malformed branch id {bid!r}")
+        raise InvalidRequest(f"malformed branch id {bid!r}")
     return participant, int(partition)
 
 
 # ---------------------------------------------------------------------------------------
 # records
+
+
+class TxnKey(NamedTuple):
+    """What names one transaction: an attempt of one batch of one sink lineage."""
+
+    sink: str
+    lineage: str
+    batch_id: int
+    attempt: int
+
 
 
 @dataclass(frozen=True)
@@ -175,8 +171,8 @@ class Transaction:
         return self.decision or Decision.ABORT
 
     @property
-    def key(self) -> tuple[str, str, int, int]:
-        return (self.sink, self.lineage, self.batch_id, self.attempt)
+    def key(self) -> TxnKey:
+        return TxnKey(self.sink, self.lineage, self.batch_id, self.attempt)
 
     def pending_acks(self) -> list[str]:
         """Branches whose acknowledgement the current decision still waits for."""
@@ -230,6 +226,15 @@ class Abandon:
 
 
 @dataclass(frozen=True)
+class AdminAbort:
+    """An operator writes ABORT for an undecided attempt whose writer is gone (no epoch
+    check); a decided attempt keeps its decision."""
+
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True)
 class Ack:
     branch: str
     epoch: int
@@ -246,13 +251,14 @@ class ForceAck:
     now: float
 
 
-Event = Vote | Expire | Abandon | Ack | ForceAck
+Event = Vote | Expire | Abandon | AdminAbort | Ack | ForceAck
 
 
 class Kind(str, enum.Enum):
     VOTE = "vote"
     EXPIRE = "expire"
     ABANDON = "abandon"
+    ADMIN_ABORT = "admin_abort"
     ACK = "ack"
     FORCE_ACK = "force_ack"
 
@@ -261,6 +267,7 @@ _KIND: Final[Mapping[type, Kind]] = {
     Vote: Kind.VOTE,
     Expire: Kind.EXPIRE,
     Abandon: Kind.ABANDON,
+    AdminAbort: Kind.ADMIN_ABORT,
     Ack: Kind.ACK,
     ForceAck: Kind.FORCE_ACK,
 }
@@ -274,9 +281,15 @@ TRANSITIONS: Final[Mapping[tuple[State, Kind], frozenset[State]]] = MappingProxy
         (S.OPEN, Kind.VOTE): frozenset({S.PREPARING, S.COMMITTING, S.ABORTING, S.ABORTED}),
         (S.OPEN, Kind.EXPIRE): frozenset({S.OPEN, S.ABORTED}),
         (S.OPEN, Kind.ABANDON): frozenset({S.ABORTED}),
+        (S.OPEN, Kind.ADMIN_ABORT): frozenset({S.ABORTED}),
         (S.PREPARING, Kind.VOTE): frozenset({S.PREPARING, S.COMMITTING, S.ABORTING, S.ABORTED}),
         (S.PREPARING, Kind.EXPIRE): frozenset({S.PREPARING, S.ABORTING, S.ABORTED}),
         (S.PREPARING, Kind.ABANDON): frozenset({S.ABORTING, S.ABORTED}),
+        (S.PREPARING, Kind.ADMIN_ABORT): frozenset({S.ABORTING, S.ABORTED}),
+        (S.COMMITTING, Kind.ADMIN_ABORT): frozenset({S.COMMITTING}),
+        (S.COMMITTED, Kind.ADMIN_ABORT): frozenset({S.COMMITTED}),
+        (S.ABORTING, Kind.ADMIN_ABORT): frozenset({S.ABORTING}),
+        (S.ABORTED, Kind.ADMIN_ABORT): frozenset({S.ABORTED}),
         # decided: late votes are answered with the decision; repeats change nothing
         (S.COMMITTING, Kind.VOTE): frozenset({S.COMMITTING}),
         (S.COMMITTING, Kind.EXPIRE): frozenset({S.COMMITTING}),
@@ -409,6 +422,13 @@ def _on_abandon(txn: Transaction, ev: Event) -> Transaction:
     return _decide(txn, Decision.ABORT, ev.now, ev.reason)
 
 
+def _on_admin_abort(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, AdminAbort)
+    if txn.state.decided:
+        return txn
+    return _decide(txn, Decision.ABORT, ev.now, f"admin: {ev.reason}")
+
+
 def _apply_ack(txn: Transaction, bid: str, outcome: Decision, now: float) -> Transaction:
     current = _branch(txn, bid)
     decision = txn.decision
@@ -439,6 +459,7 @@ _HANDLERS: Final = {
     Kind.VOTE: _on_vote,
     Kind.EXPIRE: _on_expire,
     Kind.ABANDON: _on_abandon,
+    Kind.ADMIN_ABORT: _on_admin_abort,
     Kind.ACK: _on_ack,
     Kind.FORCE_ACK: _on_force_ack,
 }

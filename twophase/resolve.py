@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from twophase.client import TransactionNotFound
+from twophase.errors import TransactionNotFound
 from twophase.participant import BranchRef, BranchStatus, Participant
 from twophase.protocol import Decision, State, Transaction, parse_branch_id
 
@@ -90,7 +90,7 @@ def resolve_sink(
     for part in participants:
         for ref in part.in_doubt(sink):
             try:
-                txn = client.get((ref.sink, ref.lineage, ref.batch_id, ref.attempt))
+                txn = client.get(ref.key)
                 decision = txn.effective_decision
             except TransactionNotFound:  # no record: presumed abort
                 decision = Decision.ABORT

@@ -26,7 +26,7 @@ from twophase.participant import (
     ParticipantError,
     PrepareRefused,
 )
-from twophase.protocol import Decision, branch_id
+from twophase.protocol import Decision, TxnKey, branch_id
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -55,8 +55,8 @@ class BatchPlan:
     decision_timeout: float = 600.0
 
     @property
-    def key(self) -> tuple[str, str, int, int]:
-        return (self.sink, self.lineage, self.batch_id, self.attempt)
+    def key(self) -> TxnKey:
+        return TxnKey(self.sink, self.lineage, self.batch_id, self.attempt)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -103,7 +103,7 @@ def _settle_earlier(
                 out.recovered += 1
             acks.append((branch_id(part.name, partition), Decision.ABORT))
         if attempt in plan.ack_earlier:
-            client.ack((plan.sink, plan.lineage, plan.batch_id, attempt), plan.epoch, acks)
+            client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
 
 
 def _apply(

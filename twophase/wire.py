@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from twophase import protocol as p
+from twophase.errors import WireError
 
 __all__ = [
     "WireError",
@@ -24,10 +25,6 @@ __all__ = [
 ]
 
 JSON = dict[str, Any]
-
-
-class WireError(ValueError):
-    """A JSON document does not have the expected layout."""
 
 
 def encode_branch(b: p.BranchState) -> JSON:

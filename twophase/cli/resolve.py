@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from twophase.client import CoordinatorError, connect
+    from twophase.client import connect
+    from twophase.errors import TwophaseError
     from twophase.resolve import resolve_sink
     from twophase.testing.job import JobConfig, build_participants
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 report = resolve_sink(client, args.sink, participants, dry_run=args.dry_run)
             finally:
                 client.close()
-    except (CoordinatorError, ValueError) as exc:
+    except (TwophaseError, ValueError) as exc:
         print(f"twophase resolve: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     from twophase.coordinator.background import Settings, parse_duration
     from twophase.coordinator.service import create_app, setup_logging
-    from twophase.coordinator.store import Store, StoreError
+    from twophase.coordinator.store import Store
+    from twophase.errors import StoreError
 
     if not args.token and not args.insecure:
         print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN "

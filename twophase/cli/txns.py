@@ -98,8 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from twophase.client import CoordinatorError
     from twophase.coordinator.listing import fetch
+    from twophase.errors import TwophaseError
 
     if not args.coordinator:
         print("twophase txns: pass --coordinator URL (or set TWOPHASE_COORDINATOR)",
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         txns = fetch(args.coordinator, sink=args.sink, state=args.state, limit=args.limit,
                      token=args.token)
-    except (CoordinatorError, ValueError) as exc:
+    except (TwophaseError, ValueError) as exc:
         print(f"twophase txns: {exc}", file=sys.stderr)
         return 1
     render(txns, as_json=args.json, out=sys.stdout)

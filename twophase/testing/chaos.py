@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from twophase import failpoints
+from twophase.errors import TwophaseError
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 
 __all__ = [
@@ -63,7 +64,7 @@ WORKER_POINTS = (
 PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit"})
 
 
-class ChaosError(RuntimeError):
+class ChaosError(TwophaseError, RuntimeError):
     """The chaos run itself could not go on (bad options, a job that never finishes)."""
 
 

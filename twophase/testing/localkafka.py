@@ -22,13 +22,15 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from twophase.errors import TwophaseError
+
 __all__ = ["ENV_BIN", "KafkaUnavailable", "LocalTansu", "find_tansu"]
 
 ENV_BIN = "TWOPHASE_TANSU_BIN"
 """Set to an explicit ``tansu`` executable to use instead of the bundled one."""
 
 
-class KafkaUnavailable(RuntimeError):
+class KafkaUnavailable(TwophaseError, RuntimeError):
     """The tansu binary is missing or the broker would not start."""
 
 

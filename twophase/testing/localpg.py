@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from twophase.errors import TwophaseError
+
 __all__ = ["LocalPostgres", "PostgresUnavailable", "find_bindir"]
 
 
-class PostgresUnavailable(RuntimeError):
+class PostgresUnavailable(TwophaseError, RuntimeError):
     """The server binaries are missing or the server would not start."""
 
 

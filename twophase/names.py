@@ -1,0 +1,45 @@
+"""The name rules: which sink, participant and lineage names twophase accepts.
+
+Names reach SQL identifiers, PostgreSQL gids, file names, object keys and Kafka group
+ids, so one safe alphabet is checked where a name enters (the sink, a participant, an
+HTTP request) and nowhere else needs to trust it. The HTTP service validates paths and
+bodies with the same patterns.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from twophase.errors import InvalidRequest
+
+__all__ = ["LINEAGE_PATTERN", "NAME_PATTERN", "validate_lineage", "validate_name"]
+
+NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
+"""Sink and participant names."""
+
+LINEAGE_PATTERN: Final = r"^[A-Za-z0-9-]{1,64}$"
+"""A lineage (Spark's streaming query id, a UUID, or the sink's ``lineage=``). Narrower
+than names: ``_``, ``.`` and ``:`` separate fields in gids and file names."""
+
+_NAME_RE: Final = re.compile(NAME_PATTERN)
+_LINEAGE_RE: Final = re.compile(LINEAGE_PATTERN)
+
+
+def validate_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a valid sink or participant name, else raise
+    :class:`~twophase.errors.InvalidRequest` naming ``kind`` and the rule."""
+    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", ".."):
+        raise InvalidRequest(
+            f"invalid {kind} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+        )
+    return value
+
+
+def validate_lineage(value: str) -> str:
+    """Return ``value`` if it is a valid lineage, else raise ``InvalidRequest``."""
+    if not isinstance(value, str) or not _LINEAGE_RE.match(value):
+        raise InvalidRequest(
+            f"invalid lineage {value!r}: use 1-64 characters from A-Z a-z 0-9 - "
+        )
+    return value
