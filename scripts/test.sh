@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from nothing: a fresh virtual environment, the project with every
-# extra, Debian's PostgreSQL server and a Java runtime when missing, then ruff, mypy and
-# pytest. Extra arguments go to pytest (e.g. `bash scripts/test.sh -k protocol`).
+# extra, Debian's PostgreSQL server and a Java runtime when missing, then ruff, mypy,
+# import-linter (the layers) and pytest. Extra arguments go to pytest
+# (e.g. `bash scripts/test.sh -k protocol`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,8 @@ echo "== ruff"
 "$VENV/bin/ruff" check .
 echo "== mypy"
 "$VENV/bin/mypy"
+echo "== import-linter (layers of DESIGN.md; fails on any upward import)"
+"$VENV/bin/lint-imports"
 echo "== pytest"
 set +e
 "$VENV/bin/python" -m pytest "$@"

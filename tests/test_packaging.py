@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import tomllib
@@ -44,3 +46,46 @@ def test_every_subcommand_has_help() -> None:
                              capture_output=True, text=True, cwd=ROOT, check=False)
         assert out.returncode == 0, (cmd, out.stderr)
         assert "example" in out.stdout, cmd
+
+
+def test_wheel_claims_no_generic_top_level_names(tmp_path: Path) -> None:
+    """Installed, twophase owns only ``twophase``: a user's own packages named ``sinks``
+    and ``coordinator`` import side by side with ``twophase.sinks`` and
+    ``twophase.coordinator`` (a fresh venv, the built wheel, a plain interpreter)."""
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist),
+                    str(ROOT)], check=True, capture_output=True, text=True)
+    (wheel,) = dist.glob("twophase-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        tops = {name.split("/")[0] for name in zf.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"twophase"}, tops
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[kafka,postgres]"],
+                   check=True, capture_output=True, text=True)
+    user = tmp_path / "user"
+    for name in ("sinks", "coordinator"):
+        (user / name).mkdir(parents=True)
+        (user / name / "__init__.py").write_text(f'WHO = "the user\'s {name}"\n')
+    code = (
+        "import sinks, coordinator\n"
+        "from twophase import TransactionalSink\n"
+        "from twophase.sinks.postgres import PostgresParticipant\n"
+        "from twophase.sinks.files import StagedFileParticipant\n"
+        "from twophase.sinks.kafka import KafkaParticipant\n"
+        "import twophase.coordinator.store, twophase.cli\n"
+        "assert sinks.WHO == \"the user's sinks\", sinks.__file__\n"
+        "assert coordinator.WHO == \"the user's coordinator\", coordinator.__file__\n"
+        "import twophase.sinks, twophase.coordinator\n"
+        "assert 'site-packages' in twophase.sinks.__file__, twophase.sinks.__file__\n"
+        "assert 'site-packages' in twophase.coordinator.__file__\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out = subprocess.run([str(py), "-c", code], cwd=user, env=env, capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    cli = subprocess.run([str(venv / "bin" / "twophase"), "--help"], cwd=user, env=env,
+                         capture_output=True, text=True, check=False)
+    assert cli.returncode == 0 and "serve" in cli.stdout, cli.stderr
