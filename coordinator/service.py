@@ -499,7 +499,7 @@ def create_app(
         txn = st.get(key)
         if txn is None:
             raise TransactionNotFound.for_key(key)
-        out = wire.encode_txn(txn)
+        out: dict[str, Any] = {**wire.encode_txn(txn)}
         if history:
             out["history"] = st.history(key)
         return _json(out)
