@@ -7,7 +7,7 @@ through. A 4xx answer is a refusal and raises at once with the server's message.
 
 :func:`connect` turns the user's ``coordinator=`` setting into a :class:`Connection`:
 an ``http(s)://`` URL is a daemon; a ``sqlite:///`` or ``postgresql://`` store URL starts
-the coordinator inside this process (see ``coordinator.service.EmbeddedServer``).
+the coordinator inside this process (see ``coordinator.embedded.EmbeddedServer``).
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ def connect(coordinator: str, token: str | None = None) -> Connection:
         return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
     if coordinator.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://",
                                "postgres://")):
-        from twophase.coordinator.service import (
+        from twophase.coordinator.embedded import (
             EmbeddedServer,  # lazy: twophase never imports it eagerly
         )
         from twophase.coordinator.store import normalize_url
