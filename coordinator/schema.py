@@ -17,6 +17,7 @@ from typing import Final
 from sqlalchemy import (
     Boolean,
     Column,
+    Connection,
     Float,
     Index,
     Integer,
@@ -24,7 +25,12 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    insert,
+    inspect,
+    select,
 )
+
+from twophase.errors import SchemaMismatch
 
 SCHEMA_VERSION: Final = 2
 
@@ -91,3 +97,21 @@ events = Table(
     Column("state", String(16), nullable=False),  # state after the event
     Index("twophase_events_txn", "sink", "lineage", "checkpoint", "attempt"),
 )
+
+
+def ensure(conn: Connection, *, create: bool, where: str) -> None:
+    """Create the tables in an empty database (if ``create``), or check that the version
+    found is this one; ``where`` names the store in the error."""
+    if not inspect(conn).has_table(meta.name):
+        if not create:
+            raise SchemaMismatch(f"store {where} has no twophase schema")
+        metadata.create_all(conn)
+        conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+        return
+    row = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).first()
+    found = row[0] if row else None
+    if found != str(SCHEMA_VERSION):
+        raise SchemaMismatch(
+            f"store {where} has schema version {found}, this coordinator "
+            f"needs {SCHEMA_VERSION}; use a matching twophase version"
+        )

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from twophase.client import Connection, connect
+from twophase.connection import Connection, connect
 from twophase.participant import BranchStatus, Participant
 from twophase.protocol import BeginKind, State
 from twophase.sinks.files import StagedFileParticipant

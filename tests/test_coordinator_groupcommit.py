@@ -14,7 +14,8 @@ from sqlalchemy import Connection, insert, select
 
 from twophase import protocol as p
 from twophase.coordinator import schema as s
-from twophase.coordinator.store import Store, _Job
+from twophase.coordinator.groupcommit import Job as _Job
+from twophase.coordinator.store import Store
 from twophase.errors import TransactionNotFound
 
 

@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from twophase import protocol as p
-from twophase.client import Connection, CoordinatorClient, VoteIn, connect
-from twophase.coordinator.service import EmbeddedServer, create_app
+from twophase.client import CoordinatorClient, VoteIn
+from twophase.connection import Connection, connect
+from twophase.coordinator.app import create_app
+from twophase.coordinator.embedded import EmbeddedServer
 from twophase.errors import (
     CoordinatorError,
     CoordinatorUnavailable,

@@ -3,20 +3,17 @@
 Every call is idempotent on the server (the protocol answers a repeated message with the
 same reply), so connection failures and 5xx answers are retried with capped exponential
 backoff (tenacity) for up to ``retry_budget`` seconds: a coordinator restart is ridden
-through. A 4xx answer is a refusal and raises at once with the server's message.
-
-:func:`connect` turns the user's ``coordinator=`` setting into a :class:`Connection`:
-an ``http(s)://`` URL is a daemon; a ``sqlite:///`` or ``postgresql://`` store URL starts
-the coordinator inside this process (see ``coordinator.service.EmbeddedServer``).
+through. A 4xx answer is a refusal and raises at once with the server's message, as the same
+error class the server raised. Request bodies are built and answers decoded by
+:mod:`twophase.wire`; turning a ``coordinator=`` setting into a connection (and starting
+an embedded coordinator) is :mod:`twophase.connection`'s job.
 """
 
 from __future__ import annotations
 
 import builtins
 import os
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -30,33 +27,22 @@ from twophase.errors import (
     error_class,
 )
 from twophase.protocol import TxnKey
+from twophase.wire import VoteIn
 
 __all__ = [
-    "Connection",
     "CoordinatorClient",
     "TxnKey",
     "VoteIn",
-    "connect",
 ]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 CA_ENV: Final = "TWOPHASE_CA_CERT"
-EMBEDDED_HOST_ENV: Final = "TWOPHASE_EMBEDDED_HOST"
 POLL_SLICE: Final = 30.0
+
 
 class _Retryable(TwophaseError):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:500]}", status=status)
-
-
-@dataclass(frozen=True)
-class VoteIn:
-    """One branch's vote: YES with the handle needed to commit it later, or NO with why."""
-
-    branch: str
-    yes: bool
-    handle: Mapping[str, str] | None = None
-    reason: str | None = None
 
 
 def _seg(x: str | int) -> str:
@@ -171,24 +157,13 @@ class CoordinatorClient:
         out = self._request(
             "POST",
             f"/v1/sinks/{_seg(sink)}/begin",
-            body={
-                "lineage": lineage, "checkpoint": batch_id, "epoch": epoch,
-                "participants": list(participants), "partitions": partitions,
-                "vote_timeout": float(vote_timeout),
-            },
+            body=wire.begin_body(lineage, batch_id, epoch, participants, partitions,
+                                 vote_timeout),
         )
         return wire.decode_begin(out)
 
     def vote(self, key: TxnKey, epoch: int, votes: Sequence[VoteIn]) -> protocol.Transaction:
-        body = {
-            "epoch": epoch,
-            "votes": [
-                {"branch": v.branch, "yes": v.yes,
-                 "handle": dict(v.handle) if v.handle is not None else None,
-                 "reason": v.reason}
-                for v in votes
-            ],
-        }
+        body = wire.votes_body(epoch, votes)
         return wire.decode_txn(self._request("POST", self._txn_path(key) + "/votes", body=body))
 
     def await_decision(
@@ -215,14 +190,11 @@ class CoordinatorClient:
     def ack(
         self, key: TxnKey, epoch: int, acks: Sequence[tuple[str, protocol.Decision]]
     ) -> protocol.Transaction:
-        body = {
-            "epoch": epoch,
-            "acks": [{"branch": b, "outcome": protocol.Decision(o).value} for b, o in acks],
-        }
+        body = wire.acks_body(epoch, acks)
         return wire.decode_txn(self._request("POST", self._txn_path(key) + "/acks", body=body))
 
     def abandon(self, key: TxnKey, epoch: int, reason: str) -> protocol.Transaction:
-        body = {"epoch": epoch, "reason": reason}
+        body = wire.abandon_body(epoch, reason)
         return wire.decode_txn(
             self._request("POST", self._txn_path(key) + "/abandon", body=body)
         )
@@ -259,13 +231,13 @@ class CoordinatorClient:
         self, key: TxnKey, branch: str, outcome: protocol.Decision
     ) -> protocol.Transaction:
         path = "/v1/admin" + self._txn_path(key)[3:] + "/force-ack"
-        body = {"branch": branch, "outcome": protocol.Decision(outcome).value}
+        body = wire.force_ack_body(branch, outcome)
         return wire.decode_txn(self._request("POST", path, body=body))
 
     def admin_abort(self, key: TxnKey, reason: str) -> protocol.Transaction:
         """Operator: ABORT an undecided transaction whose writer is gone."""
         path = "/v1/admin" + self._txn_path(key)[3:] + "/abort"
-        return wire.decode_txn(self._request("POST", path, body={"reason": reason}))
+        return wire.decode_txn(self._request("POST", path, body=wire.abort_body(reason)))
 
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = self._request("GET", "/healthz")
@@ -291,101 +263,3 @@ def _refusal(resp: httpx.Response) -> TwophaseError:
         code, message = "error", resp.text[:500]
     text = f"coordinator refused ({resp.status_code} {code}): {message}"
     return error_class(code)(text, status=resp.status_code, code=code)
-
-
-# ---------------------------------------------------------------------------------------
-# connections
-
-
-class Connection:
-    """What :func:`connect` returns. Pickles to ``url`` + ``token`` only, so it can be
-    shipped to Spark executors; there it reaches the (daemon or embedded) coordinator."""
-
-    def __init__(self, url: str, token: str | None, server: Any = None, cache_key: Any = None):
-        self.url = url
-        self.token = token
-        self._server = server
-        self._cache_key = cache_key
-        self._client: CoordinatorClient | None = None
-        self._lock = threading.Lock()
-
-    def client(self) -> CoordinatorClient:
-        """A shared, thread-safe client for this connection (do not close it yourself)."""
-        with self._lock:
-            if self._client is None:
-                self._client = CoordinatorClient(self.url, self.token)
-            return self._client
-
-    def close(self) -> None:
-        """Close the client; stop the embedded server when its last user closes."""
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-        if self._server is not None:
-            _release_embedded(self._cache_key)
-            self._server = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "token": self.token}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["token"])  # type: ignore[misc]
-
-    def __repr__(self) -> str:
-        kind = "embedded" if self._server is not None else "daemon"
-        return f"Connection({self.url!r}, {kind})"
-
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-_EMBEDDED: dict[tuple[str, str], tuple[Any, int]] = {}  # (store URL, host) -> (server, users)
-_EMBEDDED_LOCK = threading.Lock()
-
-
-def _release_embedded(cache_key: Any) -> None:
-    with _EMBEDDED_LOCK:
-        entry = _EMBEDDED.get(cache_key)
-        if entry is None:
-            return
-        server, users = entry
-        if users > 1:
-            _EMBEDDED[cache_key] = (server, users - 1)
-            return
-        del _EMBEDDED[cache_key]
-    server.stop()
-
-
-def connect(coordinator: str, token: str | None = None) -> Connection:
-    """``http(s)://host:port`` -> a daemon (token: the parameter, else $TWOPHASE_TOKEN);
-    ``sqlite:///path.db`` / ``postgresql://...`` -> an embedded coordinator in this process
-    (one per store URL, shared by every sink of the process; random token)."""
-    if coordinator.startswith(("http://", "https://")):
-        return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
-    if coordinator.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://",
-                               "postgres://")):
-        from twophase.coordinator.service import (
-            EmbeddedServer,  # lazy: twophase never imports it eagerly
-        )
-        from twophase.coordinator.store import normalize_url
-
-        host = os.environ.get(EMBEDDED_HOST_ENV, "127.0.0.1")
-        key = (normalize_url(coordinator), host)
-        with _EMBEDDED_LOCK:
-            entry = _EMBEDDED.get(key)
-            if entry is None:
-                server = EmbeddedServer(coordinator, host=host).start()
-                _EMBEDDED[key] = (server, 1)
-            else:
-                server, users = entry
-                _EMBEDDED[key] = (server, users + 1)
-        return Connection(server.url, server.token, server=server, cache_key=key)
-    raise ValueError(
-        f"coordinator={coordinator!r} is not understood: use 'http://host:port' or "
-        "'https://host:port' for a daemon, or a store URL 'sqlite:///path.db' / "
-        "'postgresql://user@host:port/db' for an embedded coordinator"
-    )

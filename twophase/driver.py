@@ -31,7 +31,8 @@ from twophase.task import BatchPlan, run_partition
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from twophase.client import Connection, CoordinatorClient
+    from twophase.client import CoordinatorClient
+    from twophase.connection import Connection
     from twophase.protocol import Transaction
 
 __all__ = ["BatchFailed", "BatchReport", "TransactionalSink"]
@@ -126,7 +127,7 @@ class TransactionalSink:
     # ------------------------------------------------------------------ lifecycle
     def _connect(self) -> CoordinatorClient:
         if self._client is None:
-            from twophase.client import connect
+            from twophase.connection import connect
 
             self._conn = connect(self.coordinator, self.token)
             self._client = self._conn.client()

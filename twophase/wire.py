@@ -1,42 +1,150 @@
 """JSON codec for the protocol's records, both directions, with no I/O.
 
-The HTTP service encodes with these functions and the client decodes with them, so both
-sides agree on one layout. Decoding checks types and names the offending field: a
-malformed answer from a server is a clear error, never a half-built record.
+This module is the one definition of the record layout. The HTTP service encodes its
+answers with these functions and documents them with the TypedDicts below (its OpenAPI
+response schemas), the client decodes them here, the store keeps a transaction's branches
+in the same layout, and the client builds every request body here. Decoding checks types
+and names the offending field: a malformed answer from a server is a clear error, never a
+half-built record. A missing optional key reads as null (older stored rows omit them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import NotRequired, TypedDict
 
 from twophase import protocol as p
 from twophase.errors import WireError
 
 __all__ = [
+    "AbandonBody",
+    "AbortBody",
+    "AckBody",
+    "AcksBody",
+    "BeginBody",
+    "BeginKindName",
+    "BeginOut",
+    "BranchOut",
+    "DecisionName",
+    "ErrorOut",
+    "ForceAckBody",
+    "SinkOut",
+    "StateName",
+    "TxnListOut",
+    "TxnOut",
+    "VoteBody",
+    "VoteIn",
+    "VotesBody",
     "WireError",
+    "abandon_body",
+    "abort_body",
+    "acks_body",
+    "begin_body",
     "decode_begin",
+    "decode_branch",
+    "decode_branches",
     "decode_sink",
     "decode_txn",
     "encode_begin",
+    "encode_branch",
+    "encode_branches",
     "encode_sink",
     "encode_txn",
+    "error_body",
+    "force_ack_body",
+    "votes_body",
 ]
 
-JSON = dict[str, Any]
+# The enums' values as the JSON carries them. mypy checks the encoders below against them
+# (it types an enum's .value as the union of its values); a test checks them too.
+StateName = Literal["OPEN", "PREPARING", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED"]
+DecisionName = Literal["COMMIT", "ABORT"]
+BeginKindName = Literal["new", "committed", "in_doubt"]
 
 
-def encode_branch(b: p.BranchState) -> JSON:
+# ---------------------------------------------------------------------------------------
+# what the coordinator answers (named as its OpenAPI schemas: "Out" of the service)
+
+
+class BranchOut(TypedDict):
+    vote: DecisionName | None
+    handle: dict[str, str] | None
+    reason: str | None
+    ack: DecisionName | None
+
+
+class TxnOut(TypedDict):
+    sink: str
+    lineage: str
+    checkpoint: int  # Spark's batch id; the field keeps its HTTP name
+    attempt: int
+    epoch: int
+    partitions: int
+    state: StateName
+    decision: DecisionName | None
+    reason: str | None
+    deadline: float
+    created: float
+    decided_at: float | None
+    finished_at: float | None
+    version: int
+    branches: dict[str, BranchOut]
+    alert: NotRequired[bool]  # listings add the operational alert flag
+
+
+class SinkOut(TypedDict):
+    name: str
+    epoch: int
+    lineage: str | None
+    last_committed: int | None
+
+
+class BeginOut(TypedDict):
+    kind: BeginKindName
+    sink: SinkOut
+    txn: TxnOut | None
+    recover: list[TxnOut]
+    changed: list[TxnOut]
+    new_lineage: bool
+
+
+class TxnListOut(TypedDict):
+    txns: list[TxnOut]
+
+
+class ErrorOut(TypedDict):
+    """A refusal: the error code (one per twophase.errors class) and why."""
+
+    error: str
+    message: str
+
+
+def error_body(code: str, message: str) -> ErrorOut:
+    return {"error": code, "message": message}
+
+
+def _decision_name(d: p.Decision | None) -> DecisionName | None:
+    return d.value if d is not None else None
+
+
+def encode_branch(b: p.BranchState) -> BranchOut:
     return {
-        "vote": b.vote.value if b.vote else None,
+        "vote": _decision_name(b.vote),
         "handle": dict(b.handle) if b.handle is not None else None,
         "reason": b.reason,
-        "ack": b.ack.value if b.ack else None,
+        "ack": _decision_name(b.ack),
     }
 
 
-def encode_txn(t: p.Transaction) -> JSON:
+def encode_branches(branches: Mapping[str, p.BranchState]) -> dict[str, BranchOut]:
+    return {bid: encode_branch(b) for bid, b in branches.items()}
+
+
+def encode_txn(t: p.Transaction) -> TxnOut:
     return {
         "sink": t.sink,
         "lineage": t.lineage,
@@ -45,18 +153,18 @@ def encode_txn(t: p.Transaction) -> JSON:
         "epoch": t.epoch,
         "partitions": t.partitions,
         "state": t.state.value,
-        "decision": t.decision.value if t.decision else None,
+        "decision": _decision_name(t.decision),
         "reason": t.reason,
         "deadline": t.deadline,
         "created": t.created,
         "decided_at": t.decided_at,
         "finished_at": t.finished_at,
         "version": t.version,
-        "branches": {bid: encode_branch(b) for bid, b in t.branches.items()},
+        "branches": encode_branches(t.branches),
     }
 
 
-def encode_sink(s: p.SinkRecord) -> JSON:
+def encode_sink(s: p.SinkRecord) -> SinkOut:
     return {
         "name": s.name,
         "epoch": s.epoch,
@@ -65,7 +173,7 @@ def encode_sink(s: p.SinkRecord) -> JSON:
     }
 
 
-def encode_begin(r: p.BeginResult) -> JSON:
+def encode_begin(r: p.BeginResult) -> BeginOut:
     return {
         "kind": r.kind.value,
         "sink": encode_sink(r.sink),
@@ -74,6 +182,113 @@ def encode_begin(r: p.BeginResult) -> JSON:
         "changed": [encode_txn(t) for t in r.changed],
         "new_lineage": r.new_lineage,
     }
+
+
+# ---------------------------------------------------------------------------------------
+# what the client sends (the service validates these with strict models and bounds)
+
+
+@dataclass(frozen=True)
+class VoteIn:
+    """One branch's vote: YES with the handle needed to commit it later, or NO with why."""
+
+    branch: str
+    yes: bool
+    handle: Mapping[str, str] | None = None
+    reason: str | None = None
+
+
+class BeginBody(TypedDict):
+    lineage: str
+    checkpoint: int
+    epoch: int
+    participants: list[str]
+    partitions: int
+    vote_timeout: float
+
+
+class VoteBody(TypedDict):
+    branch: str
+    yes: bool
+    handle: dict[str, str] | None
+    reason: str | None
+
+
+class VotesBody(TypedDict):
+    epoch: int
+    votes: list[VoteBody]
+
+
+class AckBody(TypedDict):
+    branch: str
+    outcome: DecisionName
+
+
+class AcksBody(TypedDict):
+    epoch: int
+    acks: list[AckBody]
+
+
+class AbandonBody(TypedDict):
+    epoch: int
+    reason: str
+
+
+class ForceAckBody(TypedDict):
+    branch: str
+    outcome: DecisionName
+
+
+class AbortBody(TypedDict):
+    reason: str
+
+
+def _outcome(o: p.Decision | str) -> DecisionName:
+    """Raises ValueError for anything but COMMIT or ABORT, before a request is sent."""
+    return p.Decision(o).value
+
+
+def begin_body(
+    lineage: str,
+    batch_id: int,
+    epoch: int,
+    participants: Sequence[str],
+    partitions: int,
+    vote_timeout: float,
+) -> BeginBody:
+    return {
+        "lineage": lineage, "checkpoint": batch_id, "epoch": epoch,
+        "participants": list(participants), "partitions": partitions,
+        "vote_timeout": float(vote_timeout),
+    }
+
+
+def votes_body(epoch: int, votes: Iterable[VoteIn]) -> VotesBody:
+    return {
+        "epoch": epoch,
+        "votes": [
+            {"branch": v.branch, "yes": v.yes,
+             "handle": dict(v.handle) if v.handle is not None else None,
+             "reason": v.reason}
+            for v in votes
+        ],
+    }
+
+
+def acks_body(epoch: int, acks: Iterable[tuple[str, p.Decision]]) -> AcksBody:
+    return {"epoch": epoch, "acks": [{"branch": b, "outcome": _outcome(o)} for b, o in acks]}
+
+
+def abandon_body(epoch: int, reason: str) -> AbandonBody:
+    return {"epoch": epoch, "reason": reason}
+
+
+def force_ack_body(branch: str, outcome: p.Decision) -> ForceAckBody:
+    return {"branch": branch, "outcome": _outcome(outcome)}
+
+
+def abort_body(reason: str) -> AbortBody:
+    return {"reason": reason}
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,6 +346,12 @@ def decode_branch(d: Mapping[str, Any], where: str = "branch") -> p.BranchState:
     )
 
 
+def decode_branches(d: Mapping[str, Any], where: str = "branches") -> Mapping[str, p.BranchState]:
+    if not isinstance(d, Mapping):
+        raise WireError(f"{where}: expected an object, got {type(d).__name__}")
+    return MappingProxyType({str(bid): decode_branch(b, f"{where}.{bid}") for bid, b in d.items()})
+
+
 def decode_txn(d: Mapping[str, Any], where: str = "txn") -> p.Transaction:
     raw_branches = _get(d, "branches", dict, where)
     state = _get(d, "state", str, where)
@@ -145,12 +366,7 @@ def decode_txn(d: Mapping[str, Any], where: str = "txn") -> p.Transaction:
         attempt=_get(d, "attempt", int, where),
         epoch=_get(d, "epoch", int, where),
         partitions=_get(d, "partitions", int, where),
-        branches=MappingProxyType(
-            {
-                str(bid): decode_branch(b, f"{where}.branches.{bid}")
-                for bid, b in raw_branches.items()
-            }
-        ),
+        branches=decode_branches(raw_branches, f"{where}.branches"),
         deadline=_num(d, "deadline", where),
         state=st,
         reason=_opt(d, "reason", str, where),

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from twophase.client import connect
+    from twophase.connection import connect
     from twophase.errors import TwophaseError
     from twophase.resolve import resolve_sink
     from twophase.testing.job import JobConfig, build_participants

@@ -52,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from twophase.coordinator.app import create_app
     from twophase.coordinator.background import Settings, parse_duration
-    from twophase.coordinator.service import create_app, setup_logging
+    from twophase.coordinator.logs import setup_logging
     from twophase.coordinator.store import Store
     from twophase.errors import StoreError
 

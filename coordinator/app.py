@@ -1,0 +1,416 @@
+"""The coordinator's HTTP/JSON service (FastAPI), for the daemon and the embedded server.
+
+The service only translates: it validates a request (:mod:`~twophase.coordinator.models`),
+stamps the event with the store's clock, hands it to :class:`~twophase.coordinator.store.
+Store` (which runs the pure state machine under compare-and-set) and encodes the answer
+with :mod:`twophase.wire`, whose TypedDicts are also the documented response schemas. The
+API is described in ``docs/coordinator-api.md`` and served as OpenAPI at ``/openapi.json``.
+
+Routes come in groups, each built by one function below: ops (health, metrics), sinks
+(register, begin), transactions (votes, acks, abandon, long-poll, reads) and admin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from twophase import __version__, wire
+from twophase import protocol as p
+from twophase.coordinator.background import Background, Settings
+from twophase.coordinator.guard import MAX_BODY, OPEN_PATHS, Guard
+from twophase.coordinator.hub import DecisionHub
+from twophase.coordinator.metrics import Metrics
+from twophase.coordinator.models import (
+    ERRORS,
+    AbandonIn,
+    AbortIn,
+    AcksIn,
+    Attempt,
+    BeginIn,
+    Checkpoint,
+    ForceAckIn,
+    Lineage,
+    SinkName,
+    VotesIn,
+)
+from twophase.coordinator.store import Store
+from twophase.errors import StoreError, TransactionNotFound, TwophaseError
+from twophase.names import NAME_PATTERN
+from twophase.protocol import TxnKey
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("twophase.coordinator.app")
+
+TXN_PATH = "/v1/txns/{sink}/{lineage}/{checkpoint}/{attempt}"
+ADMIN_TXN_PATH = "/v1/admin/txns/{sink}/{lineage}/{checkpoint}/{attempt}"
+
+
+@dataclass(frozen=True)
+class _Service:
+    """What the routes share."""
+
+    store: Store
+    hub: DecisionHub
+    metrics: Metrics
+    background: Background | None
+    poll: float  # long-poll re-read interval: catches changes made by other replicas
+
+
+def create_app(
+    store: Store | str,
+    token: str | None,
+    *,
+    insecure: bool = False,
+    settings: Settings | None = None,
+    background: bool = True,
+    poll_interval: float | None = None,
+    max_body: int = MAX_BODY,
+) -> FastAPI:
+    """Build the service around ``store`` (a :class:`Store` or a store URL).
+
+    A token is required unless ``insecure`` is set explicitly.
+    """
+    if not token and not insecure:
+        raise ValueError("a bearer token is required (or pass insecure=True explicitly)")
+    st = Store(store) if isinstance(store, str) else store
+    svc = _Service(
+        store=st,
+        hub=DecisionHub(),
+        metrics=Metrics(st),
+        background=Background(st, settings) if background else None,
+        poll=poll_interval if poll_interval is not None else (1.0 if st.is_sqlite else 0.1),
+    )
+    st.on_change = _observer(svc, st.on_change)
+
+    app = FastAPI(
+        title="twophase coordinator",
+        version=__version__,
+        description="Durable 2PC decision log. See docs/coordinator-api.md.",
+        lifespan=_lifespan(svc, auth=bool(token)),
+    )
+    app.state.store = st
+    app.state.hub = svc.hub
+    app.state.metrics = svc.metrics
+    app.state.background = svc.background
+    _error_handlers(app, svc.metrics)
+    app.include_router(_ops_routes(svc))
+    app.include_router(_sink_routes(svc))
+    app.include_router(_txn_routes(svc))
+    app.include_router(_admin_routes(svc))
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(Guard, token=token, max_body=max_body)
+    return app
+
+
+def _observer(
+    svc: _Service, previous: Callable[[p.Transaction | None, p.Transaction], None] | None
+) -> Callable[[p.Transaction | None, p.Transaction], None]:
+    """The store's ``on_change``: count the change, wake its long-polls (keeping any
+    observer the store already had)."""
+
+    def on_change(before: p.Transaction | None, after: p.Transaction) -> None:
+        if previous is not None:
+            previous(before, after)
+        svc.metrics.observe(before, after)
+        svc.hub.publish(after)
+
+    return on_change
+
+
+def _lifespan(svc: _Service, *, auth: bool) -> Callable[[FastAPI], Any]:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        import anyio.to_thread
+
+        # sync routes and store reads run in worker threads; long-polls hold none
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 128
+        if svc.background is not None:
+            svc.background.start()
+        log.info("coordinator started", extra={"store": svc.store.safe_url, "auth": auth})
+        try:
+            yield
+        finally:
+            if svc.background is not None:
+                svc.background.stop()
+
+    return lifespan
+
+
+# ---------------------------------------------------------------------------------------
+# answers and refusals
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(
+        json.dumps(obj, separators=(",", ":")), status_code=status,
+        media_type="application/json",
+    )
+
+
+def _error(status: int, code: str, message: str) -> Response:
+    return _json(wire.error_body(code, message), status)
+
+
+def _txn_json(txn: p.Transaction) -> Response:
+    return _json(wire.encode_txn(txn))
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return 400, "malformed_json", f"request body is not valid JSON: {ctx.get('error', '')}"
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}")
+    return 422, "invalid_request", "; ".join(parts) or "invalid request"
+
+
+def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every refusal in one layout (``wire.ErrorOut``), counted by code."""
+
+    @app.exception_handler(TwophaseError)
+    async def _twophase_error(_r: Request, exc: TwophaseError) -> Response:
+        # every refusal maps itself: its class names the code and the status
+        metrics.requests.labels(exc.code).inc()
+        if isinstance(exc, StoreError):
+            log.error("store error", extra={"error": str(exc)})
+        return _error(exc.http_status, exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, exc: RequestValidationError) -> Response:
+        status, code, msg = _describe_validation(exc)
+        metrics.requests.labels(code).inc()
+        return _error(status, code, msg)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_r: Request, exc: ValueError) -> Response:
+        metrics.requests.labels("invalid_request").inc()
+        return _error(422, "invalid_request", str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_r: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+
+# ---------------------------------------------------------------------------------------
+# route groups
+
+
+def _ops_routes(svc: _Service) -> APIRouter:
+    """Probes and scrapers; open without a token (guard.OPEN_PATHS)."""
+    r = APIRouter(tags=["ops"])
+
+    @r.get("/healthz")
+    def healthz() -> dict[str, str]:
+        """Liveness and store reachability (no token needed)."""
+        svc.store.sink("__healthz__")
+        return {"status": "ok", "version": __version__}
+
+    @r.get("/metrics", response_class=Response)
+    def prometheus() -> Response:
+        """Prometheus text format (no token needed)."""
+        return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return r
+
+
+def _sink_routes(svc: _Service) -> APIRouter:
+    """What a driver does once per run (register) and once per batch (begin)."""
+    r = APIRouter(tags=["sinks"])
+    st = svc.store
+
+    @r.post("/v1/sinks/{sink}/register", response_model=wire.SinkOut, responses=ERRORS)
+    async def register(sink: SinkName) -> Response:
+        """A writer (driver) starts: returns the sink's next epoch, fencing older writers."""
+        return _json(wire.encode_sink(await st.register_async(sink)))
+
+    @r.get("/v1/sinks/{sink}", response_model=wire.SinkOut, responses=ERRORS)
+    def get_sink(sink: SinkName) -> Response:
+        rec = st.sink(sink)
+        if rec is None:
+            return _error(404, "not_found", f"no sink {sink!r}")
+        return _json(wire.encode_sink(rec))
+
+    @r.post("/v1/sinks/{sink}/begin", response_model=wire.BeginOut, responses=ERRORS)
+    async def begin(sink: SinkName, body: BeginIn) -> Response:
+        """Start (or find) the attempt for a checkpoint; see protocol.begin."""
+        res = await st.begin_async(
+            p.Begin(
+                sink=sink, lineage=body.lineage, batch_id=body.checkpoint, epoch=body.epoch,
+                participants=tuple(body.participants), partitions=body.partitions,
+                now=st.clock(), vote_timeout=body.vote_timeout,
+            )
+        )
+        return _json(wire.encode_begin(res))
+
+    return r
+
+
+def _txn_routes(svc: _Service) -> APIRouter:
+    """One transaction's life: votes, the decision (long-poll), acks; and reads."""
+    r = APIRouter(tags=["txns"])
+    st, hub = svc.store, svc.hub
+
+    @r.post(TXN_PATH + "/votes", response_model=wire.TxnOut, responses=ERRORS)
+    async def vote(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                   body: VotesIn) -> Response:
+        """Record one or more branch votes; the answer shows the decision if it was made."""
+        now = st.clock()
+        events: list[p.Event] = [
+            p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
+                   reason=v.reason)
+            for v in body.votes
+        ]
+        return _txn_json(await st.apply_async(TxnKey(sink, lineage, checkpoint, attempt),
+                                              events))
+
+    @r.post(TXN_PATH + "/acks", response_model=wire.TxnOut, responses=ERRORS)
+    async def ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                  body: AcksIn) -> Response:
+        """Branches confirm they applied the decision."""
+        now = st.clock()
+        events: list[p.Event] = [
+            p.Ack(branch=a.branch, epoch=body.epoch, outcome=p.Decision(a.outcome), now=now)
+            for a in body.acks
+        ]
+        return _txn_json(await st.apply_async(TxnKey(sink, lineage, checkpoint, attempt),
+                                              events))
+
+    @r.post(TXN_PATH + "/abandon", response_model=wire.TxnOut, responses=ERRORS)
+    def abandon(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                body: AbandonIn) -> Response:
+        """The writer gives up on an undecided attempt: ABORT."""
+        ev = p.Abandon(epoch=body.epoch, reason=body.reason, now=st.clock())
+        return _txn_json(st.apply(TxnKey(sink, lineage, checkpoint, attempt), [ev]))
+
+    @r.get(TXN_PATH + "/decision", response_model=wire.TxnOut, responses=ERRORS)
+    async def decision(
+        sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+        timeout: Annotated[float, Query(ge=0, le=60)] = 25.0,
+        until: Annotated[Literal["decided", "finished"], Query()] = "decided",
+    ) -> Response:
+        """Long-poll: answers as soon as the transaction is decided (or finished, with
+        ``until=finished``), or after ``timeout`` seconds with the undecided transaction."""
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+
+        def done(t: p.Transaction) -> bool:
+            return t.state.decided if until == "decided" else t.state.finished
+
+        while True:
+            fut = hub.subscribe(key)
+            try:
+                txn = await run_in_threadpool(st.get, key)
+                if txn is None:
+                    raise TransactionNotFound.for_key(key)
+                left = end - loop.time()
+                if done(txn) or left <= 0:
+                    return _txn_json(txn)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    woke = await asyncio.wait_for(fut, min(left, svc.poll))
+                    if done(woke):
+                        return _txn_json(woke)
+            finally:
+                hub.unsubscribe(key, fut)
+
+    @r.get(TXN_PATH, response_model=wire.TxnOut, responses=ERRORS)
+    def get_txn(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                history: bool = False) -> Response:
+        """One transaction with its branches; ``history=true`` adds the event history."""
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        txn = st.get(key)
+        if txn is None:
+            raise TransactionNotFound.for_key(key)
+        out: dict[str, Any] = {**wire.encode_txn(txn)}
+        if history:
+            out["history"] = st.history(key)
+        return _json(out)
+
+    @r.get("/v1/txns", response_model=wire.TxnListOut, responses=ERRORS)
+    def list_txns(
+        sink: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
+        state: Annotated[p.State | Literal["ALERT"] | None, Query()] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> Response:
+        """Newest first. ``state=ALERT`` lists decided transactions flagged by the alert."""
+        if state == "ALERT":
+            rows = st.list(sink=sink, limit=limit, alert=True)
+        else:
+            rows = st.list(sink=sink, state=state.value if state else None, limit=limit)
+        out: wire.TxnListOut = {
+            "txns": [{**wire.encode_txn(r.txn), "alert": r.alert} for r in rows]
+        }
+        return _json(out)
+
+    return r
+
+
+def _admin_routes(svc: _Service) -> APIRouter:
+    """Operators: settle a branch or abort an orphan by hand, run a background round."""
+    r = APIRouter(tags=["admin"])
+    st, bg = svc.store, svc.background
+
+    @r.post(ADMIN_TXN_PATH + "/force-ack", response_model=wire.TxnOut, responses=ERRORS)
+    def force_ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
+                  body: ForceAckIn) -> Response:
+        """Operator: a branch is settled by hand (no epoch check)."""
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        log.warning("force-ack", extra={"txn": list(key), "branch": body.branch,
+                                        "outcome": body.outcome})
+        return _txn_json(st.force(key, body.branch, p.Decision(body.outcome)))
+
+    @r.post(ADMIN_TXN_PATH + "/abort", response_model=wire.TxnOut, responses=ERRORS)
+    def admin_abort(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint,
+                    attempt: Attempt, body: AbortIn) -> Response:
+        """Operator: write ABORT for an undecided transaction whose writer is gone
+        (a decided one keeps its decision)."""
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        log.warning("admin abort", extra={"txn": list(key), "reason": body.reason})
+        ev = p.AdminAbort(reason=body.reason, now=st.clock())
+        return _txn_json(st.apply(key, [ev]))
+
+    @r.post("/v1/admin/tick")
+    def admin_tick() -> dict[str, int]:
+        """Run one background round now (deadlines, alerts, retention)."""
+        if bg is None:
+            return {"expired": 0, "alerts": 0, "purged": 0}
+        return bg.tick()
+
+    return r
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The generated document plus bearer security (none on the open paths)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            schema["security"] = [{"bearer": []}]
+            for path in OPEN_PATHS:
+                for op in schema.get("paths", {}).get(path, {}).values():
+                    op["security"] = []
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi

@@ -1,0 +1,148 @@
+"""The database underneath the decision log: engines, URLs, raw statements, errors.
+
+Nothing here knows the protocol. SQLite gets WAL, ``synchronous=FULL``, a busy timeout,
+``BEGIN IMMEDIATE`` for writes and an in-process write lock, so that this process never
+spins on SQLITE_BUSY; PostgreSQL goes through psycopg 3 with a connection pool (several
+coordinator replicas may share it; the store's compare-and-set makes them agree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from twophase.errors import StoreError
+
+__all__ = ["Conflict", "Database", "normalize_url", "run", "transient"]
+
+
+def normalize_url(url: str) -> str:
+    """Accept ``postgresql://`` / ``postgres://`` and pick psycopg 3; check SQLite URLs."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    if url.startswith("postgresql://"):
+        return "postgresql+psycopg://" + url[len("postgresql://") :]
+    if url.startswith("postgresql+psycopg://"):
+        return url
+    if url.startswith("sqlite:///"):
+        db = url[len("sqlite:///") :].split("?")[0]
+        if not db or db == ":memory:":
+            raise ValueError(
+                "an in-memory SQLite store is not a durable decision log; "
+                "use sqlite:///relative/path.db or sqlite:////absolute/path.db"
+            )
+        return url
+    raise ValueError(
+        f"unsupported store URL {url!r}: use sqlite:///path.db, sqlite:////abs/path.db "
+        "or postgresql://user@host:port/db"
+    )
+
+
+class Database:
+    """A write engine, a read engine and the write lock for one store URL."""
+
+    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+        self.url = normalize_url(url)
+        self.is_sqlite = self.url.startswith("sqlite")
+        self.write_lock: contextlib.AbstractContextManager[Any]
+        if self.is_sqlite:
+            self.engine = _sqlite_engine(self.url, immediate=True)
+            self.read_engine = _sqlite_engine(self.url, immediate=False)
+            self.write_lock = threading.Lock()
+        else:
+            self.engine = create_engine(
+                self.url, pool_size=pool_size, max_overflow=pool_size * 2, pool_pre_ping=False
+            )
+            self.read_engine = self.engine
+            self.write_lock = contextlib.nullcontext()
+
+    @property
+    def pyformat(self) -> bool:
+        """psycopg takes ``%(name)s`` parameters, sqlite3 ``:name``."""
+        return not self.is_sqlite
+
+    @property
+    def safe_url(self) -> str:
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """One write transaction, committed on a normal exit."""
+        with self.write_lock, self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only connection; whatever it started is rolled back."""
+        with self.read_engine.connect() as conn:
+            yield conn
+            conn.rollback()
+
+    def close(self) -> None:
+        self.engine.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.dispose()
+
+
+def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
+    eng = create_engine(url, connect_args={"timeout": 30.0, "check_same_thread": False})
+
+    @event.listens_for(eng, "connect")
+    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(eng, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return eng
+
+
+def run(conn: Connection, sql: str, params: Any, *, many: bool = False) -> Any:
+    """Execute on the driver's cursor (SQLAlchemy's per-statement bookkeeping costs as much
+    as SQLite itself on the hot path). Driver errors become SQLAlchemy's, which the retry
+    logic keys on, and a lost connection is invalidated so that the pool drops it."""
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    cur = dbapi_conn.cursor()
+    try:
+        if many:
+            cur.executemany(sql, params)
+        else:
+            cur.execute(sql, params)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        gone = conn.dialect.is_disconnect(exc, dbapi_conn, cur)
+        wrapped = DBAPIError.instance(
+            sql, params, exc, conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=gone, dialect=conn.dialect,
+        )
+        if gone:
+            conn.invalidate(exc)
+        raise wrapped from exc
+    return cur
+
+
+def transient(exc: DBAPIError) -> bool:
+    """A dropped connection, a deadlock or a busy database: the transaction did not
+    commit and running it again may succeed."""
+    msg = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    return exc.connection_invalidated or any(
+        w in msg for w in ("deadlock", "database is locked", "could not serialize", "closed")
+    )
+
+
+class Conflict(StoreError):
+    """A compare-and-set found a newer version: another writer got there first. Whoever
+    runs the transaction rolls it back and runs it again."""

@@ -1,0 +1,102 @@
+"""The service inside the calling process (the Spark driver), for ``coordinator=<store URL>``.
+
+The same app as the daemon, run by uvicorn in a daemon thread on a free port with a
+random token, so executors on other hosts reach it over HTTP exactly like a daemon.
+:mod:`twophase.connection` starts and shares these servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from twophase.coordinator.app import create_app
+from twophase.coordinator.background import Settings
+from twophase.coordinator.store import Store
+
+__all__ = ["EmbeddedServer"]
+
+log = logging.getLogger("twophase.coordinator.embedded")
+
+
+class EmbeddedServer:
+    """The service inside this process, on a free port, in a daemon thread."""
+
+    def __init__(
+        self,
+        store_url: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        advertise_host: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.store_url = store_url
+        self.host = host
+        self.port = port
+        self.token = token or secrets.token_urlsafe(24)
+        self.advertise_host = advertise_host
+        self.settings = settings
+        self.store: Store | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.advertise_host or self.host
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a bind-all needs a reachable name
+            host = socket.getfqdn()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> EmbeddedServer:
+        import uvicorn
+
+        self.store = Store(self.store_url)
+        app = create_app(self.store, self.token, settings=self.settings)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only
+        # then, and without it Nagle + delayed ACK add ~40 ms to every response.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_keep_alive=75)
+        server = uvicorn.Server(config)
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="twophase-coordinator",
+            daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"embedded coordinator on {self.host} did not start")
+            time.sleep(0.005)
+        log.info("embedded coordinator", extra={"url": self.url, "store": self.store.safe_url})
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+            self._thread = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        self._server = None
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,93 @@
+"""What the service accepts: strict request bodies with their bounds, and path parameters.
+
+Strict: ``"5"`` is not an int and unknown fields are refused. The client builds these
+bodies with :mod:`twophase.wire` (``begin_body``, ``votes_body``, ...), whose TypedDicts
+name the same fields; a test keeps the two in step. What the service answers is
+documented with wire's TypedDicts directly (``wire.TxnOut``, ``wire.BeginOut``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from twophase import wire
+from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
+
+__all__ = [
+    "ERRORS",
+    "AbandonIn",
+    "AbortIn",
+    "AckItem",
+    "AcksIn",
+    "Attempt",
+    "BeginIn",
+    "Checkpoint",
+    "ForceAckIn",
+    "Lineage",
+    "SinkName",
+    "VoteItem",
+    "VotesIn",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class BeginIn(_Strict):
+    lineage: str = Field(pattern=LINEAGE_PATTERN, description="identity of the Spark checkpoint")
+    checkpoint: int = Field(ge=0, description="Spark's micro-batch id (batch_id)")
+    epoch: int = Field(ge=0, description="writer epoch from /register")
+    participants: list[str] = Field(min_length=1, max_length=64)
+    partitions: int = Field(ge=1, le=100_000)
+    vote_timeout: float = Field(default=300.0, gt=0, le=7 * 86400)
+
+
+class VoteItem(_Strict):
+    branch: str = Field(max_length=96, description="participant/partition")
+    yes: bool
+    handle: dict[str, str] | None = None
+    reason: str | None = Field(default=None, max_length=4096)
+
+
+class VotesIn(_Strict):
+    epoch: int = Field(ge=0)
+    votes: list[VoteItem] = Field(min_length=1)
+
+
+class AckItem(_Strict):
+    branch: str = Field(max_length=96)
+    outcome: wire.DecisionName
+
+
+class AcksIn(_Strict):
+    epoch: int = Field(ge=0)
+    acks: list[AckItem] = Field(min_length=1)
+
+
+class AbandonIn(_Strict):
+    epoch: int = Field(ge=0)
+    reason: str = Field(min_length=1, max_length=4096)
+
+
+class ForceAckIn(_Strict):
+    branch: str = Field(max_length=96)
+    outcome: wire.DecisionName
+
+
+class AbortIn(_Strict):
+    reason: str = Field(min_length=1, max_length=4096)
+
+
+SinkName = Annotated[str, Path(pattern=NAME_PATTERN, description="sink name")]
+Lineage = Annotated[str, Path(pattern=LINEAGE_PATTERN)]
+Checkpoint = Annotated[int, Path(ge=0)]
+Attempt = Annotated[int, Path(ge=1)]
+
+# the refusals a route may answer with, for the OpenAPI document
+ERRORS: dict[int | str, dict[str, Any]] = {
+    c: {"model": wire.ErrorOut} for c in (400, 401, 404, 409, 413, 422, 503)
+}
