@@ -16,6 +16,7 @@ from typing import Any
 
 from twophase.coordinator.app import create_app
 from twophase.coordinator.background import Settings
+from twophase.coordinator.db import normalize_url
 from twophase.coordinator.store import Store
 
 __all__ = ["EmbeddedServer"]
@@ -25,6 +26,11 @@ log = logging.getLogger("twophase.coordinator.embedded")
 
 class EmbeddedServer:
     """The service inside this process, on a free port, in a daemon thread."""
+
+    @staticmethod
+    def store_key(store_url: str) -> str:
+        """The store URL in canonical form: a process runs one embedded server per store."""
+        return normalize_url(store_url)
 
     def __init__(
         self,

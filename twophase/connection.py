@@ -96,11 +96,10 @@ def connect(coordinator: str, token: str | None = None) -> Connection:
         return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
     if coordinator.startswith(_STORE_PREFIXES):
         # lazy, and the core's only import of the coordinator (see the module docstring)
-        from twophase.coordinator.db import normalize_url
         from twophase.coordinator.embedded import EmbeddedServer
 
         host = os.environ.get(EMBEDDED_HOST_ENV, "127.0.0.1")
-        key = (normalize_url(coordinator), host)
+        key = (EmbeddedServer.store_key(coordinator), host)
         with _EMBEDDED_LOCK:
             entry = _EMBEDDED.get(key)
             if entry is None:
