@@ -425,6 +425,20 @@ def test_in_doubt_also_settles_earlier_aborting_attempts() -> None:
     assert [t.attempt for t in again.recover] == [1, 2]
 
 
+def test_begin_table_is_named_and_ends_with_a_catch_all() -> None:
+    names = [c.name for c in p.BEGIN_CASES]
+    assert len(set(names)) == len(names) == 7
+    assert p.BEGIN_CASES[-1].name.startswith("the latest attempt aborted")
+
+
+def test_begin_same_writer_after_an_abort_gets_the_same_new_attempt() -> None:
+    first = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="x"))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (first,), _begin(epoch=1))
+    again = p.begin(res.sink, (first, *res.changed), _begin(epoch=1))
+    assert again.kind == BeginKind.NEW and again.txn == res.txn and not again.changed
+
+
 def test_new_lineage_refused_while_an_old_lineage_batch_is_committing() -> None:
     committing = _vote_all(_new())
     rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
