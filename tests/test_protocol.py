@@ -146,13 +146,182 @@ def test_version_increases_only_on_change() -> None:
 def test_every_table_entry_is_reachable_from_some_event_kind() -> None:
     kinds = {k for (_, k) in p.TRANSITIONS}
     assert kinds == set(p.Kind)
-    for (state, _kind), targets in p.TRANSITIONS.items():
+    for (state, kind), rule in p.TRANSITIONS.items():
+        if isinstance(rule, p.Refuse):
+            continue
+        targets = rule.to
         assert targets, f"{state} has an empty target set"
         if state.decided:
             # a decision never changes: decided states only move within their outcome
             commit_side = {State.COMMITTING, State.COMMITTED}
             assert (state in commit_side) == bool(targets & commit_side)
             assert not (targets - {state, State.COMMITTED, State.ABORTED})
+        # the writer epoch is checked exactly for the events that carry one
+        assert rule.epoch == (kind in {p.Kind.VOTE, p.Kind.ABANDON, p.Kind.ACK}), (state, kind)
+
+
+def test_the_table_has_exactly_one_entry_for_every_state_and_kind() -> None:
+    """Complete: every (state, kind) pair is an Allow or an explicit Refuse, none missing."""
+    pairs = [(state, kind) for state in State for kind in p.Kind]
+    assert len(pairs) == 36
+    assert set(p.TRANSITIONS) == set(pairs) and len(p.TRANSITIONS) == len(pairs)
+    for pair in pairs:
+        rule = p.TRANSITIONS[pair]
+        assert isinstance(rule, p.Allow | p.Refuse), pair
+        if isinstance(rule, p.Refuse):
+            assert issubclass(rule.error, p.ProtocolError) and rule.why, pair
+    refused = {pair for pair, rule in p.TRANSITIONS.items() if isinstance(rule, p.Refuse)}
+    # only acknowledging an undecided attempt is refused whatever the message carries
+    assert refused == {
+        (s, k) for s in (State.OPEN, State.PREPARING) for k in (p.Kind.ACK, p.Kind.FORCE_ACK)
+    }
+    # abandon is answered in every state (the race with the last vote: issue "abandon")
+    assert all(isinstance(p.TRANSITIONS[(s, p.Kind.ABANDON)], p.Allow) for s in State)
+
+
+def test_a_refuse_entry_raises_its_error_and_changes_nothing() -> None:
+    txn = _new()
+    for ev in (Ack(branch="pg/0", epoch=1, outcome=Decision.ABORT, now=101.0),
+               ForceAck(branch="pg/0", outcome=Decision.ABORT, now=101.0)):
+        with pytest.raises(p.IllegalTransition, match="nothing is decided yet"):
+            p.handle(txn, ev)
+    assert txn == _new()
+
+
+# --------------------------------------------------------------------------- abandon race
+
+
+def test_abandon_after_commit_answers_the_decision_unchanged() -> None:
+    """The job failed after the last vote: abandon learns the COMMIT instead of a 409."""
+    committing = _vote_all(_new())
+    assert committing.state == State.COMMITTING
+    assert p.handle(committing, Abandon(epoch=1, reason="job failed", now=103.0)) is committing
+    # a newer writer's abandon is answered the same way
+    assert p.handle(committing, Abandon(epoch=2, reason="new driver", now=103.0)) is committing
+    done = committing
+    for b in committing.branches:
+        done = p.handle(done, Ack(branch=b, epoch=1, outcome=Decision.COMMIT, now=104.0))
+    assert done.state == State.COMMITTED
+    assert p.handle(done, Abandon(epoch=1, reason="job failed", now=105.0)) is done
+
+
+def test_abandon_after_commit_still_checks_the_epoch() -> None:
+    committing = _vote_all(_new(epoch=5))
+    with pytest.raises(p.StaleEpoch):
+        p.handle(committing, Abandon(epoch=4, reason="zombie", now=103.0))
+    done = committing
+    for b in committing.branches:
+        done = p.handle(done, Ack(branch=b, epoch=5, outcome=Decision.COMMIT, now=104.0))
+    with pytest.raises(p.StaleEpoch):
+        p.handle(done, Abandon(epoch=4, reason="zombie", now=105.0))
+
+
+def test_admin_abort_decides_only_the_undecided_and_ignores_epochs() -> None:
+    txn = p.handle(_new(epoch=3), p.AdminAbort(reason="writer gone", now=101.0))
+    assert txn.state == State.ABORTED and txn.reason == "admin: writer gone"
+    committing = _vote_all(_new(epoch=3))
+    assert p.handle(committing, p.AdminAbort(reason="oops", now=102.0)) is committing
+
+
+# --------------------------------------------------------------------------- recovery rule
+
+
+@pytest.mark.parametrize(
+    "decision, status, action",
+    [
+        (Decision.COMMIT, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+        (Decision.COMMIT, p.BranchStatus.PREPARED, p.RecoveryAction.COMMIT),
+        (Decision.COMMIT, p.BranchStatus.ABSENT, p.RecoveryAction.REDO),
+        (Decision.ABORT, p.BranchStatus.PREPARED, p.RecoveryAction.ABORT),
+        (Decision.ABORT, p.BranchStatus.ABSENT, p.RecoveryAction.NOTHING),
+        (Decision.ABORT, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+        (None, p.BranchStatus.PREPARED, p.RecoveryAction.ABORT),
+        (None, p.BranchStatus.ABSENT, p.RecoveryAction.NOTHING),
+        (None, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+    ],
+)
+def test_recovery_rule(
+    decision: Decision | None, status: p.BranchStatus, action: p.RecoveryAction
+) -> None:
+    assert p.recovery_action(decision, status) == action
+
+
+def test_branch_status_has_one_home() -> None:
+    from twophase.participant import BranchStatus
+
+    assert BranchStatus is p.BranchStatus
+
+
+# --------------------------------------------------------------------------- next step
+
+
+def _step(final: p.Transaction, **kw: object) -> p.Step:
+    args: dict[str, object] = dict(
+        aborted=0, finishing=0, max_attempts=3, backoff=1.0, job_error="boom"
+    )
+    args.update(kw)
+    return p.next_step(final, **args)  # type: ignore[arg-type]
+
+
+def _acked(txn: p.Transaction) -> p.Transaction:
+    for b in txn.branches:
+        txn = p.handle(txn, Ack(branch=b, epoch=txn.epoch, outcome=Decision.COMMIT, now=102.0))
+    return txn
+
+
+def test_next_step_returns_once_committed() -> None:
+    step = _step(_acked(_vote_all(_new())))
+    assert step.kind == p.StepKind.RETURN and step.delay == 0 and not step.warning
+
+
+def test_next_step_abandon_answered_commit_finishes_the_commit() -> None:
+    """The race: the job failed, abandon's answer shows COMMIT -> FINISH, uncounted."""
+    committing = _vote_all(_new())
+    step = _step(committing, aborted=1, finishing=0, abandoned=True)
+    assert step.kind == p.StepKind.FINISH and step.delay == 0
+    assert (step.aborted, step.finishing) == (1, 0)
+    # even if every ack arrived meanwhile: begin again, which answers COMMITTED (replay)
+    assert _step(_acked(committing), abandoned=True).kind == p.StepKind.FINISH
+
+
+def test_next_step_undecided_abandons_then_counts_the_abort() -> None:
+    open_ = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0))
+    step = _step(open_, job_error="")
+    assert step.kind == p.StepKind.ABANDON and step.reason == "Spark job failed: unknown"
+    step = _step(open_)
+    assert step.kind == p.StepKind.ABANDON and step.reason == "Spark job failed: boom"
+    gone = p.handle(open_, Abandon(epoch=1, reason=step.reason, now=102.0))
+    retry = _step(gone, abandoned=True)
+    assert retry.kind == p.StepKind.RETRY and retry.aborted == 1 and retry.delay == 1.0
+    assert retry.reason == "Spark job failed: boom"
+    assert retry.warning == "sink orders batch 0 attempt 1 aborted: Spark job failed: boom"
+
+
+def test_next_step_aborts_back_off_then_give_up() -> None:
+    aborted = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="x"))
+    second = _step(aborted, aborted=1, backoff=2.0)
+    assert second.kind == p.StepKind.RETRY and second.delay == 4.0 and second.aborted == 2
+    assert _step(aborted, aborted=9, max_attempts=20, backoff=1.0).delay == 30.0
+    last = _step(aborted, aborted=2)
+    assert last.kind == p.StepKind.GIVE_UP and last.aborted == 3
+    assert last.reason == (
+        "sink 'orders' batch 0: aborted 3 time(s), last attempt 1: pg/0 voted NO: x"
+    )
+    assert last.warning  # the last abort is logged too
+
+
+def test_next_step_finishing_a_commit_is_bounded() -> None:
+    committing = _vote_all(_new())
+    first = _step(committing, backoff=0.5)
+    assert first.kind == p.StepKind.FINISH and first.finishing == 1 and first.delay == 0.5
+    assert first.warning == "sink orders batch 0: finishing committed attempt 1: boom"
+    assert first.aborted == 0
+    out = _step(committing, finishing=3)
+    assert out.kind == p.StepKind.GIVE_UP and out.finishing == 4
+    assert out.reason.startswith(
+        "sink 'orders' batch 0: COMMIT was decided for attempt 1 but branches "
+    )
+    assert out.reason.endswith("could not be committed after 4 tries: boom")
 
 
 # --------------------------------------------------------------------------- begin
@@ -254,6 +423,20 @@ def test_in_doubt_also_settles_earlier_aborting_attempts() -> None:
     again = p.begin(res.sink, (aborting, committing), _begin(epoch=3))
     assert again.kind == BeginKind.IN_DOUBT
     assert [t.attempt for t in again.recover] == [1, 2]
+
+
+def test_begin_table_is_named_and_ends_with_a_catch_all() -> None:
+    names = [c.name for c in p.BEGIN_CASES]
+    assert len(set(names)) == len(names) == 7
+    assert p.BEGIN_CASES[-1].name.startswith("the latest attempt aborted")
+
+
+def test_begin_same_writer_after_an_abort_gets_the_same_new_attempt() -> None:
+    first = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="x"))
+    rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
+    res = p.begin(rec, (first,), _begin(epoch=1))
+    again = p.begin(res.sink, (first, *res.changed), _begin(epoch=1))
+    assert again.kind == BeginKind.NEW and again.txn == res.txn and not again.changed
 
 
 def test_new_lineage_refused_while_an_old_lineage_batch_is_committing() -> None:

@@ -19,13 +19,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.errors import BatchFailed
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import Participant
-from twophase.protocol import BeginKind, Decision, State
+from twophase.protocol import BeginKind, StepKind, next_step
 from twophase.task import BatchPlan, run_partition
 
 if TYPE_CHECKING:
@@ -165,7 +166,6 @@ class TransactionalSink:
         self._check(df)
         failpoints.hit("before_begin")
         partitions = self.partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
-        reason = ""
         aborted = finishing = 0
         while True:
             res = client.begin(
@@ -185,41 +185,25 @@ class TransactionalSink:
             assert txn is not None
             plan = self._plan(res.kind, txn, res.recover)
             outcomes, job_error = self._run_tasks(df, plan)
+            # The coordinator's record, not the job's fate, says what comes next.
             final = client.get(txn.key)
-            if final.state == State.COMMITTED:
+            rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
+                           job_error=job_error)
+            step = rule(final, aborted=aborted, finishing=finishing)
+            if step.kind == StepKind.ABANDON:
+                final = client.abandon(final.key, self._epoch, step.reason)
+                step = rule(final, aborted=aborted, finishing=finishing, abandoned=True)
+            aborted, finishing = step.aborted, step.finishing
+            if step.warning:
+                log.warning("%s", step.warning)
+            if step.kind == StepKind.RETURN:
                 failpoints.hit("before_return")
                 self._report(self._summary(batch_id, final, outcomes, res.kind), started)
                 return
-            if final.decision == Decision.COMMIT:
-                # Decided but not every branch acknowledged (a task died after the
-                # decision): finish it under the same decision, it is not an abort.
-                finishing += 1
-                if finishing > self.max_attempts:
-                    raise BatchFailed(
-                        f"sink {self.name!r} batch {batch_id}: COMMIT was decided for attempt "
-                        f"{final.attempt} but branches {final.pending_acks()} could not be "
-                        f"committed after {finishing} tries: {job_error}"
-                    )
-                log.warning("sink %s batch %d: finishing committed attempt %d: %s",
-                            self.name, batch_id, final.attempt, job_error)
-                time.sleep(min(self.backoff * 2 ** (finishing - 1), 30.0))
-                continue
-            if final.decision is None:
-                final = client.abandon(
-                    final.key, self._epoch, f"Spark job failed: {job_error or 'unknown'}"
-                )
-                if final.decision == Decision.COMMIT:
-                    continue  # the last vote won the race with abandon: finish the commit
-            reason = final.reason or job_error or "aborted"
-            aborted += 1
-            log.warning("sink %s batch %d attempt %d aborted: %s",
-                        self.name, batch_id, final.attempt, reason)
-            if aborted >= self.max_attempts:
-                raise BatchFailed(
-                    f"sink {self.name!r} batch {batch_id}: aborted {aborted} time(s), "
-                    f"last attempt {final.attempt}: {reason}"
-                )
-            time.sleep(min(self.backoff * 2 ** (aborted - 1), 30.0))
+            if step.kind == StepKind.GIVE_UP:
+                raise BatchFailed(step.reason)
+            if step.delay > 0:  # FINISH or RETRY: begin again
+                time.sleep(step.delay)
 
     def _check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""

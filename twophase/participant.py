@@ -15,7 +15,6 @@ recovery is.
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,10 +38,7 @@ __all__ = [
 Handle = Mapping[str, str]
 """What a YES vote carries: all a later process needs to commit or abort the branch."""
 
-class BranchStatus(str, enum.Enum):
-    COMMITTED = "COMMITTED"
-    PREPARED = "PREPARED"
-    ABSENT = "ABSENT"
+from twophase.protocol.recovery import BranchStatus  # noqa: E402 - the rule owns it
 
 
 @dataclass(frozen=True, order=True)

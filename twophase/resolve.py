@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 
 from twophase.errors import TransactionNotFound
 from twophase.participant import BranchRef, BranchStatus, Participant
-from twophase.protocol import Decision, State, Transaction, parse_branch_id
+from twophase.protocol import (
+    Decision,
+    RecoveryAction,
+    State,
+    Transaction,
+    parse_branch_id,
+    recovery_action,
+)
 
 if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
@@ -112,14 +119,18 @@ def _settle(
     handle: Mapping[str, str] | None,
     dry_run: bool,
 ) -> str:
+    """Apply the recovery rule to one branch; returns the action's name for the report
+    (a lost branch under COMMIT cannot be redone here: the data is gone with the job)."""
     h = dict(handle) if handle else None
-    if status == BranchStatus.PREPARED:
+    action = recovery_action(decision, status)
+    if action == RecoveryAction.COMMIT:
         if not dry_run:
-            if decision == Decision.COMMIT:
-                part.commit(ref, h)
-            else:
-                part.abort(ref, h)
-        return "commit" if decision == Decision.COMMIT else "abort"
-    if status == BranchStatus.ABSENT and decision == Decision.COMMIT:
+            part.commit(ref, h)
+        return "commit"
+    if action == RecoveryAction.ABORT:
+        if not dry_run:
+            part.abort(ref, h)
+        return "abort"
+    if action == RecoveryAction.REDO:
         return "redo-needed"
     return "ack" if decision == Decision.COMMIT else "nothing"

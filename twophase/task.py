@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 from twophase import failpoints
 from twophase.participant import (
     BranchRef,
-    BranchStatus,
     Handle,
     Participant,
     ParticipantError,
     PrepareRefused,
 )
-from twophase.protocol import Decision, TxnKey, branch_id
+from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -92,13 +91,15 @@ class BranchOutcome:
 def _settle_earlier(
     plan: BatchPlan, partition: int, client: CoordinatorClient, out: BranchOutcome
 ) -> None:
-    """Recovery rule for earlier attempts (all decided ABORT, or never decided): abort
-    whatever they left PREPARED, then acknowledge to the attempts still waiting."""
+    """Recovery rule for earlier attempts (all decided ABORT, or never decided: begin
+    only starts a new attempt after an abort): abort whatever they left PREPARED, then
+    acknowledge to the attempts still waiting."""
     for attempt in range(1, plan.attempt):
         acks: list[tuple[str, Decision]] = []
         for part in plan.participants:
             ref = plan.ref(part, partition, attempt)
-            if part.status(ref) == BranchStatus.PREPARED:
+            action = recovery_action(Decision.ABORT, part.status(ref))
+            if action == RecoveryAction.ABORT:
                 part.abort(ref, None)
                 out.recovered += 1
             acks.append((branch_id(part.name, partition), Decision.ABORT))
@@ -144,10 +145,10 @@ def _finish_commit(
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
-        status = part.status(ref)
-        if status == BranchStatus.PREPARED:
+        action = recovery_action(Decision.COMMIT, part.status(ref))
+        if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
-        elif status == BranchStatus.ABSENT:
+        elif action == RecoveryAction.REDO:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
             _check_redo_rows(plan, part, partition, out.rows)

@@ -1,0 +1,375 @@
+"""The per-attempt state machine: events, the transition table, and :func:`handle`.
+
+Model (one object per *attempt* of one checkpoint of one sink lineage)::
+
+    OPEN --vote--> PREPARING --all YES--> COMMITTING --all acked--> COMMITTED
+      |                |
+      +---NO / deadline / abandon---> ABORTING --prepared branches acked--> ABORTED
+
+A decision (COMMIT or ABORT) is written once and never changes. No decision means
+abort (presumed abort). Every message is idempotent: the same message twice leaves the
+transaction unchanged and gets the same reply.
+
+:data:`TRANSITIONS` has exactly one entry for each of the 6 x 6 (state, event kind)
+pairs: an :class:`Allow` (the states the machine may move to, and whether the event's
+writer epoch is checked) or a :class:`Refuse` (the error and why). :func:`handle`
+consults the table before anything else, so what is refused where can be read off the
+table instead of being inferred from a missing key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Final
+
+from twophase.errors import IllegalTransition, ProtocolError, StaleEpoch, UnknownBranch
+from twophase.protocol.records import BranchState, Decision, State, Transaction
+
+__all__ = [
+    "TRANSITIONS",
+    "Abandon",
+    "Ack",
+    "AdminAbort",
+    "Allow",
+    "Event",
+    "Expire",
+    "ForceAck",
+    "Kind",
+    "Refuse",
+    "Rule",
+    "Vote",
+    "handle",
+    "kind_of",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# events
+
+
+@dataclass(frozen=True)
+class Vote:
+    branch: str
+    epoch: int
+    yes: bool
+    now: float
+    handle: Mapping[str, str] | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    """The clock ticked: abort if the vote deadline has passed and nothing is decided."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """The writer (or a newer one) gives up on an attempt: an undecided one is decided
+    ABORT; a decided one is answered unchanged, so a writer whose job failed after the
+    last vote learns the COMMIT and finishes it."""
+
+    epoch: int
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True)
+class AdminAbort:
+    """An operator writes ABORT for an undecided attempt whose writer is gone (no epoch
+    check); a decided attempt keeps its decision."""
+
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Ack:
+    branch: str
+    epoch: int
+    outcome: Decision
+    now: float
+
+
+@dataclass(frozen=True)
+class ForceAck:
+    """An operator states that a branch is settled (e.g. resolved by hand); no epoch check."""
+
+    branch: str
+    outcome: Decision
+    now: float
+
+
+Event = Vote | Expire | Abandon | AdminAbort | Ack | ForceAck
+
+
+class Kind(str, enum.Enum):
+    VOTE = "vote"
+    EXPIRE = "expire"
+    ABANDON = "abandon"
+    ADMIN_ABORT = "admin_abort"
+    ACK = "ack"
+    FORCE_ACK = "force_ack"
+
+
+_KIND: Final[Mapping[type, Kind]] = {
+    Vote: Kind.VOTE,
+    Expire: Kind.EXPIRE,
+    Abandon: Kind.ABANDON,
+    AdminAbort: Kind.ADMIN_ABORT,
+    Ack: Kind.ACK,
+    ForceAck: Kind.FORCE_ACK,
+}
+
+
+def kind_of(event: Event) -> Kind:
+    """The table column an event belongs to."""
+    return _KIND[type(event)]
+
+
+# ---------------------------------------------------------------------------------------
+# the transition table
+
+
+@dataclass(frozen=True)
+class Allow:
+    """The event is handled: the machine stays or moves to one of ``to``. With ``epoch``
+    a writer older than the transaction's is refused first (:class:`StaleEpoch`)."""
+
+    to: frozenset[State]
+    epoch: bool = False
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The event is refused in this state, whatever it carries; nothing changes."""
+
+    error: type[ProtocolError]
+    why: str
+
+
+Rule = Allow | Refuse
+
+
+def _to(*states: State, epoch: bool = False) -> Allow:
+    return Allow(frozenset(states), epoch=epoch)
+
+
+S = State
+K = Kind
+_NOTHING_DECIDED = Refuse(
+    IllegalTransition, "nothing is decided yet, so there is no outcome to acknowledge"
+)
+
+# Every (state, kind) pair has exactly one entry. A message that repeats one already
+# applied stays in the same state, which is why every decided state lists itself; a
+# decided state only moves within its own outcome (a decision never changes).
+TRANSITIONS: Final[Mapping[tuple[State, Kind], Rule]] = MappingProxyType(
+    {
+        # undecided: votes decide; the deadline, the writer and the operator may abort
+        (S.OPEN, K.VOTE): _to(S.PREPARING, S.COMMITTING, S.ABORTING, S.ABORTED, epoch=True),
+        (S.OPEN, K.EXPIRE): _to(S.OPEN, S.ABORTED),
+        (S.OPEN, K.ABANDON): _to(S.ABORTED, epoch=True),
+        (S.OPEN, K.ADMIN_ABORT): _to(S.ABORTED),
+        (S.OPEN, K.ACK): _NOTHING_DECIDED,
+        (S.OPEN, K.FORCE_ACK): _NOTHING_DECIDED,
+        (S.PREPARING, K.VOTE): _to(
+            S.PREPARING, S.COMMITTING, S.ABORTING, S.ABORTED, epoch=True
+        ),
+        (S.PREPARING, K.EXPIRE): _to(S.PREPARING, S.ABORTING, S.ABORTED),
+        (S.PREPARING, K.ABANDON): _to(S.ABORTING, S.ABORTED, epoch=True),
+        (S.PREPARING, K.ADMIN_ABORT): _to(S.ABORTING, S.ABORTED),
+        (S.PREPARING, K.ACK): _NOTHING_DECIDED,
+        (S.PREPARING, K.FORCE_ACK): _NOTHING_DECIDED,
+        # COMMIT decided: late votes, expiry, abandon and admin abort are answered with
+        # the decision unchanged; acks finish it
+        (S.COMMITTING, K.VOTE): _to(S.COMMITTING, epoch=True),
+        (S.COMMITTING, K.EXPIRE): _to(S.COMMITTING),
+        (S.COMMITTING, K.ABANDON): _to(S.COMMITTING, epoch=True),
+        (S.COMMITTING, K.ADMIN_ABORT): _to(S.COMMITTING),
+        (S.COMMITTING, K.ACK): _to(S.COMMITTING, S.COMMITTED, epoch=True),
+        (S.COMMITTING, K.FORCE_ACK): _to(S.COMMITTING, S.COMMITTED),
+        (S.COMMITTED, K.VOTE): _to(S.COMMITTED, epoch=True),
+        (S.COMMITTED, K.EXPIRE): _to(S.COMMITTED),
+        (S.COMMITTED, K.ABANDON): _to(S.COMMITTED, epoch=True),
+        (S.COMMITTED, K.ADMIN_ABORT): _to(S.COMMITTED),
+        (S.COMMITTED, K.ACK): _to(S.COMMITTED, epoch=True),
+        (S.COMMITTED, K.FORCE_ACK): _to(S.COMMITTED),
+        # ABORT decided: the same, on the abort side
+        (S.ABORTING, K.VOTE): _to(S.ABORTING, epoch=True),
+        (S.ABORTING, K.EXPIRE): _to(S.ABORTING),
+        (S.ABORTING, K.ABANDON): _to(S.ABORTING, epoch=True),
+        (S.ABORTING, K.ADMIN_ABORT): _to(S.ABORTING),
+        (S.ABORTING, K.ACK): _to(S.ABORTING, S.ABORTED, epoch=True),
+        (S.ABORTING, K.FORCE_ACK): _to(S.ABORTING, S.ABORTED),
+        (S.ABORTED, K.VOTE): _to(S.ABORTED, epoch=True),
+        (S.ABORTED, K.EXPIRE): _to(S.ABORTED),
+        (S.ABORTED, K.ABANDON): _to(S.ABORTED, epoch=True),
+        (S.ABORTED, K.ADMIN_ABORT): _to(S.ABORTED),
+        (S.ABORTED, K.ACK): _to(S.ABORTED, epoch=True),
+        (S.ABORTED, K.FORCE_ACK): _to(S.ABORTED),
+    }
+)
+
+
+def handle(txn: Transaction, event: Event) -> Transaction:
+    """Apply one event; return the new transaction (the same object if nothing changed).
+
+    The table decides first (a :class:`Refuse` entry, then a stale epoch where the entry
+    checks it); the event's handler then applies the rules that depend on the event's
+    content. Raises a :class:`ProtocolError` for a refused message; a refused message
+    never changes anything.
+    """
+    kind = kind_of(event)
+    rule = TRANSITIONS[(txn.state, kind)]
+    if isinstance(rule, Refuse):
+        raise rule.error(f"{kind.value} is not allowed in state {txn.state.value}: {rule.why}")
+    if rule.epoch:
+        _check_epoch(txn, _epoch_of(event))
+    new = _HANDLERS[kind](txn, event)
+    if new is txn:
+        return txn
+    if new.state not in rule.to:  # pragma: no cover - guards the table against the code
+        raise AssertionError(f"{txn.state}->{new.state} on {kind} is not in TRANSITIONS")
+    return replace(new, version=txn.version + 1)
+
+
+def _epoch_of(event: Event) -> int:
+    if isinstance(event, Vote | Abandon | Ack):
+        return event.epoch
+    raise AssertionError(f"{type(event).__name__} carries no epoch")  # pragma: no cover
+
+
+def _check_epoch(txn: Transaction, epoch: int) -> None:
+    if epoch < txn.epoch:
+        raise StaleEpoch(
+            f"epoch {epoch} is older than the transaction's writer epoch {txn.epoch}"
+        )
+
+
+def _branch(txn: Transaction, bid: str) -> BranchState:
+    try:
+        return txn.branches[bid]
+    except KeyError:
+        raise UnknownBranch(
+            f"branch {bid!r} is not one of the {len(txn.branches)} expected branches"
+        ) from None
+
+
+def _with_branch(txn: Transaction, bid: str, st: BranchState) -> Transaction:
+    branches = dict(txn.branches)
+    branches[bid] = st
+    return replace(txn, branches=MappingProxyType(branches))
+
+
+def _decide(txn: Transaction, decision: Decision, now: float, reason: str | None) -> Transaction:
+    if decision == Decision.COMMIT:
+        return replace(txn, state=State.COMMITTING, decided_at=now)
+    new = replace(txn, state=State.ABORTING, decided_at=now, reason=reason)
+    return _maybe_finish(new, now)
+
+
+def _maybe_finish(txn: Transaction, now: float) -> Transaction:
+    if txn.state in (State.COMMITTING, State.ABORTING) and not txn.pending_acks():
+        done = State.COMMITTED if txn.state == State.COMMITTING else State.ABORTED
+        return replace(txn, state=done, finished_at=now)
+    return txn
+
+
+def _on_vote(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, Vote)
+    if ev.epoch != txn.epoch:
+        raise IllegalTransition(
+            f"vote carries epoch {ev.epoch} but attempt {txn.attempt} belongs to epoch {txn.epoch}"
+        )
+    current = _branch(txn, ev.branch)
+    vote = Decision.COMMIT if ev.yes else Decision.ABORT
+    if current.vote is not None:
+        if current.vote != vote:
+            raise IllegalTransition(
+                f"branch {ev.branch} already voted {current.vote.value}; a vote never changes"
+            )
+        return txn  # the same vote again: harmless
+    if txn.state.decided:
+        # A late first vote (after the deadline or another NO) does not alter a decision.
+        # Record nothing: an ABORT decision does not wait for branches that were too late;
+        # recovery aborts whatever they left prepared.
+        if txn.decision == Decision.COMMIT:  # pragma: no cover - commit needs every vote
+            raise AssertionError("COMMIT decided without every vote")
+        return txn
+    if ev.now >= txn.deadline:
+        return _decide(txn, Decision.ABORT, ev.now, "vote deadline passed")
+    st = BranchState(
+        vote=vote,
+        handle=MappingProxyType(dict(ev.handle or {})) if ev.yes else None,
+        reason=None if ev.yes else (ev.reason or "voted NO without a reason"),
+    )
+    txn = _with_branch(replace(txn, state=State.PREPARING), ev.branch, st)
+    if not ev.yes:
+        return _decide(txn, Decision.ABORT, ev.now, f"{ev.branch} voted NO: {st.reason}")
+    if all(s.vote == Decision.COMMIT for s in txn.branches.values()):
+        return _decide(txn, Decision.COMMIT, ev.now, None)
+    return txn
+
+
+def _on_expire(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, Expire)
+    if txn.state.decided or ev.now < txn.deadline:
+        return txn
+    missing = [b for b, s in txn.branches.items() if s.vote is None]
+    return _decide(
+        txn, Decision.ABORT, ev.now, f"vote deadline passed; no vote from {', '.join(missing)}"
+    )
+
+
+def _on_abandon(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, Abandon)
+    if txn.state.decided:
+        return txn  # the decision stands; the writer reads it from the answer
+    return _decide(txn, Decision.ABORT, ev.now, ev.reason)
+
+
+def _on_admin_abort(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, AdminAbort)
+    if txn.state.decided:
+        return txn
+    return _decide(txn, Decision.ABORT, ev.now, f"admin: {ev.reason}")
+
+
+def _apply_ack(txn: Transaction, bid: str, outcome: Decision, now: float) -> Transaction:
+    current = _branch(txn, bid)
+    decision = txn.decision
+    assert decision is not None  # the table admits ACK only in decided states
+    if outcome != decision:
+        raise IllegalTransition(
+            f"branch {bid} acknowledged {outcome.value} but the decision is {decision.value}"
+        )
+    if current.ack is not None:
+        return txn
+    if decision == Decision.ABORT and current.vote != Decision.COMMIT:
+        return txn  # nothing was waited for: accepted, nothing to record
+    return _maybe_finish(_with_branch(txn, bid, replace(current, ack=outcome)), now)
+
+
+def _on_ack(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, Ack)
+    return _apply_ack(txn, ev.branch, ev.outcome, ev.now)
+
+
+def _on_force_ack(txn: Transaction, ev: Event) -> Transaction:
+    assert isinstance(ev, ForceAck)
+    return _apply_ack(txn, ev.branch, ev.outcome, ev.now)
+
+
+_HANDLERS: Final[Mapping[Kind, Callable[[Transaction, Event], Transaction]]] = {
+    Kind.VOTE: _on_vote,
+    Kind.EXPIRE: _on_expire,
+    Kind.ABANDON: _on_abandon,
+    Kind.ADMIN_ABORT: _on_admin_abort,
+    Kind.ACK: _on_ack,
+    Kind.FORCE_ACK: _on_force_ack,
+}
