@@ -8,15 +8,15 @@ package what to do next. Modules:
 
 - :mod:`.records`: states, decisions, transactions, sink rows, branch ids;
 - :mod:`.machine`: events, the complete transition table, :func:`handle`;
-- :mod:`.begin`: :func:`register`, :func:`begin` (a table of cases), :func:`committed`;
+- :mod:`.attempts`: :func:`register`, :func:`begin` (a table of cases), :func:`committed`;
 - :mod:`.recovery`: the recovery rule, :func:`recovery_action`;
-- :mod:`.next_step`: the driver's next step after an attempt, :func:`next_step`.
+- :mod:`.retry`: the driver's next step after an attempt, :func:`next_step`.
 
 The property tests in ``tests/test_protocol_properties.py`` drive this package directly.
 """
 
 from twophase.errors import IllegalTransition, ProtocolError, StaleEpoch, UnknownBranch
-from twophase.protocol.begin import (
+from twophase.protocol.attempts import (
     BEGIN_CASES,
     Begin,
     BeginCase,
@@ -42,7 +42,6 @@ from twophase.protocol.machine import (
     handle,
     kind_of,
 )
-from twophase.protocol.next_step import Step, StepKind, next_step
 from twophase.protocol.records import (
     BranchState,
     Decision,
@@ -54,6 +53,7 @@ from twophase.protocol.records import (
     parse_branch_id,
 )
 from twophase.protocol.recovery import BranchStatus, RecoveryAction, recovery_action
+from twophase.protocol.retry import Step, StepKind, next_step
 
 __all__ = [
     "BEGIN_CASES",

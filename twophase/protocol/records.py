@@ -2,7 +2,7 @@
 
 Plain frozen records with no behaviour beyond reading themselves; every rule that changes
 them lives in :mod:`~twophase.protocol.machine` (messages) and
-:mod:`~twophase.protocol.begin` (the sink-level begin).
+:mod:`~twophase.protocol.attempts` (the sink-level begin).
 """
 
 from __future__ import annotations
