@@ -80,7 +80,7 @@ def test_replay_of_committed_batch_writes_nothing(spark: Any, job: JobConfig) ->
     # Forget that Spark finished batch 1: on restart Spark runs batch 1 again, as after a
     # crash between the sink's return and Spark's commit log write.
     for name in ("1", ".1.crc"):
-        (Path(job.batch_id) / "commits" / name).unlink(missing_ok=True)
+        (Path(job.checkpoint) / "commits" / name).unlink(missing_ok=True)
     sink = run(job, spark)
     assert [(r.batch_id, r.outcome) for r in sink.history] == [(1, "replay")]
     report = verify(build_participants(job), expected_ids(2, 20), sink=job.sink)
@@ -115,7 +115,7 @@ def test_checkpoint_reset_starts_new_lineage(spark: Any, job: JobConfig) -> None
 
     write_input(job.input_dir, batches=2, rows_per_batch=5)
     run(job, spark)
-    job.batch_id = job.batch_id + "-reset"
+    job.checkpoint = job.checkpoint + "-reset"
     sink = run(job, spark)
     # batch ids restarted at 0 and were *not* skipped as already committed
     outcomes = [(r.batch_id, r.outcome) for r in sink.history]
