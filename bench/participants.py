@@ -54,9 +54,9 @@ from psycopg import sql  # noqa: E402
 
 from twophase.jsoncodec import json_rows  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
-from twophase.sinks._arrow_pg import csv_chunks  # noqa: E402
 from twophase.sinks.files import StagedFileParticipant  # noqa: E402
 from twophase.sinks.postgres import PostgresParticipant  # noqa: E402
+from twophase.sinks.postgres.arrow import csv_chunks  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 

@@ -34,6 +34,7 @@ from twophase.participant import (
     Participant,
     ParticipantError,
     PrepareRefused,
+    ReadBack,
 )
 
 __all__ = ["STAGING_DIR", "StagedFileParticipant"]
@@ -50,6 +51,11 @@ _STAGED_RE: Final = re.compile(
 def _sanitize(name: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".")[:58]
     return cleaned or "files"
+
+
+def _is_temp(name: str) -> bool:
+    """A prepare's temp file (``.<staged name>.<uuid>.tmp``), renamed once complete."""
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -258,6 +264,28 @@ class StagedFileParticipant(Participant):
                 if self.staged_path(ref).name == n:  # the parse is the name's only reading
                     found.append(ref)
         return sorted(found)
+
+    def read_back(self, column: str) -> ReadBack:
+        """``column`` of the visible files read through a pyarrow dataset, as Spark would
+        read the folder; staged files (any sink's) are the prepared leftovers, and temp
+        files of a prepare killed mid-write are counted apart: they were never prepared."""
+        import pyarrow.dataset as ds
+
+        if not self.path.exists():
+            return ReadBack(())
+        files = sorted(
+            str(f) for f in self.path.iterdir()
+            if f.is_file() and not f.name.startswith(("_", "."))
+        )
+        values: list[Any] = []
+        if files:
+            fmt = "parquet" if self.format == "parquet" else "json"
+            values = ds.dataset(files, format=fmt).to_table(columns=[column]) \
+                .column(column).to_pylist()
+        staged = [f for f in self.staging.iterdir() if f.is_file()] \
+            if self.staging.exists() else []
+        temp = sum(1 for f in staged if _is_temp(f.name))
+        return ReadBack(tuple(values), prepared=len(staged) - temp, temp=temp)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()

@@ -31,8 +31,9 @@ from tests.kafka_support import real_kafka_servers
 from twophase import failpoints
 from twophase.participant import BranchRef, BranchStatus
 from twophase.protocol import parse_branch_id
-from twophase.testing.chaos import PER_BRANCH_POINTS, VICTIMS, Daemon, points_for
+from twophase.testing.chaos import PER_BRANCH_POINTS, VICTIMS, points_for
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.servers import LocalDaemon
 from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
@@ -134,7 +135,7 @@ def run_case(
     fp_env = {failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}
     daemon = None
     if victim == "coordinator":
-        daemon = Daemon(store, secrets.token_urlsafe(12), tmp / "daemon.log")
+        daemon = LocalDaemon(store, secrets.token_urlsafe(12), tmp / "daemon.log")
         daemon.start(spec, str(once))
         cfg.coordinator, cfg.token = daemon.url, daemon.token
     cfg_path = tmp / "job.json"

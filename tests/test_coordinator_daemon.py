@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
 from twophase.client import CoordinatorClient, VoteIn
 from twophase.coordinator.store import Store
-from twophase.testing.localpg import free_port
+from twophase.testing.servers import LocalDaemon, free_port
 
 TOKEN = "test-token-123"
 
@@ -31,51 +30,15 @@ def pg_url(pg_dsn: str) -> str:
     return fresh_pg_db(pg_dsn, "tp_daemon")
 
 
-class Daemon:
-    """``twophase serve`` in a subprocess."""
-
-    def __init__(self, store: str, port: int | None = None, failpoints: str = "",
-                 log: Path | None = None) -> None:
-        self.store = store
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "TWOPHASE_TOKEN": TOKEN, "TWOPHASE_FAILPOINTS": failpoints}
-        self.log = log
-        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "twophase.cli", "serve", "--store", store,
-             "--port", str(self.port), "--log-level", "warning"],
-            env=env, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("daemon did not become healthy")
-            time.sleep(0.05)
-
-    def wait_dead(self, timeout: float = 20) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_daemon(store: str, port: int | None = None, failpoints: str = "",
+                 log: Path | None = None) -> LocalDaemon:
+    """``twophase serve`` in a subprocess, started and healthy, with the tests' token."""
+    return LocalDaemon(store, TOKEN, log, port=port).start(failpoints)
 
 
 @pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
+def daemons() -> Iterator[list[LocalDaemon]]:
+    started: list[LocalDaemon] = []
     yield started
     for d in started:
         d.stop()
@@ -93,11 +56,11 @@ def _decisions(history: list[dict[str, object]]) -> int:
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 @pytest.mark.parametrize("point", ["coordinator_before_decision", "after_decision"])
-def test_sigkill_at_the_decision(kind: str, point: str, tmp_path: Path,
-                                 daemons: list[Daemon], request: pytest.FixtureRequest) -> None:
+def test_sigkill_at_the_decision(kind: str, point: str, tmp_path: Path, daemons: list[LocalDaemon],
+                                 request: pytest.FixtureRequest) -> None:
     store_url = (f"sqlite:///{tmp_path}/log.db" if kind == "sqlite"
                  else request.getfixturevalue("pg_url"))
-    first = Daemon(store_url, failpoints=f"{point}=kill*1")
+    first = start_daemon(store_url, failpoints=f"{point}=kill*1")
     daemons.append(first)
     client = CoordinatorClient(first.url, TOKEN, retry_budget=60.0)
     sink = f"k{uuid.uuid4().hex[:8]}"
@@ -126,7 +89,7 @@ def test_sigkill_at_the_decision(kind: str, point: str, tmp_path: Path,
     else:
         assert logged.state == p.State.COMMITTING
     st.close()
-    second = Daemon(store_url, port=first.port)
+    second = start_daemon(store_url, port=first.port)
     daemons.append(second)
     voter.join(60)
     waiter.join(60)
@@ -140,8 +103,8 @@ def test_sigkill_at_the_decision(kind: str, point: str, tmp_path: Path,
     client.close()
 
 
-def test_two_replicas_racing_voters(pg_url: str, daemons: list[Daemon]) -> None:
-    a, b = Daemon(pg_url), Daemon(pg_url)
+def test_two_replicas_racing_voters(pg_url: str, daemons: list[LocalDaemon]) -> None:
+    a, b = start_daemon(pg_url), start_daemon(pg_url)
     daemons += [a, b]
     ca = CoordinatorClient(a.url, TOKEN)
     cb = CoordinatorClient(b.url, TOKEN)
@@ -185,8 +148,8 @@ def test_two_replicas_racing_voters(pg_url: str, daemons: list[Daemon]) -> None:
     cb.close()
 
 
-def test_fifty_concurrent_sinks(tmp_path: Path, daemons: list[Daemon]) -> None:
-    d = Daemon(f"sqlite:///{tmp_path}/many.db")
+def test_fifty_concurrent_sinks(tmp_path: Path, daemons: list[LocalDaemon]) -> None:
+    d = start_daemon(f"sqlite:///{tmp_path}/many.db")
     daemons.append(d)
     n_sinks, rounds = 55, 3
     errors: list[BaseException] = []
@@ -227,14 +190,14 @@ def test_fifty_concurrent_sinks(tmp_path: Path, daemons: list[Daemon]) -> None:
         assert f'twophase_transactions{{state="COMMITTED"}} {float(n_sinks * rounds)}' in metrics
 
 
-def test_cli_serve_and_txns(tmp_path: Path, daemons: list[Daemon]) -> None:
+def test_cli_serve_and_txns(tmp_path: Path, daemons: list[LocalDaemon]) -> None:
     store = f"sqlite:///{tmp_path}/cli.db"
     cli = [sys.executable, "-m", "twophase.cli"]
     env = {k: v for k, v in os.environ.items() if k != "TWOPHASE_TOKEN"}
     out = subprocess.run([*cli, "serve", "--store", store], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "--insecure" in out.stderr
-    d = Daemon(store)
+    d = start_daemon(store)
     daemons.append(d)
     with CoordinatorClient(d.url, TOKEN) as c:
         epoch = c.register("orders")

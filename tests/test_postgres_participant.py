@@ -250,7 +250,7 @@ def test_gid_longer_than_the_server_allows_is_a_clear_error(pg_dsn: str) -> None
 
 
 def test_unreachable_server_fails_check_and_votes_no(table: str) -> None:
-    from twophase.testing.localpg import free_port
+    from twophase.testing.servers import free_port
 
     dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     p = PostgresParticipant(dsn, table, connect_timeout=1)

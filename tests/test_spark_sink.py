@@ -164,10 +164,10 @@ def test_driver_sigkill_then_restart_is_exactly_once(
 def test_two_queries_two_sinks_share_one_daemon(
     spark: Any, tmp_path: Path, pg_dsn: str
 ) -> None:
-    from tests.test_coordinator_daemon import TOKEN, Daemon
+    from tests.test_coordinator_daemon import TOKEN, start_daemon
     from twophase.driver import TransactionalSink
 
-    daemon = Daemon(f"sqlite:///{tmp_path / 'daemon.db'}")
+    daemon = start_daemon(f"sqlite:///{tmp_path / 'daemon.db'}")
     try:
         queries, sinks, jobs = [], [], []
         for name in ("left", "right"):

@@ -109,15 +109,8 @@ class TransactionalSink:
             validate_lineage(lineage)
         self.lineage = lineage
         for p in participants:
-            # A Kafka transaction must outlive the vote window, or the broker aborts it
-            # while the other branches are still preparing.
-            timeout_ms = getattr(p, "transaction_timeout_ms", None)
-            if timeout_ms is not None and timeout_ms / 1000 <= vote_timeout + 60:
-                raise ValueError(
-                    f"{p.describe()}: transaction_timeout_ms={timeout_ms} must exceed the "
-                    f"sink's vote window (vote_timeout {vote_timeout:.0f}s + 60s); raise it "
-                    "(within the broker's transaction.max.timeout.ms) or lower vote_timeout"
-                )
+            # A prepared branch must outlive the vote window (a Kafka transaction times out).
+            p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
         self.history: list[BatchReport] = []
         self._conn: Connection | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from twophase.errors import ParticipantError, PrepareRefused
 from twophase.names import validate_lineage, validate_name
@@ -33,6 +33,7 @@ __all__ = [
     "Participant",
     "ParticipantError",
     "PrepareRefused",
+    "ReadBack",
 ]
 
 Handle = Mapping[str, str]
@@ -79,6 +80,30 @@ class BranchRef:
         return f"{self.participant}/{self.partition}"
 
 
+@dataclass(frozen=True)
+class ReadBack:
+    """One column of a participant's output read the way a consumer reads it.
+
+    The verifier (``twophase.testing.verify``) judges exactly-once from this alone, so it
+    needs no knowledge of any system: each participant knows where its rows, its prepared
+    leftovers and its litter live.
+    """
+
+    values: tuple[Any, ...]
+    """The column's values, one per visible row (duplicates kept)."""
+    prepared: int = 0
+    """Prepared leftovers the system can list (e.g. ``pg_prepared_xacts``, staged files)."""
+    temp: int = 0
+    """Litter of a write killed midway: never visible, never prepared, reported only."""
+    exact: bool = True
+    """False when these values cannot prove exactly-once (``note`` says why)."""
+    note: str = ""
+    isolation_dependent: bool = False
+    """True when only the system's read isolation hides aborted writes from ``values``
+    (Kafka ``read_committed``): a broker known to show aborted records (tansu) makes
+    them unjudgeable, which only the caller knows."""
+
+
 class Participant(abc.ABC):
     """One external system. Subclasses set ``kind`` and ``durable_prepare``."""
 
@@ -117,6 +142,20 @@ class Participant(abc.ABC):
     @abc.abstractmethod
     def in_doubt(self, sink: str) -> list[BranchRef]:
         """Prepared leftovers of ``sink`` that can be found by name."""
+
+    def check_vote_window(self, vote_timeout: float) -> None:  # noqa: B027 - optional hook
+        """Driver side, when the sink is built: refuse (``ValueError``) a participant whose
+        prepared branch would not outlive the sink's vote window of ``vote_timeout``
+        seconds (a Kafka transaction times out in the broker)."""
+
+    def read_back(self, column: str) -> ReadBack:
+        """Read ``column`` of everything committed, as a consumer would, plus the prepared
+        leftovers; used by the exactly-once verifier (tests, demo, chaos), never by the
+        protocol."""
+        raise NotImplementedError(
+            f"{self.describe()} cannot be verified: {type(self).__name__} does not "
+            "implement read_back(column)"
+        )
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and producers."""

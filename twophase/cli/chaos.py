@@ -84,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _run_chaos(args: argparse.Namespace) -> int:
     from twophase.testing.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
     from twophase.testing.job import JobConfig
+    from twophase.testing.servers import DaemonUnavailable
 
     def say(msg: str) -> None:
         if not args.quiet:
@@ -145,7 +146,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
         )
         say(f"chaos in {workdir}: {args.kills} kills of {', '.join(victims)}, seed {args.seed}")
         report = run_chaos(opts)
-    except ChaosError as exc:
+    except (ChaosError, DaemonUnavailable) as exc:
         print(f"twophase chaos: {exc}", file=sys.stderr)
         return 2
     finally:

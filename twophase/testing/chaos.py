@@ -38,6 +38,7 @@ from typing import Any
 from twophase import failpoints
 from twophase.errors import TwophaseError
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.servers import LocalDaemon, clean_env
 
 __all__ = [
     "COORDINATOR_POINTS",
@@ -46,7 +47,6 @@ __all__ = [
     "WORKER_POINTS",
     "ChaosError",
     "ChaosOptions",
-    "Daemon",
     "points_for",
     "python_workers",
     "run_chaos",
@@ -131,77 +131,6 @@ def _kill(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
-    env.update(extra)
-    return env
-
-
-class Daemon:
-    """``twophase serve`` as a child process that can be SIGKILLed and restarted on the
-    same port and store."""
-
-    def __init__(self, store: str, token: str, log: Path, port: int | None = None) -> None:
-        from twophase.testing.localpg import free_port
-
-        self.store = store
-        self.token = token
-        self.log = log
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60) -> None:
-        import httpx
-
-        extra = {"TWOPHASE_TOKEN": self.token}
-        if failpoint_spec:
-            extra[failpoints.ENV] = failpoint_spec
-            extra[failpoints.ONCE_DIR_ENV] = once_dir
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "twophase.cli", "serve", "--store", self.store,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-                env=_clean_env(**extra), stdout=out, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise ChaosError(f"coordinator daemon exited with {self.proc.returncode} "
-                                 f"at start; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise ChaosError(f"coordinator daemon not healthy within {timeout}s")
-            time.sleep(0.05)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> bool:
-        if not self.alive:
-            return False
-        assert self.proc is not None
-        _kill(self.proc.pid)
-        self.proc.wait()
-        return True
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
 
 
 class _JobRun:
@@ -346,7 +275,7 @@ class _Chaos:
         self.missed: Counter[str] = Counter()
         self.runs: list[dict[str, Any]] = []
         self.total_batches = 0
-        self.daemon: Daemon | None = None
+        self.daemon: LocalDaemon | None = None
         self._daemon_spec = ""
         self.cfg = self._config()
         self.cfg_path = self.work / "job.json"
@@ -391,7 +320,7 @@ class _Chaos:
                 self.store_url = store
             else:
                 token = secrets.token_urlsafe(16)
-                self.daemon = Daemon(store, token, self.work / "logs" / "coordinator.log")
+                self.daemon = LocalDaemon(store, token, self.work / "logs" / "coordinator.log")
                 cfg.coordinator, cfg.token = self.daemon.url, token
                 self.store_url = store
         else:
@@ -441,7 +370,7 @@ class _Chaos:
                 self.daemon.stop()
                 self.daemon.start(want, str(once))
                 self._daemon_spec = want
-        job = _JobRun(number, self.cfg_path, _clean_env(**extra),
+        job = _JobRun(number, self.cfg_path, clean_env(**extra),
                       self.work / "logs" / f"run-{number:04d}.log", self.lines)
         self.runs.append({"run": number, "failpoints": spec, "batches": [first,
                           self.total_batches - 1], "returncode": None, "seconds": None})

@@ -14,15 +14,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
-from twophase.errors import TwophaseError
+from twophase.testing.servers import LocalServer, ServerUnavailable
 
 __all__ = ["ENV_BIN", "KafkaUnavailable", "LocalTansu", "find_tansu"]
 
@@ -30,7 +28,7 @@ ENV_BIN = "TWOPHASE_TANSU_BIN"
 """Set to an explicit ``tansu`` executable to use instead of the bundled one."""
 
 
-class KafkaUnavailable(TwophaseError, RuntimeError):
+class KafkaUnavailable(ServerUnavailable):
     """The tansu binary is missing or the broker would not start."""
 
 
@@ -48,20 +46,10 @@ def find_tansu() -> Path | None:
     return Path(which) if which else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalTansu:
+class LocalTansu(LocalServer):
     """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``."""
 
-    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
-        self.port = port or _free_port()
-        self._base_dir = base_dir
-        self.dir: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+    stop_timeout = 2.0  # memory storage: nothing to save
 
     @property
     def bootstrap(self) -> str:
@@ -125,27 +113,3 @@ class LocalTansu:
         except Exception:
             return False
         return bool(md.brokers)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=2)  # memory storage: nothing to save
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-    def __enter__(self) -> LocalTansu:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -16,14 +16,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
-from twophase.errors import TwophaseError
+from twophase.testing.servers import LocalServer, ServerUnavailable
 
 __all__ = ["LocalPostgres", "PostgresUnavailable", "find_bindir"]
 
 
-class PostgresUnavailable(TwophaseError, RuntimeError):
+class PostgresUnavailable(ServerUnavailable):
     """The server binaries are missing or the server would not start."""
 
 
@@ -39,14 +38,10 @@ def find_bindir() -> Path | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalPostgres:
+class LocalPostgres(LocalServer):
     """Start with :meth:`start` (or ``with``); :attr:`dsn` points at database ``postgres``."""
+
+    stop_signal = signal.SIGINT  # fast shutdown: rolls back open sessions
 
     def __init__(
         self,
@@ -56,12 +51,9 @@ class LocalPostgres:
         port: int | None = None,
         base_dir: str | None = None,
     ) -> None:
+        super().__init__(port=port, base_dir=base_dir)
         self.max_prepared_transactions = max_prepared_transactions
         self.fsync = fsync
-        self.port = port or free_port()
-        self._base_dir = base_dir
-        self.dir: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def dsn(self) -> str:
@@ -123,27 +115,3 @@ class LocalPostgres:
             time.sleep(0.1)
         self.stop()
         raise PostgresUnavailable(f"postgres did not accept connections within {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # fast shutdown: rolls back open sessions
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-    def __enter__(self) -> LocalPostgres:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

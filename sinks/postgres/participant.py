@@ -9,12 +9,7 @@ partition) commits atomically with the rows, so "is the marker there?" answers "
 branch's data land?" whatever attempt wrote it; its primary key makes a second landing
 impossible.
 
-The gid is built only from validated :class:`~twophase.participant.BranchRef` parts::
-
-    tp:{sink}:{lineage}:{checkpoint}:{attempt}:{participant}:{partition}
-
-(the server limit is 199 bytes; we refuse more than 200 including nothing else, see
-:func:`gid_for`) and reaches SQL as a :class:`psycopg.sql.Literal`.
+Each prepared transaction is named by a gid built from the branch (see :mod:`.gid`).
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from twophase.names import validate_name
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -40,25 +34,20 @@ from twophase.participant import (
     Participant,
     ParticipantError,
     PrepareRefused,
+    ReadBack,
 )
-from twophase.sinks._arrow_pg import (
+from twophase.sinks.postgres.arrow import (
     ExistingColumn,
     UnsupportedType,
     csv_chunks,
     pg_type_for,
     table_misfits,
 )
+from twophase.sinks.postgres.gid import GID_ROOT, gid_for, gid_prefix, parse_gid
 
-__all__ = ["GID_MAX_BYTES", "PostgresParticipant", "gid_for", "gid_prefix", "parse_gid"]
-
-GID_MAX_BYTES: Final = 199
-"""PostgreSQL's GIDSIZE is 200 bytes including the terminating NUL."""
+__all__ = ["PostgresParticipant"]
 
 _IDENT_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-_GID_RE: Final = re.compile(
-    r"^tp:(?P<sink>[A-Za-z0-9_.-]+):(?P<lineage>[A-Za-z0-9-]+):(?P<checkpoint>\d+):"
-    r"(?P<attempt>\d+):(?P<participant>[A-Za-z0-9_.-]+):(?P<partition>\d+)$"
-)
 _RETRIES: Final = 3
 _T = TypeVar("_T")
 
@@ -70,42 +59,6 @@ def _identifier(kind: str, value: str) -> str:
             f"invalid {kind} {value!r}: use a letter or _ then up to 62 of A-Z a-z 0-9 _"
         )
     return value
-
-
-def gid_prefix(sink: str) -> str:
-    return f"tp:{validate_name('sink name', sink)}:"
-
-
-def gid_for(branch: BranchRef) -> str:
-    """The prepared transaction's name; ``ValueError`` if it would not fit the server."""
-    gid = (
-        f"{gid_prefix(branch.sink)}{branch.lineage}:{branch.batch_id}:{branch.attempt}:"
-        f"{branch.participant}:{branch.partition}"
-    )
-    if len(gid.encode()) > GID_MAX_BYTES:
-        raise ValueError(
-            f"transaction name {gid!r} is {len(gid.encode())} bytes; PostgreSQL allows at "
-            f"most {GID_MAX_BYTES}: shorten the sink, lineage or participant name"
-        )
-    return gid
-
-
-def parse_gid(gid: str) -> BranchRef | None:
-    """The branch a gid names, or None for a gid that is not ours."""
-    m = _GID_RE.match(gid)
-    if not m:
-        return None
-    try:
-        return BranchRef(
-            sink=m["sink"],
-            lineage=m["lineage"],
-            batch_id=int(m["checkpoint"]),
-            attempt=int(m["attempt"]),
-            participant=m["participant"],
-            partition=int(m["partition"]),
-        )
-    except ValueError:
-        return None
 
 
 def _transient(exc: BaseException) -> bool:
@@ -561,3 +514,23 @@ class PostgresParticipant(Participant):
             return sorted(b for b in found if b is not None and b.participant == self.name)
 
         return self._idempotent(f"list prepared transactions of sink {sink!r}", run)
+
+    def read_back(self, column: str) -> ReadBack:
+        """``column`` of the table, and this participant's prepared transactions in the
+        database (every sink's: a leftover of any sink holds rows back from the table)."""
+
+        def run(conn: psycopg.Connection[Any]) -> ReadBack:
+            rows = conn.execute(
+                sql.SQL("SELECT {} FROM {}").format(sql.Identifier(column), self._table_sql())
+            ).fetchall()
+            gids = conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                " AND left(gid, length(%s)) = %s",
+                (GID_ROOT, GID_ROOT),
+            ).fetchall()
+            found = (parse_gid(g) for (g,) in gids)
+            mine = sum(1 for b in found if b is not None and b.participant == self.name)
+            return ReadBack(tuple(r[0] for r in rows), prepared=mine)
+
+        with self._connect() as conn:  # its own session: the verifier keeps no connection
+            return run(conn)

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.types as pat
 
 from twophase.errors import TwophaseError
 from twophase.jsoncodec import json_rows
@@ -36,108 +34,20 @@ from twophase.participant import (
     Participant,
     ParticipantError,
     PrepareRefused,
+    ReadBack,
 )
-
-__all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
-    "RECORD_OVERHEAD_BYTES",
-    "KafkaParticipant",
-    "classify_commit_error",
-    "validate_config",
-    "validate_topic",
-]
-
-_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-
-DEFAULT_MAX_MESSAGE_BYTES: Final = 1_000_000
-"""librdkafka's default ``message.max.bytes`` (the producer-side limit)."""
-
-DEFAULT_TRANSACTION_MAX_TIMEOUT_MS: Final = 900_000
-"""Apache Kafka's default ``transaction.max.timeout.ms``, assumed when a broker does not
-report its own (tansu reports no broker configs)."""
-
-RECORD_OVERHEAD_BYTES: Final = 128
-"""Room left for the record and batch headers when comparing key+value with the limit."""
-
-_FORBIDDEN_KEYS: Final = {
-    "transactional.id": "it is derived from sink, participant and partition so that a "
-    "restart fences the zombie",
-    "transaction.timeout.ms": "pass transaction_timeout_ms= so it can be checked against "
-    "the broker's transaction.max.timeout.ms",
-    "enable.auto.commit": "it is a consumer setting; markers are committed in the transaction",
-    "isolation.level": "it is a consumer setting",
-}
-
-# Keys shared by producers, consumers and admin clients (connection and security).
-_COMMON_PREFIXES: Final = (
-    "bootstrap.servers", "security.protocol", "ssl.", "sasl.", "client.id", "socket.",
-    "broker.", "metadata.", "reconnect.", "api.version", "topic.metadata.", "log_level",
-    "debug", "connections.max.idle.ms", "client.dns.lookup", "enable.ssl",
-    "https.", "retry.backoff",
+from twophase.sinks.kafka.admin import check_columns, check_topic
+from twophase.sinks.kafka.config import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    common_config,
+    validate_config,
+    validate_topic,
 )
+from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.readback import read_topic
 
-
-def validate_topic(topic: str) -> str:
-    """Kafka's legal topic alphabet; anything else is refused before it reaches a broker."""
-    if not isinstance(topic, str) or not _TOPIC_RE.match(topic) or topic in (".", ".."):
-        raise ValueError(
-            f"invalid Kafka topic name {topic!r}: use 1-249 characters from "
-            "A-Z a-z 0-9 . _ - (and not '.' or '..')"
-        )
-    return topic
-
-
-def _truthy(value: object) -> bool:
-    return str(value).strip().lower() in ("true", "1", "yes")
-
-
-def validate_config(config: Mapping[str, object]) -> dict[str, object]:
-    """The user's librdkafka settings, minus nothing; refuses those that break the protocol."""
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config must be a mapping of librdkafka settings, got {config!r}")
-    out: dict[str, object] = {}
-    for key, value in config.items():
-        if not isinstance(key, str):
-            raise TypeError(f"config keys must be strings, got {key!r}")
-        if key in _FORBIDDEN_KEYS:
-            raise ValueError(f"config key {key!r} may not be set: {_FORBIDDEN_KEYS[key]}")
-        if key == "enable.idempotence" and not _truthy(value):
-            raise ValueError(
-                "config enable.idempotence=false is refused: transactions need idempotence"
-            )
-        if key in ("acks", "request.required.acks") and str(value) not in ("all", "-1"):
-            raise ValueError(f"config {key}={value!r} is refused: transactions need acks=all")
-        if callable(value) and key not in ("error_cb", "logger", "stats_cb", "oauth_cb"):
-            raise ValueError(f"config key {key!r} may not be a callable")
-        out[key] = value
-    if not str(out.get("bootstrap.servers", "")).strip():
-        raise ValueError("config must name the brokers: {'bootstrap.servers': 'host:9092'}")
-    return out
-
-
-CommitAction = Literal["retry", "fatal"]
-
-_AMBIGUOUS: Final = frozenset(
-    {"_TIMED_OUT", "_TRANSPORT", "REQUEST_TIMED_OUT", "COORDINATOR_NOT_AVAILABLE",
-     "NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "CONCURRENT_TRANSACTIONS",
-     "_ALL_BROKERS_DOWN", "NETWORK_EXCEPTION", "_WAIT_COORD", "_IN_PROGRESS"}
-)
-
-
-def classify_commit_error(err: Any) -> CommitAction:
-    """What a ``commit_transaction`` failure means for a branch under a COMMIT decision.
-
-    Retriable and ambiguous errors (timeouts, coordinator moves) are retried: the commit may
-    already have happened and calling again is how librdkafka resumes it. An error that
-    requires an abort, or a fatal one (fenced), is reported: the decision is COMMIT, so the
-    branch is never aborted here; it is redone instead.
-    """
-    if err.fatal() or err.txn_requires_abort():
-        return "fatal"
-    if err.retriable() or err.name() in _AMBIGUOUS:
-        return "retry"
-    return "fatal"
+__all__ = ["KafkaParticipant"]
 
 
 @dataclass
@@ -147,21 +57,6 @@ class _Prepared:
     branch: BranchRef
     producer: Any
     handle: dict[str, str]
-
-
-def _kafka_error(exc: BaseException) -> Any | None:
-    from confluent_kafka import KafkaError, KafkaException
-
-    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
-        return exc.args[0]
-    return None
-
-
-def _describe(exc: BaseException) -> str:
-    err = _kafka_error(exc)
-    if err is not None:
-        return f"{err.name()}: {err.str()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class KafkaParticipant(Participant):
@@ -246,7 +141,7 @@ class KafkaParticipant(Participant):
 
     # -- clients -------------------------------------------------------------------------
     def _common_config(self) -> dict[str, object]:
-        return {k: v for k, v in self.config.items() if k.startswith(_COMMON_PREFIXES)}
+        return common_config(self.config)
 
     def producer_config(self, transactional_id: str) -> dict[str, object]:
         cfg = dict(self.config)
@@ -291,7 +186,7 @@ class KafkaParticipant(Participant):
         except Exception as exc:
             raise ParticipantError(
                 f"{self.describe()}: cannot read marker group {self.marker_group(branch)!r} "
-                f"at {self.bootstrap}: {_describe(exc)}"
+                f"at {self.bootstrap}: {describe_error(exc)}"
             ) from exc
         if tp.error is not None:
             raise ParticipantError(
@@ -315,100 +210,29 @@ class KafkaParticipant(Participant):
         """Reach the brokers, make sure the topic exists, compare the transaction timeout
         with the broker's maximum and the key/value columns with the schema."""
         self._check_columns(schema)
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient(self._common_config())  # type: ignore[arg-type]
-        try:
-            md = admin.list_topics(timeout=self.connect_timeout_s)
-        except Exception as exc:
-            raise ParticipantError(
-                f"{self.describe()}: cannot reach Kafka at {self.bootstrap} within "
-                f"{self.connect_timeout_s:g}s: {_describe(exc)}"
-            ) from exc
-        broker_cfg = self._broker_config(admin, md)
-        max_timeout = int(
-            broker_cfg.get("transaction.max.timeout.ms", DEFAULT_TRANSACTION_MAX_TIMEOUT_MS)
+        limit = check_topic(
+            self.describe(),
+            self._common_config(),
+            self.topic,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+            timeout=self.connect_timeout_s,
         )
-        if self.transaction_timeout_ms > max_timeout:
-            raise ParticipantError(
-                f"{self.describe()}: transaction_timeout_ms={self.transaction_timeout_ms} "
-                f"exceeds the broker's transaction.max.timeout.ms={max_timeout}; lower it or "
-                "raise the broker setting"
-            )
-        topic_md = md.topics.get(self.topic)
-        if topic_md is None or topic_md.error is not None:
-            self._create_topic(admin, broker_cfg)
-        topic_cfg = self._configs(admin, "TOPIC", self.topic)
-        limit = topic_cfg.get("max.message.bytes") or broker_cfg.get("message.max.bytes")
         if limit is not None:
-            self.broker_max_message_bytes = int(limit)
+            self.broker_max_message_bytes = limit
 
     def _check_columns(self, schema: pa.Schema) -> None:
-        names = schema.names
-        for label, col in (("key", self.key), ("value", self.value)):
-            if col is None:
-                continue
-            if col not in names:
-                raise ParticipantError(
-                    f"{self.describe()}: {label} column {col!r} is not in the schema {names}"
-                )
-            typ = schema.field(col).type
-            usable = pat.is_string(typ) or pat.is_large_string(typ) or pat.is_binary(typ) or (
-                pat.is_large_binary(typ)
+        check_columns(self.describe(), schema, self.key, self.value)
+
+    def check_vote_window(self, vote_timeout: float) -> None:
+        """A transaction must outlive the vote window, or the broker aborts it while the
+        other branches are still preparing."""
+        timeout_ms = self.transaction_timeout_ms
+        if timeout_ms / 1000 <= vote_timeout + 60:
+            raise ValueError(
+                f"{self.describe()}: transaction_timeout_ms={timeout_ms} must exceed the "
+                f"sink's vote window (vote_timeout {vote_timeout:.0f}s + 60s); raise it "
+                "(within the broker's transaction.max.timeout.ms) or lower vote_timeout"
             )
-            if label == "key":
-                usable = usable or pat.is_integer(typ)
-            if not usable:
-                kinds = "string, binary or integer" if label == "key" else "string or binary"
-                raise ParticipantError(
-                    f"{self.describe()}: {label} column {col!r} has type {typ}; "
-                    f"it must be {kinds}"
-                )
-
-    def _configs(self, admin: Any, kind: str, resource: str) -> dict[str, str]:
-        """A resource's configs; empty when the broker reports none (tansu)."""
-        from confluent_kafka.admin import _config, _resource
-
-        res = _config.ConfigResource(getattr(_resource.ResourceType, kind), resource)
-        try:
-            [future] = admin.describe_configs(
-                [res], request_timeout=self.connect_timeout_s
-            ).values()
-            entries = future.result(timeout=self.connect_timeout_s)
-        except Exception as exc:
-            raise ParticipantError(
-                f"{self.describe()}: cannot read {kind.lower()} {resource!r} configs at "
-                f"{self.bootstrap}: {_describe(exc)}"
-            ) from exc
-        return {n: e.value for n, e in entries.items() if e.value is not None}
-
-    def _broker_config(self, admin: Any, md: Any) -> dict[str, str]:
-        if not md.brokers:
-            raise ParticipantError(f"{self.describe()}: {self.bootstrap} lists no brokers")
-        broker_id = md.controller_id if md.controller_id in md.brokers else min(md.brokers)
-        return self._configs(admin, "BROKER", str(broker_id))
-
-    def _create_topic(self, admin: Any, broker_cfg: Mapping[str, str]) -> None:
-        from confluent_kafka.cimpl import NewTopic
-
-        if broker_cfg.get("auto.create.topics.enable", "true").lower() != "true":
-            raise ParticipantError(
-                f"{self.describe()}: topic {self.topic!r} does not exist at {self.bootstrap} "
-                "and the broker does not auto-create topics; create it first"
-            )
-        try:
-            [future] = admin.create_topics(
-                [NewTopic(self.topic)], request_timeout=self.connect_timeout_s
-            ).values()
-            future.result(timeout=self.connect_timeout_s)
-        except Exception as exc:
-            err = _kafka_error(exc)
-            if err is not None and err.name() == "TOPIC_ALREADY_EXISTS":
-                return
-            raise ParticipantError(
-                f"{self.describe()}: topic {self.topic!r} does not exist at {self.bootstrap} "
-                f"and could not be created: {_describe(exc)}"
-            ) from exc
 
     # -- prepare -------------------------------------------------------------------------
     def _new_producer(self, branch: BranchRef) -> Any:
@@ -420,7 +244,7 @@ class KafkaParticipant(Participant):
         try:
             producer.init_transactions(self.connect_timeout_s)
         except Exception as exc:
-            err = _kafka_error(exc)
+            err = kafka_error(exc)
             hint = ""
             if err is not None and err.name() == "INVALID_TRANSACTION_TIMEOUT":
                 hint = (
@@ -429,7 +253,7 @@ class KafkaParticipant(Participant):
                 )
             raise PrepareRefused(
                 f"{self.describe()}: cannot initialise transactional.id {tid!r} at "
-                f"{self.bootstrap} within {self.connect_timeout_s:g}s: {_describe(exc)}{hint}"
+                f"{self.bootstrap} within {self.connect_timeout_s:g}s: {describe_error(exc)}{hint}"
             ) from exc
         return producer
 
@@ -509,7 +333,7 @@ class KafkaParticipant(Participant):
             self._abort_own(producer)
             raise PrepareRefused(
                 f"{self.describe()}: branch {branch.branch_id} of batch "
-                f"{branch.batch_id} refused: cannot {step}: {_describe(exc)}"
+                f"{branch.batch_id} refused: cannot {step}: {describe_error(exc)}"
             ) from exc
         return rows
 
@@ -599,7 +423,7 @@ class KafkaParticipant(Participant):
                 producer.commit_transaction(self.connect_timeout_s)
                 break
             except Exception as exc:
-                err = _kafka_error(exc)
+                err = kafka_error(exc)
                 if err is None:
                     raise
                 action = classify_commit_error(err)
@@ -611,13 +435,13 @@ class KafkaParticipant(Participant):
                     raise ParticipantError(
                         f"{self.describe()}: commit of branch {branch.branch_id} batch "
                         f"{branch.batch_id} still in doubt after {attempts} attempts: "
-                        f"{_describe(exc)}; call commit again"
+                        f"{describe_error(exc)}; call commit again"
                     ) from exc
                 with self._lock:
                     self._prepared.pop(branch, None)
                 raise ParticipantError(
                     f"{self.describe()}: commit of branch {branch.branch_id} batch "
-                    f"{branch.batch_id} failed and was not aborted: {_describe(exc)}; "
+                    f"{branch.batch_id} failed and was not aborted: {describe_error(exc)}; "
                     "the branch must be redone under the COMMIT decision"
                 ) from exc
         with self._lock:
@@ -635,7 +459,7 @@ class KafkaParticipant(Participant):
                 prepared.producer.abort_transaction(self.connect_timeout_s)
                 return
             except Exception as exc:
-                err = _kafka_error(exc)
+                err = kafka_error(exc)
                 if err is not None and err.fatal():
                     # Fenced: a newer producer of this transactional.id already aborted our
                     # transaction. Fencing again here would abort *its* open transaction.
@@ -643,7 +467,7 @@ class KafkaParticipant(Participant):
                 else:
                     raise ParticipantError(
                         f"{self.describe()}: abort of branch {branch.branch_id} failed: "
-                        f"{_describe(exc)}"
+                        f"{describe_error(exc)}"
                     ) from exc
         if handle is not None and handle.get("already_committed") == "yes":
             return
@@ -677,6 +501,12 @@ class KafkaParticipant(Participant):
             return sorted(
                 b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
             )
+
+    def read_back(self, column: str) -> ReadBack:
+        """The topic read to its end by a ``read_committed`` consumer. Another instance's
+        open transactions cannot be listed (see :meth:`in_doubt`): ``prepared`` is 0."""
+        values = read_topic(self.config, self.topic, column, value_column=self.value)
+        return ReadBack(tuple(values), isolation_dependent=True)
 
     def close(self) -> None:
         """Drop producers; open transactions are aborted by librdkafka on close."""

@@ -1,0 +1,31 @@
+"""Kafka participant (see :mod:`.participant` for how a branch maps onto Kafka).
+
+Modules, one concern each:
+
+- ``config``: which librdkafka settings a user may pass, and the defaults;
+- ``errors``: what a librdkafka error means for a branch (retry or report);
+- ``admin``: driver-side checks of columns, brokers and topic;
+- ``participant``: the transactional branch (prepare, commit, abort, status, in_doubt);
+- ``readback``: the topic read as a ``read_committed`` consumer (for the verifier).
+"""
+
+from twophase.sinks.kafka.config import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TRANSACTION_MAX_TIMEOUT_MS,
+    RECORD_OVERHEAD_BYTES,
+    validate_config,
+    validate_topic,
+)
+from twophase.sinks.kafka.errors import classify_commit_error
+from twophase.sinks.kafka.participant import KafkaParticipant
+from twophase.sinks.kafka.participant import _Prepared as _Prepared  # tests build one
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
+    "RECORD_OVERHEAD_BYTES",
+    "KafkaParticipant",
+    "classify_commit_error",
+    "validate_config",
+    "validate_topic",
+]

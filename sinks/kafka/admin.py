@@ -1,0 +1,141 @@
+"""Driver-side checks of a Kafka target, before the first batch: columns, brokers, topic.
+
+A misfit (unreachable cluster, a transaction timeout over the broker's maximum, a missing
+topic that cannot be created, a key or value column of the wrong type) fails here with a
+message naming the fix, not in the middle of a batch on an executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.types as pat
+
+from twophase.errors import ParticipantError
+from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS
+from twophase.sinks.kafka.errors import describe_error, kafka_error
+
+__all__ = ["check_columns", "check_topic"]
+
+
+def check_columns(who: str, schema: pa.Schema, key: str | None, value: str | None) -> None:
+    """The key column must be string, binary or integer; the value column string or binary."""
+    names = schema.names
+    for label, col in (("key", key), ("value", value)):
+        if col is None:
+            continue
+        if col not in names:
+            raise ParticipantError(
+                f"{who}: {label} column {col!r} is not in the schema {names}"
+            )
+        typ = schema.field(col).type
+        usable = pat.is_string(typ) or pat.is_large_string(typ) or pat.is_binary(typ) or (
+            pat.is_large_binary(typ)
+        )
+        if label == "key":
+            usable = usable or pat.is_integer(typ)
+        if not usable:
+            kinds = "string, binary or integer" if label == "key" else "string or binary"
+            raise ParticipantError(
+                f"{who}: {label} column {col!r} has type {typ}; it must be {kinds}"
+            )
+
+
+def check_topic(
+    who: str,
+    config: Mapping[str, object],
+    topic: str,
+    *,
+    transaction_timeout_ms: int,
+    timeout: float,
+) -> int | None:
+    """Reach the brokers, compare the transaction timeout with the broker's maximum, make
+    sure the topic exists (creating it if the broker allows). Returns the topic's (or the
+    broker's) message size limit, None when the broker reports none.
+
+    ``config`` holds only connection settings (:func:`~.config.common_config`).
+    """
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = str(config["bootstrap.servers"])
+    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    try:
+        md = admin.list_topics(timeout=timeout)
+    except Exception as exc:
+        raise ParticipantError(
+            f"{who}: cannot reach Kafka at {bootstrap} within "
+            f"{timeout:g}s: {describe_error(exc)}"
+        ) from exc
+    broker_cfg = _broker_config(who, bootstrap, admin, md, timeout)
+    max_timeout = int(
+        broker_cfg.get("transaction.max.timeout.ms", DEFAULT_TRANSACTION_MAX_TIMEOUT_MS)
+    )
+    if transaction_timeout_ms > max_timeout:
+        raise ParticipantError(
+            f"{who}: transaction_timeout_ms={transaction_timeout_ms} "
+            f"exceeds the broker's transaction.max.timeout.ms={max_timeout}; lower it or "
+            "raise the broker setting"
+        )
+    topic_md = md.topics.get(topic)
+    if topic_md is None or topic_md.error is not None:
+        _create_topic(who, bootstrap, admin, topic, broker_cfg, timeout)
+    topic_cfg = _configs(who, bootstrap, admin, "TOPIC", topic, timeout)
+    limit = topic_cfg.get("max.message.bytes") or broker_cfg.get("message.max.bytes")
+    return int(limit) if limit is not None else None
+
+
+def _configs(
+    who: str, bootstrap: str, admin: Any, kind: str, resource: str, timeout: float
+) -> dict[str, str]:
+    """A resource's configs; empty when the broker reports none (tansu)."""
+    from confluent_kafka.admin import _config, _resource
+
+    res = _config.ConfigResource(getattr(_resource.ResourceType, kind), resource)
+    try:
+        [future] = admin.describe_configs([res], request_timeout=timeout).values()
+        entries = future.result(timeout=timeout)
+    except Exception as exc:
+        raise ParticipantError(
+            f"{who}: cannot read {kind.lower()} {resource!r} configs at "
+            f"{bootstrap}: {describe_error(exc)}"
+        ) from exc
+    return {n: e.value for n, e in entries.items() if e.value is not None}
+
+
+def _broker_config(
+    who: str, bootstrap: str, admin: Any, md: Any, timeout: float
+) -> dict[str, str]:
+    if not md.brokers:
+        raise ParticipantError(f"{who}: {bootstrap} lists no brokers")
+    broker_id = md.controller_id if md.controller_id in md.brokers else min(md.brokers)
+    return _configs(who, bootstrap, admin, "BROKER", str(broker_id), timeout)
+
+
+def _create_topic(
+    who: str,
+    bootstrap: str,
+    admin: Any,
+    topic: str,
+    broker_cfg: Mapping[str, str],
+    timeout: float,
+) -> None:
+    from confluent_kafka.cimpl import NewTopic
+
+    if broker_cfg.get("auto.create.topics.enable", "true").lower() != "true":
+        raise ParticipantError(
+            f"{who}: topic {topic!r} does not exist at {bootstrap} "
+            "and the broker does not auto-create topics; create it first"
+        )
+    try:
+        [future] = admin.create_topics([NewTopic(topic)], request_timeout=timeout).values()
+        future.result(timeout=timeout)
+    except Exception as exc:
+        err = kafka_error(exc)
+        if err is not None and err.name() == "TOPIC_ALREADY_EXISTS":
+            return
+        raise ParticipantError(
+            f"{who}: topic {topic!r} does not exist at {bootstrap} "
+            f"and could not be created: {describe_error(exc)}"
+        ) from exc

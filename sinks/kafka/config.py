@@ -1,0 +1,93 @@
+"""Kafka configuration policy: which librdkafka settings a user may pass, and the defaults.
+
+Kept apart from the clients so the rules that protect the protocol (a derived
+``transactional.id``, idempotence, ``acks=all``) can be read and tested without a broker.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
+    "RECORD_OVERHEAD_BYTES",
+    "common_config",
+    "validate_config",
+    "validate_topic",
+]
+
+_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+DEFAULT_MAX_MESSAGE_BYTES: Final = 1_000_000
+"""librdkafka's default ``message.max.bytes`` (the producer-side limit)."""
+
+DEFAULT_TRANSACTION_MAX_TIMEOUT_MS: Final = 900_000
+"""Apache Kafka's default ``transaction.max.timeout.ms``, assumed when a broker does not
+report its own (tansu reports no broker configs)."""
+
+RECORD_OVERHEAD_BYTES: Final = 128
+"""Room left for the record and batch headers when comparing key+value with the limit."""
+
+_FORBIDDEN_KEYS: Final = {
+    "transactional.id": "it is derived from sink, participant and partition so that a "
+    "restart fences the zombie",
+    "transaction.timeout.ms": "pass transaction_timeout_ms= so it can be checked against "
+    "the broker's transaction.max.timeout.ms",
+    "enable.auto.commit": "it is a consumer setting; markers are committed in the transaction",
+    "isolation.level": "it is a consumer setting",
+}
+
+# Keys shared by producers, consumers and admin clients (connection and security).
+_COMMON_PREFIXES: Final = (
+    "bootstrap.servers", "security.protocol", "ssl.", "sasl.", "client.id", "socket.",
+    "broker.", "metadata.", "reconnect.", "api.version", "topic.metadata.", "log_level",
+    "debug", "connections.max.idle.ms", "client.dns.lookup", "enable.ssl",
+    "https.", "retry.backoff",
+)
+
+
+def validate_topic(topic: str) -> str:
+    """Kafka's legal topic alphabet; anything else is refused before it reaches a broker."""
+    if not isinstance(topic, str) or not _TOPIC_RE.match(topic) or topic in (".", ".."):
+        raise ValueError(
+            f"invalid Kafka topic name {topic!r}: use 1-249 characters from "
+            "A-Z a-z 0-9 . _ - (and not '.' or '..')"
+        )
+    return topic
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def validate_config(config: Mapping[str, object]) -> dict[str, object]:
+    """The user's librdkafka settings, minus nothing; refuses those that break the protocol."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping of librdkafka settings, got {config!r}")
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if not isinstance(key, str):
+            raise TypeError(f"config keys must be strings, got {key!r}")
+        if key in _FORBIDDEN_KEYS:
+            raise ValueError(f"config key {key!r} may not be set: {_FORBIDDEN_KEYS[key]}")
+        if key == "enable.idempotence" and not _truthy(value):
+            raise ValueError(
+                "config enable.idempotence=false is refused: transactions need idempotence"
+            )
+        if key in ("acks", "request.required.acks") and str(value) not in ("all", "-1"):
+            raise ValueError(f"config {key}={value!r} is refused: transactions need acks=all")
+        if callable(value) and key not in ("error_cb", "logger", "stats_cb", "oauth_cb"):
+            raise ValueError(f"config key {key!r} may not be a callable")
+        out[key] = value
+    if not str(out.get("bootstrap.servers", "")).strip():
+        raise ValueError("config must name the brokers: {'bootstrap.servers': 'host:9092'}")
+    return out
+
+
+def common_config(config: Mapping[str, object]) -> dict[str, object]:
+    """The connection and security settings, for consumers and admin clients (producer
+    settings would make them warn or fail)."""
+    return {k: v for k, v in config.items() if k.startswith(_COMMON_PREFIXES)}

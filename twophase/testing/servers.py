@@ -1,0 +1,175 @@
+"""Private local servers for the tests, ``twophase demo`` and ``twophase chaos``.
+
+:class:`LocalServer` is what every one of them shares: a free loopback port, a child
+process, and one way to stop it (a polite signal, then SIGKILL) and remove its
+throw-away folder. :class:`LocalDaemon` is the coordinator daemon (``twophase serve``)
+as a child process that can be SIGKILLed and restarted on the same port and store.
+PostgreSQL and tansu live in :mod:`.localpg` and :mod:`.localkafka`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, TypeVar
+
+from twophase import failpoints
+from twophase.errors import TwophaseError
+
+__all__ = [
+    "DaemonUnavailable",
+    "LocalDaemon",
+    "LocalServer",
+    "ServerUnavailable",
+    "clean_env",
+    "free_port",
+]
+
+_S = TypeVar("_S", bound="LocalServer")
+
+
+class ServerUnavailable(TwophaseError, RuntimeError):
+    """A local server's binary is missing or the server would not start."""
+
+
+class DaemonUnavailable(ServerUnavailable):
+    """The coordinator daemon exited at start or did not become healthy."""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without its failpoints (a child arms its own), plus
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalServer:
+    """A child process on ``127.0.0.1:port``; ``with`` starts and stops it.
+
+    Subclasses implement :meth:`start`, set :attr:`proc` (and :attr:`dir` when they need
+    a throw-away folder, removed by :meth:`stop`) and choose how they are asked to stop.
+    """
+
+    stop_signal: signal.Signals = signal.SIGTERM
+    stop_timeout: float = 15.0
+
+    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self._base_dir = base_dir
+        self.dir: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self: _S) -> _S:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> bool:
+        """SIGKILL the server (a crash); True if it was running. Its folder stays."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        self.proc.wait()
+        return True
+
+    def stop(self) -> None:
+        """Ask the server to stop, SIGKILL it if it does not in time, remove its folder."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            try:
+                self.proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LocalDaemon(LocalServer):
+    """``twophase serve`` as a child process; :meth:`start` again restarts it on the same
+    port and store (what a coordinator crash and restart looks like to clients)."""
+
+    def __init__(
+        self, store: str, token: str, log: Path | None = None, *, port: int | None = None
+    ) -> None:
+        super().__init__(port=port)
+        self.store = store
+        self.token = token
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(
+        self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60
+    ) -> LocalDaemon:
+        """Start and wait until ``/healthz`` answers. ``failpoint_spec`` arms failpoints
+        in the daemon only (the caller's own are never inherited)."""
+        import httpx
+
+        env = clean_env(TWOPHASE_TOKEN=self.token)
+        if failpoint_spec:
+            env[failpoints.ENV] = failpoint_spec
+            env[failpoints.ONCE_DIR_ENV] = once_dir
+        out: IO[bytes] | int = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "twophase.cli", "serve", "--store", self.store,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )
+        finally:
+            if not isinstance(out, int):
+                out.close()
+        where = f"; see {self.log}" if self.log else ""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise DaemonUnavailable(f"coordinator daemon exited with "
+                                        f"{self.proc.returncode} at start{where}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable(
+                    f"coordinator daemon not healthy within {timeout}s{where}")
+            time.sleep(0.05)
+
+    def wait_dead(self, timeout: float = 20) -> int:
+        """The exit status of a daemon expected to die (``-9``: SIGKILLed by a failpoint)."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
