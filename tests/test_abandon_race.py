@@ -5,19 +5,14 @@ driver finishes the commit, instead of HTTP 409 ``illegal_transition`` failing t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from twophase import protocol as p
 from twophase.client import CoordinatorClient, VoteIn
-from twophase.testing.localpg import free_port
+from twophase.testing.servers import LocalDaemon
 
 TOKEN = "race-token-1"
 
@@ -25,38 +20,12 @@ TOKEN = "race-token-1"
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[str]:
     """``twophase serve`` on a fresh SQLite log; always stopped."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "daemon.log", "ab")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "twophase.cli", "serve", "--store",
-         f"sqlite:///{tmp_path}/tp.db", "--port", str(port), "--token", TOKEN,
-         "--log-level", "warning"],
-        env={**os.environ, "TWOPHASE_FAILPOINTS": ""}, stdout=log, stderr=subprocess.STDOUT,
-    )
+    server = LocalDaemon(f"sqlite:///{tmp_path}/tp.db", TOKEN, tmp_path / "daemon.log")
+    server.start()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("daemon did not become healthy")
-            time.sleep(0.05)
-        yield url
+        yield server.url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        server.stop()
 
 
 def test_abandon_after_the_last_vote_answers_commit(daemon: str) -> None:

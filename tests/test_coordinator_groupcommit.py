@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, insert, select
 
+from tests.store_support import decisions, new_sink
 from twophase import protocol as p
 from twophase.coordinator import schema as s
 from twophase.coordinator.groupcommit import Job as _Job
@@ -25,9 +25,6 @@ def store(tmp_path: Path) -> Iterator[Store]:
     yield st
     st.close()
 
-
-def _sink() -> str:
-    return f"s{uuid.uuid4().hex[:10]}"
 
 
 def _wait(cond: Callable[[], bool], what: str) -> None:
@@ -73,18 +70,9 @@ def in_one_group(st: Store, calls: list[Callable[[], Any]]) -> list[tuple[str, A
     return out
 
 
-def _decisions(st: Store, key: tuple[str, str, int, int]) -> int:
-    undecided = {"OPEN", "PREPARING"}
-    prev, n = "OPEN", 0
-    for ev in st.history(key):
-        if prev in undecided and ev["state"] not in undecided:
-            n += 1
-        prev = ev["state"]
-    return n
-
 
 def test_conflicting_writes_in_one_group_make_one_decision(store: Store) -> None:
-    sink = _sink()
+    sink = new_sink()
     epoch = store.register(sink).epoch
     res = store.begin(p.Begin(sink, "L", 0, epoch, ("a", "b"), 2, time.time()))
     assert res.txn is not None
@@ -104,7 +92,7 @@ def test_conflicting_writes_in_one_group_make_one_decision(store: Store) -> None
     out = in_one_group(store, calls)
     final = store.get(key)
     assert final is not None and final.decision is not None
-    assert _decisions(store, key) == 1
+    assert decisions(store, key) == 1
     for kind, val in out:
         if kind == "ok":  # every answer that shows a decision shows the stored one
             assert val.decision in (None, final.decision)
@@ -116,7 +104,7 @@ def test_conflicting_writes_in_one_group_make_one_decision(store: Store) -> None
 def test_a_failing_request_does_not_fail_its_group(store: Store) -> None:
     keys = []
     for _ in range(3):  # three writers, one open transaction each
-        sink = _sink()
+        sink = new_sink()
         epoch = store.register(sink).epoch
         r = store.begin(p.Begin(sink, "L", 0, epoch, ("a",), 1, time.time()))
         assert r.txn is not None
@@ -161,7 +149,7 @@ def test_many_concurrent_rounds_all_complete(store: Store) -> None:
 
     def rounds() -> None:
         try:
-            sink = _sink()
+            sink = new_sink()
             epoch = store.register(sink).epoch
             for ckpt in range(5):
                 r = store.begin(p.Begin(sink, "L", ckpt, epoch, ("a", "b"), 2, time.time()))
@@ -190,7 +178,7 @@ def test_many_concurrent_rounds_all_complete(store: Store) -> None:
 def test_store_without_group_commit_still_works(tmp_path: Path) -> None:
     st = Store(f"sqlite:///{tmp_path}/plain.db", group_commit=False)
     try:
-        sink = _sink()
+        sink = new_sink()
         epoch = st.register(sink).epoch
         r = st.begin(p.Begin(sink, "L", 0, epoch, ("a",), 1, time.time()))
         assert r.txn is not None
@@ -206,7 +194,7 @@ def test_async_writes_share_groups_and_fail_alone(store: Store) -> None:
     import asyncio
 
     async def main() -> list[Any]:
-        sinks = [_sink() for _ in range(6)]
+        sinks = [new_sink() for _ in range(6)]
         epochs = await asyncio.gather(*(store.register_async(sk) for sk in sinks))
         begun = await asyncio.gather(*(
             store.begin_async(p.Begin(sk, "L", 0, e.epoch, ("a",), 1, time.time()))

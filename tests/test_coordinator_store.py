@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.pg_support import fresh_pg_db
+from tests.store_support import decisions, new_sink
 from twophase import protocol as p
 from twophase.coordinator.background import Background, Settings, parse_duration
 from twophase.coordinator.store import Store, normalize_url
@@ -39,23 +39,10 @@ def _begin(st: Store, sink: str, ckpt: int, epoch: int, parts: int = 2,
                             vote_timeout=timeout))
 
 
-def _sink() -> str:
-    return f"s{uuid.uuid4().hex[:10]}"
-
-
-def _decisions(st: Store, key: tuple[str, str, int, int]) -> int:
-    """How many events moved the transaction from undecided to decided (must be 1)."""
-    undecided = {"OPEN", "PREPARING"}
-    prev, n = "OPEN", 0
-    for ev in st.history(key):
-        if prev in undecided and ev["state"] not in undecided:
-            n += 1
-        prev = ev["state"]
-    return n
 
 
 def test_commit_round_and_replay(store: Store) -> None:
-    sink = _sink()
+    sink = new_sink()
     epoch = store.register(sink).epoch
     res = _begin(store, sink, 0, epoch)
     assert res.kind == p.BeginKind.NEW and res.txn is not None
@@ -70,13 +57,13 @@ def test_commit_round_and_replay(store: Store) -> None:
     rec = store.sink(sink)
     assert rec is not None and rec.last_committed == 0
     assert _begin(store, sink, 0, epoch).kind == p.BeginKind.COMMITTED
-    assert _decisions(store, key) == 1
+    assert decisions(store, key) == 1
     kinds = [e["kind"] for e in store.history(key)]
     assert kinds[0] == "begin" and kinds.count("vote") == 4 and kinds.count("ack") == 4
 
 
 def test_no_vote_aborts_and_refusals_change_nothing(store: Store) -> None:
-    sink = _sink()
+    sink = new_sink()
     epoch = store.register(sink).epoch
     res = _begin(store, sink, 7, epoch)
     assert res.txn is not None
@@ -101,7 +88,7 @@ def test_no_vote_aborts_and_refusals_change_nothing(store: Store) -> None:
 
 
 def test_stale_epoch_is_refused(store: Store) -> None:
-    sink = _sink()
+    sink = new_sink()
     old = store.register(sink).epoch
     res = _begin(store, sink, 0, old)
     assert res.txn is not None
@@ -117,7 +104,7 @@ def test_stale_epoch_is_refused(store: Store) -> None:
 
 
 def test_deadline_alert_and_retention(store: Store) -> None:
-    sink = _sink()
+    sink = new_sink()
     epoch = store.register(sink).epoch
     bg = Background(store, Settings(retention=100.0, alert_after=50.0, purge_every=0.0))
     now = time.time()
@@ -187,7 +174,7 @@ def test_replicas_race_one_decision_each(pg_url: str) -> None:
                 decided[after.key] = decided.get(after.key, 0) + 1
 
     a.on_change = b.on_change = count
-    sink = _sink()
+    sink = new_sink()
     epoch = a.register(sink).epoch
     txns = []
     for ckpt in range(12):
@@ -223,7 +210,7 @@ def test_replicas_race_one_decision_each(pg_url: str) -> None:
         else:
             assert final.state == p.State.COMMITTING, (i, final.state, final.reason)
         assert decided.get(t.key) == 1
-        assert _decisions(a, t.key) == 1
+        assert decisions(a, t.key) == 1
     a.close()
     b.close()
 
