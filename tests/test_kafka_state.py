@@ -22,11 +22,11 @@ from twophase.participant import BranchRef, ParticipantError
 from twophase.sinks.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KafkaParticipant,
-    _Prepared,
     classify_commit_error,
     validate_config,
     validate_topic,
 )
+from twophase.sinks.kafka.participant import _Prepared  # the in-process prepared branch
 
 CODES = sorted(
     {getattr(KafkaError, n) for n in dir(KafkaError) if n.isupper() or n.startswith("_")

@@ -18,7 +18,6 @@ from twophase.sinks.kafka.config import (
 )
 from twophase.sinks.kafka.errors import classify_commit_error
 from twophase.sinks.kafka.participant import KafkaParticipant
-from twophase.sinks.kafka.participant import _Prepared as _Prepared  # tests build one
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

@@ -8,7 +8,6 @@ with ``register(subparsers)``; a command imports what it needs only when it runs
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from twophase import __version__
@@ -50,7 +49,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rc: int = args.run(args)
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())
