@@ -20,7 +20,7 @@ from twophase.protocol import (
     Decision,
     RecoveryAction,
     State,
-    Transaction,
+    TxnKey,
     parse_branch_id,
     recovery_action,
 )
@@ -52,8 +52,8 @@ class ResolveReport:
 _WAITING = (State.COMMITTING, State.ABORTING)
 
 
-def _txn_name(t: Transaction) -> str:
-    return f"{t.sink}/{t.lineage}/{t.batch_id}/attempt-{t.attempt}"
+def _txn_name(key: TxnKey) -> str:
+    return f"{key.sink}/{key.lineage}/{key.batch_id}/attempt-{key.attempt}"
 
 
 def resolve_sink(
@@ -71,21 +71,20 @@ def resolve_sink(
         if txn.decision is None:
             if not dry_run:
                 txn = client.admin_abort(txn.key, "resolved by operator: writer gone")
-            report.actions.append(Action(_txn_name(txn), "*", "undecided", "abort"))
+            report.actions.append(Action(_txn_name(txn.key), "*", "undecided", "abort"))
         decision = txn.effective_decision
         for bid, st in txn.branches.items():
             participant_name, partition = parse_branch_id(bid)
             part = by_name.get(participant_name)
             if part is None:
                 report.unresolved.append(
-                    Action(_txn_name(txn), bid, "unknown", "name this participant to resolve")
+                    Action(_txn_name(txn.key), bid, "unknown", "name this participant to resolve")
                 )
                 continue
-            ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt,
-                            participant_name, partition)
+            ref = BranchRef(*txn.key, participant_name, partition)
             status = part.status(ref)
             act = _settle(part, ref, status, decision, st.handle, dry_run)
-            entry = Action(_txn_name(txn), bid, status.value, act)
+            entry = Action(_txn_name(txn.key), bid, status.value, act)
             if act == "redo-needed":
                 report.unresolved.append(entry)
                 continue
@@ -105,8 +104,7 @@ def resolve_sink(
             # coordinator could not be asked (its decision may be COMMIT).
             act = _settle(part, ref, BranchStatus.PREPARED, decision, None, dry_run)
             report.actions.append(
-                Action(f"{ref.sink}/{ref.lineage}/{ref.batch_id}/attempt-{ref.attempt}",
-                       ref.branch_id, "PREPARED", act)
+                Action(_txn_name(ref.key), ref.branch_id, "PREPARED", act)
             )
     return report
 
