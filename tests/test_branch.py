@@ -51,8 +51,7 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
     assert res.txn is not None
     handles = {b: dict(s.handle) for b, s in res.txn.branches.items() if s.handle}
     plan = BatchPlan(
-        sink=sink, lineage="lin-1", batch_id=batch_id, attempt=res.txn.attempt,
-        epoch=epoch, partitions=2,
+        key=res.txn.key, epoch=epoch, partitions=2,
         mode="finish" if res.kind == BeginKind.IN_DOUBT else "run",
         coordinator_url=conn.url, token=conn.token, participants=tuple(parts),
         handles=handles, ack_earlier=tuple(t.attempt for t in res.recover
@@ -120,7 +119,7 @@ def test_new_writer_settles_leftovers_of_a_dead_attempt(setup) -> None:  # type:
             assert part.status(dead.ref(part, p)) == BranchStatus.PREPARED
     epoch = client.register(sink)
     plan, kind = _plan(sink, parts, conn, epoch)
-    assert kind == BeginKind.NEW and plan.attempt == 2
+    assert kind == BeginKind.NEW and plan.key.attempt == 2
     outs = _run_all(plan)
     assert sum(o.recovered for o in outs) == 4
     assert client.get(dead.key).decision is not None

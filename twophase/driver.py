@@ -213,10 +213,7 @@ class TransactionalSink:
         assert self._conn is not None and self._epoch is not None
         handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
         return BatchPlan(
-            sink=self.name,
-            lineage=txn.lineage,
-            batch_id=txn.batch_id,
-            attempt=txn.attempt,
+            key=txn.key,
             epoch=self._epoch,
             partitions=txn.partitions,
             mode="finish" if kind == BeginKind.IN_DOUBT else "run",

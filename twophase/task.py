@@ -39,10 +39,7 @@ __all__ = ["BatchPlan", "BranchOutcome", "run_partition"]
 class BatchPlan:
     """Everything a task needs, shipped from the driver (must pickle)."""
 
-    sink: str
-    lineage: str
-    batch_id: int
-    attempt: int
+    key: TxnKey  # the attempt this task runs
     epoch: int
     partitions: int
     mode: str  # "run" a new attempt, or "finish" one whose decision is COMMIT
@@ -53,21 +50,11 @@ class BatchPlan:
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
 
-    @property
-    def key(self) -> TxnKey:
-        return TxnKey(self.sink, self.lineage, self.batch_id, self.attempt)
-
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
     ) -> BranchRef:
-        return BranchRef(
-            sink=self.sink,
-            lineage=self.lineage,
-            batch_id=self.batch_id,
-            attempt=self.attempt if attempt is None else attempt,
-            participant=participant.name,
-            partition=partition,
-        )
+        key = self.key if attempt is None else self.key._replace(attempt=attempt)
+        return BranchRef(*key, participant=participant.name, partition=partition)
 
 
 @dataclass
@@ -94,7 +81,7 @@ def _settle_earlier(
     """Recovery rule for earlier attempts (all decided ABORT, or never decided: begin
     only starts a new attempt after an abort): abort whatever they left PREPARED, then
     acknowledge to the attempts still waiting."""
-    for attempt in range(1, plan.attempt):
+    for attempt in range(1, plan.key.attempt):
         acks: list[tuple[str, Decision]] = []
         for part in plan.participants:
             ref = plan.ref(part, partition, attempt)
@@ -237,8 +224,8 @@ def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ParticipantError(
-                f"no decision for {plan.sink} batch {plan.batch_id} attempt "
-                f"{plan.attempt} within {plan.decision_timeout:.0f}s"
+                f"no decision for {plan.key.sink} batch {plan.key.batch_id} attempt "
+                f"{plan.key.attempt} within {plan.decision_timeout:.0f}s"
             )
         txn = client.await_decision(plan.key, timeout=min(remaining, 30.0))
         if txn.decision is not None:
