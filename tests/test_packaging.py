@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -52,9 +53,13 @@ def test_wheel_claims_no_generic_top_level_names(tmp_path: Path) -> None:
     """Installed, twophase owns only ``twophase``: a user's own packages named ``sinks``
     and ``coordinator`` import side by side with ``twophase.sinks`` and
     ``twophase.coordinator`` (a fresh venv, the built wheel, a plain interpreter)."""
+    # Build from a copy (links kept, as git checks them out) so no build/ lands in the tree.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "tests", "bench"))
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+                    str(src)], check=True, capture_output=True, text=True)
     (wheel,) = dist.glob("twophase-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         tops = {name.split("/")[0] for name in zf.namelist()}
