@@ -63,7 +63,7 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
 def _prepare_and_vote_yes(plan: BatchPlan, parts: list[Participant], client: Any,
                           epoch: int) -> None:
     """Every branch prepares and votes YES by hand: COMMIT is decided, nothing applied."""
-    from twophase.client import VoteIn
+    from twophase.wire import VoteIn
 
     for p in range(2):
         votes = []

@@ -18,9 +18,10 @@ import pytest
 
 from tests.pg_support import fresh_pg_db
 from twophase import protocol as p
-from twophase.client import CoordinatorClient, VoteIn
+from twophase.client import CoordinatorClient
 from twophase.coordinator.store import Store
 from twophase.testing.servers import LocalDaemon, free_port
+from twophase.wire import VoteIn
 
 TOKEN = "test-token-123"
 

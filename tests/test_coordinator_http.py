@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from twophase import protocol as p
-from twophase.client import CoordinatorClient, VoteIn
+from twophase.client import CoordinatorClient
 from twophase.connection import Connection, connect
 from twophase.coordinator.app import create_app
 from twophase.coordinator.embedded import EmbeddedServer
@@ -24,6 +24,7 @@ from twophase.errors import (
     StaleEpoch,
     TransactionNotFound,
 )
+from twophase.wire import VoteIn
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,7 @@ from twophase.errors import (
 from twophase.protocol import TxnKey
 from twophase.wire import VoteIn
 
-__all__ = [
-    "CoordinatorClient",
-    "TxnKey",
-    "VoteIn",
-]
+__all__ = ["CoordinatorClient"]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 CA_ENV: Final = "TWOPHASE_CA_CERT"

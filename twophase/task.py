@@ -26,6 +26,7 @@ from twophase.participant import (
     PrepareRefused,
 )
 from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
+from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -156,8 +157,6 @@ def _run_attempt(
     client: CoordinatorClient,
     out: BranchOutcome,
 ) -> None:
-    from twophase.client import VoteIn
-
     t0 = time.perf_counter()
     prepared: list[tuple[Participant, BranchRef, Handle]] = []
     votes: list[VoteIn] = []
