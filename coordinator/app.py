@@ -47,7 +47,7 @@ from twophase.coordinator.models import (
     VotesIn,
 )
 from twophase.coordinator.store import Store
-from twophase.errors import StoreError, TransactionNotFound, TwophaseError
+from twophase.errors import InvalidRequest, StoreError, TransactionNotFound, TwophaseError
 from twophase.names import NAME_PATTERN
 from twophase.protocol import TxnKey
 
@@ -85,7 +85,7 @@ def create_app(
     A token is required unless ``insecure`` is set explicitly.
     """
     if not token and not insecure:
-        raise ValueError("a bearer token is required (or pass insecure=True explicitly)")
+        raise InvalidRequest("a bearer token is required (or pass insecure=True explicitly)")
     st = Store(store) if isinstance(store, str) else store
     svc = _Service(
         store=st,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from twophase.coordinator.store import Store
+from twophase.errors import InvalidRequest
 
 log = logging.getLogger("twophase.coordinator.background")
 
@@ -34,7 +35,7 @@ def parse_duration(text: str) -> float:
     """``90``, ``90s``, ``15m``, ``12h``, ``3d`` -> seconds."""
     m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"cannot read duration {text!r}; use e.g. 90s, 15m, 12h or 3d")
+        raise InvalidRequest(f"cannot read duration {text!r}; use e.g. 90s, 15m, 12h or 3d")
     return float(m[1]) * _UNIT[m[2]]
 
 

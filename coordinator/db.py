@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from twophase.errors import StoreError
+from twophase.errors import InvalidRequest, StoreError
 
 __all__ = ["Conflict", "Database", "normalize_url", "run", "transient"]
 
@@ -33,12 +33,12 @@ def normalize_url(url: str) -> str:
     if url.startswith("sqlite:///"):
         db = url[len("sqlite:///") :].split("?")[0]
         if not db or db == ":memory:":
-            raise ValueError(
+            raise InvalidRequest(
                 "an in-memory SQLite store is not a durable decision log; "
                 "use sqlite:///relative/path.db or sqlite:////absolute/path.db"
             )
         return url
-    raise ValueError(
+    raise InvalidRequest(
         f"unsupported store URL {url!r}: use sqlite:///path.db, sqlite:////abs/path.db "
         "or postgresql://user@host:port/db"
     )

@@ -18,6 +18,7 @@ from twophase.coordinator.app import create_app
 from twophase.coordinator.background import Settings
 from twophase.coordinator.db import normalize_url
 from twophase.coordinator.store import Store
+from twophase.errors import CoordinatorUnavailable
 
 __all__ = ["EmbeddedServer"]
 
@@ -85,7 +86,9 @@ class EmbeddedServer:
         deadline = time.monotonic() + timeout
         while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"embedded coordinator on {self.host} did not start")
+                raise CoordinatorUnavailable(
+                    f"embedded coordinator on {self.host} did not start"
+                )
             time.sleep(0.005)
         log.info("embedded coordinator", extra={"url": self.url, "store": self.store.safe_url})
         return self

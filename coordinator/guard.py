@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
 from twophase import wire
+from twophase.errors import TwophaseError
 
 __all__ = ["MAX_BODY", "OPEN_PATHS", "Guard"]
 
@@ -77,7 +78,7 @@ class Guard:
                 await _send_error(send, 413, "body_too_large", too_big)
 
 
-class _TooLarge(Exception):
+class _TooLarge(TwophaseError):
     pass
 
 

@@ -26,6 +26,7 @@ from typing import Any, Final
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from twophase.errors import InvalidRequest
 from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
@@ -74,11 +75,11 @@ class StagedFileParticipant(Participant):
 
     def __init__(self, path: str, format: str = "parquet", *, name: str | None = None) -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
-            raise ValueError("path must be a non-empty directory path")
+            raise InvalidRequest("path must be a non-empty directory path")
         if "\x00" in str(path):
-            raise ValueError("path must not contain NUL characters")
+            raise InvalidRequest("path must not contain NUL characters")
         if format not in _FORMATS:
-            raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
+            raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.format = format
         self.ext = _FORMATS[format]
@@ -95,7 +96,7 @@ class StagedFileParticipant(Participant):
 
     def _own(self, branch: BranchRef) -> None:
         if branch.participant != self.name:
-            raise ValueError(
+            raise InvalidRequest(
                 f"branch {branch.branch_id} belongs to participant {branch.participant!r}, "
                 f"not {self.name!r}"
             )
@@ -191,7 +192,9 @@ class StagedFileParticipant(Participant):
 
     def _same_schema(self, batch: pa.RecordBatch, schema: pa.Schema) -> None:
         if not batch.schema.equals(schema):
-            raise ValueError(f"a batch has schema {batch.schema} but the branch declared {schema}")
+            raise InvalidRequest(
+                f"a batch has schema {batch.schema} but the branch declared {schema}"
+            )
 
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         final, staged = self.final_path(branch), self.staged_path(branch)

@@ -23,6 +23,7 @@ import tenacity
 from twophase import protocol, wire
 from twophase.errors import (
     CoordinatorUnavailable,
+    InvalidRequest,
     TwophaseError,
     error_class,
 )
@@ -58,7 +59,9 @@ class CoordinatorClient:
         verify: bool | str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"coordinator URL must start with http:// or https://, got {url!r}")
+            raise InvalidRequest(
+                f"coordinator URL must start with http:// or https://, got {url!r}"
+            )
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.timeout = timeout

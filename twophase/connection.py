@@ -16,6 +16,7 @@ import threading
 from typing import Any, Final
 
 from twophase.client import TOKEN_ENV, CoordinatorClient
+from twophase.errors import InvalidRequest
 
 __all__ = ["EMBEDDED_HOST_ENV", "Connection", "connect"]
 
@@ -109,7 +110,7 @@ def connect(coordinator: str, token: str | None = None) -> Connection:
                 server, users = entry
                 _EMBEDDED[key] = (server, users + 1)
         return Connection(server.url, server.token, server=server, cache_key=key)
-    raise ValueError(
+    raise InvalidRequest(
         f"coordinator={coordinator!r} is not understood: use 'http://host:port' or "
         "'https://host:port' for a daemon, or a store URL 'sqlite:///path.db' / "
         "'postgresql://user@host:port/db' for an embedded coordinator"

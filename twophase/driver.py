@@ -23,7 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.errors import BatchFailed
+from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, StepKind, next_step
@@ -87,17 +87,17 @@ class TransactionalSink:
     ) -> None:
         self.name = validate_name("sink name", name)
         if not participants:
-            raise ValueError("a TransactionalSink needs at least one participant")
+            raise InvalidRequest("a TransactionalSink needs at least one participant")
         names = [p.name for p in participants]
         if len(set(names)) != len(names):
-            raise ValueError(
+            raise InvalidRequest(
                 f"participant names must be unique within sink {name!r}, got {names}; "
                 "pass name=... to tell two participants of the same kind apart"
             )
         if partitions is not None and partitions < 1:
-            raise ValueError(f"partitions must be >= 1, got {partitions}")
+            raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
         self.participants = tuple(participants)
         self.coordinator = coordinator
         self.token = token

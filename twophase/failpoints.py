@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from twophase.errors import FailpointHit
+from twophase.errors import FailpointHit, InvalidRequest
 
 ENV: Final = "TWOPHASE_FAILPOINTS"
 ONCE_DIR_ENV: Final = "TWOPHASE_FAILPOINTS_ONCE_DIR"
@@ -73,13 +73,13 @@ def parse(spec: str) -> dict[str, list[_Rule]]:
             continue
         m = _ENTRY.match(entry)
         if not m:
-            raise ValueError(
+            raise InvalidRequest(
                 f"{ENV}: cannot parse {entry!r}; expected POINT[@PARTICIPANT[/PARTITION]]="
                 "kill|raise|sleep(SECONDS)[*COUNT]"
             )
         point = m["point"]
         if point not in POINTS:
-            raise ValueError(f"{ENV}: unknown failpoint {point!r}; known: {', '.join(POINTS)}")
+            raise InvalidRequest(f"{ENV}: unknown failpoint {point!r}; known: {', '.join(POINTS)}")
         action = m["action"].split("(")[0]
         count = int(m["count"]) if m["count"] else None
         rules.setdefault(point, []).append(

@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
+from twophase.errors import InvalidRequest
+
 __all__ = ["encode_value", "json_rows", "rows_to_json_lines"]
 
 _ENCODER = json.JSONEncoder(
@@ -47,11 +49,11 @@ def encode_value(value: Any) -> Any:
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"{value!r} has no JSON encoding")
+            raise InvalidRequest(f"{value!r} has no JSON encoding")
         return value
     if isinstance(value, decimal.Decimal):
         if not value.is_finite():
-            raise ValueError(f"decimal {value!r} has no JSON encoding")
+            raise InvalidRequest(f"decimal {value!r} has no JSON encoding")
         return format(value, "f")
     if isinstance(value, _dt.datetime):
         if value.tzinfo is not None:
@@ -67,7 +69,7 @@ def encode_value(value: Any) -> Any:
         return {str(k): encode_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [encode_value(v) for v in value]
-    raise ValueError(f"values of type {type(value).__name__} have no JSON encoding")
+    raise InvalidRequest(f"values of type {type(value).__name__} have no JSON encoding")
 
 
 def _column_values(name: str, column: pa.Array) -> list[Any]:
@@ -81,7 +83,7 @@ def _column_values(name: str, column: pa.Array) -> list[Any]:
         bad = pc.and_kleene(pc.is_valid(column), pc.invert(finite))
         if pc.any(bad).as_py():
             row = pc.index(bad, True).as_py()
-            raise ValueError(
+            raise InvalidRequest(
                 f"column {name!r} row {row}: {column[row].as_py()!r} has no JSON encoding "
                 "(NaN and infinity are not JSON numbers)"
             )
@@ -101,7 +103,7 @@ def _column_values(name: str, column: pa.Array) -> list[Any]:
         try:
             out.append(encode_value(value))
         except ValueError as exc:
-            raise ValueError(f"column {name!r} row {row}: {exc}") from None
+            raise InvalidRequest(f"column {name!r} row {row}: {exc}") from None
     return out
 
 
@@ -113,7 +115,7 @@ def json_rows(batch: pa.RecordBatch) -> Iterator[bytes]:
     """
     names = batch.schema.names
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate column names {names!r}: a JSON object needs unique keys")
+        raise InvalidRequest(f"duplicate column names {names!r}: a JSON object needs unique keys")
     columns = [_column_values(n, batch.column(i)) for i, n in enumerate(names)]
     encode = _ENCODER.encode
     if not columns:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from twophase.errors import ParticipantError, PrepareRefused
+from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
 from twophase.names import validate_lineage, validate_name
 from twophase.protocol import TxnKey
 
@@ -68,7 +68,7 @@ class BranchRef:
             ("partition", self.partition),
         ):
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise ValueError(f"{label} must be a non-negative int, got {n!r}")
+                raise InvalidRequest(f"{label} must be a non-negative int, got {n!r}")
 
     @property
     def key(self) -> TxnKey:

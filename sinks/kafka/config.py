@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Final
 
+from twophase.errors import InvalidRequest
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
@@ -52,7 +54,7 @@ _COMMON_PREFIXES: Final = (
 def validate_topic(topic: str) -> str:
     """Kafka's legal topic alphabet; anything else is refused before it reaches a broker."""
     if not isinstance(topic, str) or not _TOPIC_RE.match(topic) or topic in (".", ".."):
-        raise ValueError(
+        raise InvalidRequest(
             f"invalid Kafka topic name {topic!r}: use 1-249 characters from "
             "A-Z a-z 0-9 . _ - (and not '.' or '..')"
         )
@@ -72,18 +74,18 @@ def validate_config(config: Mapping[str, object]) -> dict[str, object]:
         if not isinstance(key, str):
             raise TypeError(f"config keys must be strings, got {key!r}")
         if key in _FORBIDDEN_KEYS:
-            raise ValueError(f"config key {key!r} may not be set: {_FORBIDDEN_KEYS[key]}")
+            raise InvalidRequest(f"config key {key!r} may not be set: {_FORBIDDEN_KEYS[key]}")
         if key == "enable.idempotence" and not _truthy(value):
-            raise ValueError(
+            raise InvalidRequest(
                 "config enable.idempotence=false is refused: transactions need idempotence"
             )
         if key in ("acks", "request.required.acks") and str(value) not in ("all", "-1"):
-            raise ValueError(f"config {key}={value!r} is refused: transactions need acks=all")
+            raise InvalidRequest(f"config {key}={value!r} is refused: transactions need acks=all")
         if callable(value) and key not in ("error_cb", "logger", "stats_cb", "oauth_cb"):
-            raise ValueError(f"config key {key!r} may not be a callable")
+            raise InvalidRequest(f"config key {key!r} may not be a callable")
         out[key] = value
     if not str(out.get("bootstrap.servers", "")).strip():
-        raise ValueError("config must name the brokers: {'bootstrap.servers': 'host:9092'}")
+        raise InvalidRequest("config must name the brokers: {'bootstrap.servers': 'host:9092'}")
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from twophase.errors import TwophaseError
+from twophase.errors import InvalidRequest, TwophaseError
 from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
@@ -81,7 +81,7 @@ class KafkaParticipant(Participant):
         if name is None:
             name = f"kafka-{topic}"
             if len(name) > 64:
-                raise ValueError(
+                raise InvalidRequest(
                     f"default participant name {name[:40]!r}... is longer than 64 "
                     "characters: pass name="
                 )
@@ -89,7 +89,7 @@ class KafkaParticipant(Participant):
         self.config = validate_config(config)
         for label, col in (("key", key), ("value", value)):
             if col is not None and (not isinstance(col, str) or not col):
-                raise ValueError(f"{label} must be a column name, got {col!r}")
+                raise InvalidRequest(f"{label} must be a column name, got {col!r}")
         self.key = key
         self.value = value
         if (
@@ -97,12 +97,12 @@ class KafkaParticipant(Participant):
             or isinstance(transaction_timeout_ms, bool)
             or transaction_timeout_ms < 1000
         ):
-            raise ValueError(
+            raise InvalidRequest(
                 f"transaction_timeout_ms must be an int >= 1000, got {transaction_timeout_ms!r}"
             )
         self.transaction_timeout_ms = transaction_timeout_ms
         if connect_timeout_s <= 0 or commit_retry_s <= 0:
-            raise ValueError("connect_timeout_s and commit_retry_s must be positive")
+            raise InvalidRequest("connect_timeout_s and commit_retry_s must be positive")
         self.connect_timeout_s = float(connect_timeout_s)
         self.commit_retry_s = float(commit_retry_s)
         # Learnt by check() on the driver and pickled to the executors with the object.
@@ -228,7 +228,7 @@ class KafkaParticipant(Participant):
         other branches are still preparing."""
         timeout_ms = self.transaction_timeout_ms
         if timeout_ms / 1000 <= vote_timeout + 60:
-            raise ValueError(
+            raise InvalidRequest(
                 f"{self.describe()}: transaction_timeout_ms={timeout_ms} must exceed the "
                 f"sink's vote window (vote_timeout {vote_timeout:.0f}s + 60s); raise it "
                 "(within the broker's transaction.max.timeout.ms) or lower vote_timeout"

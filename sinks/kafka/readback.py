@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["read_topic"]
+from twophase.errors import ParticipantError
 
 
 def read_topic(
@@ -58,7 +59,7 @@ def read_topic(
             except KafkaException:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"verify: no metadata for Kafka topic {topic!r}")
+                raise ParticipantError(f"verify: no metadata for Kafka topic {topic!r}")
             time.sleep(0.5)
         consumer.assign([TopicPartition(topic, i, 0) for i in parts])
         pending = {i for i, end in ends.items() if end > 0}
@@ -72,7 +73,7 @@ def read_topic(
                 if tp.offset is not None and tp.offset >= ends[tp.partition]:
                     pending.discard(tp.partition)
         if pending:
-            raise RuntimeError(
+            raise ParticipantError(
                 f"verify: Kafka topic {topic!r} partitions {sorted(pending)} were not read "
                 f"to their end within {timeout:.0f}s"
             )

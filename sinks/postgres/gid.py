@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from twophase.errors import InvalidRequest
 from twophase.names import validate_name
 from twophase.participant import BranchRef
 
@@ -42,7 +43,7 @@ def gid_for(branch: BranchRef) -> str:
         f"{branch.participant}:{branch.partition}"
     )
     if len(gid.encode()) > GID_MAX_BYTES:
-        raise ValueError(
+        raise InvalidRequest(
             f"transaction name {gid!r} is {len(gid.encode())} bytes; PostgreSQL allows at "
             f"most {GID_MAX_BYTES}: shorten the sink, lineage or participant name"
         )

@@ -27,6 +27,7 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from twophase.errors import InvalidRequest
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -55,7 +56,7 @@ _T = TypeVar("_T")
 def _identifier(kind: str, value: str) -> str:
     """Table, schema and marker-table names: a plain SQL identifier, nothing else."""
     if not isinstance(value, str) or not _IDENT_RE.match(value):
-        raise ValueError(
+        raise InvalidRequest(
             f"invalid {kind} {value!r}: use a letter or _ then up to 62 of A-Z a-z 0-9 _"
         )
     return value
@@ -112,15 +113,15 @@ class PostgresParticipant(Participant):
         self.marker_table = _identifier("marker table name", marker_table)
         super().__init__(name if name is not None else f"postgres-{table}")
         if not isinstance(dsn, str) or not dsn:
-            raise ValueError("dsn must be a non-empty PostgreSQL connection string")
+            raise InvalidRequest("dsn must be a non-empty PostgreSQL connection string")
         try:
             params = conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as exc:
-            raise ValueError(f"invalid dsn: {exc}") from None
+            raise InvalidRequest(f"invalid dsn: {exc}") from None
         self.dsn = dsn
         self.create = create
         if not connect_timeout > 0:
-            raise ValueError("connect_timeout must be > 0 seconds")
+            raise InvalidRequest("connect_timeout must be > 0 seconds")
         self.connect_timeout = float(connect_timeout)
         self._where = (
             f"{params.get('host', 'localhost')}:{params.get('port', 5432)}"
@@ -203,7 +204,7 @@ class PostgresParticipant(Participant):
 
     def _own(self, branch: BranchRef) -> str:
         if branch.participant != self.name:
-            raise ValueError(
+            raise InvalidRequest(
                 f"branch {branch.branch_id} belongs to participant {branch.participant!r}, "
                 f"not {self.name!r}"
             )
