@@ -295,7 +295,8 @@ def _txn_routes(svc: _Service) -> APIRouter:
     @r.post(TXN_PATH + "/abandon", response_model=wire.TxnOut, responses=ERRORS)
     def abandon(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
                 body: AbandonIn) -> Response:
-        """The writer gives up on an undecided attempt: ABORT."""
+        """The writer gives up on an undecided attempt: ABORT. A decided attempt is
+        answered unchanged (the last vote won the race: the writer finishes the commit)."""
         ev = p.Abandon(epoch=body.epoch, reason=body.reason, now=st.clock())
         return _txn_json(st.apply(TxnKey(sink, lineage, checkpoint, attempt), [ev]))
 
