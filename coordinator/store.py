@@ -100,22 +100,6 @@ class Store:
         self.writes.close()
         self.db.close()
 
-    # the group-commit tests reach the writer through these
-    @property
-    def _write_lock(self) -> Any:
-        return self.db.write_lock
-
-    @property
-    def _queue(self) -> Any:
-        return self.writes.queue
-
-    @property
-    def _writer(self) -> Any:
-        return self.writes.thread
-
-    def _enqueue(self, job: Any) -> None:
-        self.writes.enqueue(job)
-
     # ----------------------------------------------------------------- plumbing
 
     def _write(self, fn: Tx[T]) -> T:

@@ -50,17 +50,17 @@ def in_one_group(st: Store, calls: list[Callable[[], Any]]) -> list[tuple[str, A
         except BaseException as exc:
             out[i] = ("err", exc)
 
-    lock: Any = st._write_lock
+    lock: Any = st.db.write_lock
     before = st.group_stats.largest
     lock.acquire()
     try:
         plug = _Job(lambda conn: (None, []))
-        st._enqueue(plug)  # queued before this returns: qsize 0 means the writer took it
-        _wait(lambda: st._queue.qsize() == 0, "the writer to take the plug")
+        st.writes.enqueue(plug)  # queued before this returns: qsize 0 means the writer took it
+        _wait(lambda: st.writes.queue.qsize() == 0, "the writer to take the plug")
         ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
         for t in ts:
             t.start()
-        _wait(lambda: st._queue.qsize() == len(calls), "the calls to queue up")
+        _wait(lambda: st.writes.queue.qsize() == len(calls), "the calls to queue up")
     finally:
         lock.release()
     for t in ts:
@@ -184,7 +184,7 @@ def test_store_without_group_commit_still_works(tmp_path: Path) -> None:
         assert r.txn is not None
         t = st.apply(r.txn.key, [p.Vote("a/0", epoch, True, time.time(), {"h": "x"})])
         assert t.decision == p.Decision.COMMIT
-        assert st.group_stats.groups == 0 and st._writer is None
+        assert st.group_stats.groups == 0 and st.writes.thread is None
     finally:
         st.close()
 
