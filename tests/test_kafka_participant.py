@@ -12,7 +12,6 @@ import datetime as dt
 import decimal
 import json
 import pickle
-import socket
 import time
 import uuid
 
@@ -28,6 +27,7 @@ from tests.kafka_support import (
 )
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
 from twophase.sinks.kafka import KafkaParticipant
+from twophase.testing.servers import free_port
 
 __all__ = ["tansu_bootstrap"]  # the fixture, imported for pytest
 
@@ -252,14 +252,8 @@ def test_hostile_topic_names_refused(topic: str) -> None:
         KafkaParticipant(topic, {"bootstrap.servers": "127.0.0.1:9"})
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unreachable_server_check_and_prepare() -> None:
-    servers = f"127.0.0.1:{_closed_port()}"
+    servers = f"127.0.0.1:{free_port()}"
     p = KafkaParticipant("t", {"bootstrap.servers": servers}, connect_timeout_s=2)
     started = time.monotonic()
     with pytest.raises(ParticipantError, match=f"cannot reach Kafka at {servers}"):

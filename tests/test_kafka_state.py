@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import socket
 import string
 
 import pyarrow as pa
@@ -27,6 +26,7 @@ from twophase.sinks.kafka import (
     validate_topic,
 )
 from twophase.sinks.kafka.participant import _Prepared  # the in-process prepared branch
+from twophase.testing.servers import free_port
 
 CODES = sorted(
     {getattr(KafkaError, n) for n in dir(KafkaError) if n.isupper() or n.startswith("_")
@@ -36,9 +36,7 @@ LEGAL = string.ascii_letters + string.digits + "._-"
 
 
 def _closed() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # nothing listens there
 
 
 def part(**kw: object) -> KafkaParticipant:
