@@ -99,6 +99,18 @@ class TransactionalSink:
         if max_attempts < 1:
             raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
         self.participants = tuple(participants)
+        self.split_columns, single = _split_rule(self.participants)
+        if single:
+            if partitions not in (None, 1):
+                whole = [p.describe() for p in participants if p.single_branch()]
+                why = (", ".join(whole) + " writes each batch as one branch" if whole else
+                       "the participants' key columns (partition_columns) share no column, "
+                       "so only one branch keeps every key in one place")
+                raise InvalidRequest(
+                    f"sink {name!r}: partitions={partitions} but {why}; leave partitions "
+                    "unset (or 1)"
+                )
+            partitions = 1
         self.coordinator = coordinator
         self.token = token
         self.partitions = partitions
@@ -250,7 +262,7 @@ class TransactionalSink:
               else pa.int64())
              for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))]
         )
-        cols = df.columns
+        cols = list(self.split_columns or df.columns)
         split = df.repartition(plan.partitions, *cols) if cols else df.repartition(plan.partitions)
         try:
             rows = split.mapInArrow(task, _REPORT_SCHEMA, barrier=True).collect()
@@ -281,6 +293,21 @@ class TransactionalSink:
         self.history.append(report)
         if self.on_batch is not None:
             self.on_batch(report)
+
+
+def _split_rule(participants: Sequence[Participant]) -> tuple[tuple[str, ...], bool]:
+    """How every batch is split: (hash columns, one partition only).
+
+    No column asked for: hash by every column (stable, so a replay splits alike).
+    Participants asking for key columns get the columns all of them share (the first
+    one's order): equal keys of each then meet in one branch. Nothing shared, or a
+    participant that needs the whole batch, means a single partition."""
+    single = any(p.single_branch() for p in participants)
+    asks = [tuple(c) for p in participants if (c := p.partition_columns()) is not None]
+    if single or not asks:
+        return (), single
+    shared = [c for c in asks[0] if all(c in a for a in asks[1:])]
+    return tuple(shared), not shared
 
 
 def _arrow_schema(df: DataFrame) -> Any:
