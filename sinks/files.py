@@ -37,6 +37,7 @@ from twophase.participant import (
     PrepareRefused,
     ReadBack,
 )
+from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
 __all__ = ["STAGING_DIR", "StagedFileParticipant"]
 
@@ -73,13 +74,37 @@ class StagedFileParticipant(Participant):
     kind = "files"
     durable_prepare = True
 
-    def __init__(self, path: str, format: str = "parquet", *, name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        format: str = "parquet",
+        *,
+        name: str | None = None,
+        mode: str = "append",
+        on_schema_change: str = "fail",
+    ) -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise InvalidRequest("path must be a non-empty directory path")
         if "\x00" in str(path):
             raise InvalidRequest("path must not contain NUL characters")
         if format not in _FORMATS:
             raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
+        if mode != "append":
+            raise InvalidRequest(
+                f"a files participant only appends (mode='append'), got mode={mode!r}: a "
+                "folder cannot be replaced atomically with other files being read. For "
+                "outputMode('update') or ('complete') each batch's rows land as their own "
+                "files (named by batch id), so the folder holds every batch's output; "
+                "keep the latest per key when reading, or use a PostgreSQL participant "
+                "with mode='upsert' or 'complete'"
+            )
+        if on_schema_change not in POLICIES:
+            raise InvalidRequest(
+                f"on_schema_change must be one of {', '.join(POLICIES)}; "
+                f"got {on_schema_change!r}"
+            )
+        self.mode = mode
+        self.on_schema_change = on_schema_change
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.format = format
         self.ext = _FORMATS[format]
@@ -143,6 +168,27 @@ class StagedFileParticipant(Participant):
                 list(json_rows(empty))
             except (ValueError, pa.ArrowException) as exc:
                 raise ParticipantError(f"{self.describe()}: {exc}") from exc
+        try:
+            held = held_schema(self._visible_files(), self.format)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot read the schema of the files already there: {exc}"
+            ) from exc
+        problems = folder_misfits(held, schema, self.on_schema_change)
+        if problems:
+            raise ParticipantError(
+                f"{self.describe()}: the batch does not fit the files already in the "
+                "folder: " + "; ".join(problems)
+            )
+
+    def _visible_files(self) -> list[Path]:
+        """Committed files of this format in ``path``, as a dataset reader lists them."""
+        if not self.path.exists():
+            return []
+        return sorted(
+            f for f in self.path.iterdir()
+            if f.is_file() and not f.name.startswith(("_", ".")) and f.suffix == f".{self.ext}"
+        )
 
     # -- the branch -------------------------------------------------------------------------
 

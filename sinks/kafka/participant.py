@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,7 @@ class KafkaParticipant(Participant):
         topic: str,
         config: Mapping[str, str],
         *,
-        key: str | None = None,
+        key: str | Sequence[str] | None = None,
         value: str | None = None,
         name: str | None = None,
         transaction_timeout_ms: int = 600_000,
@@ -87,10 +87,22 @@ class KafkaParticipant(Participant):
                 )
         super().__init__(name)
         self.config = validate_config(config)
-        for label, col in (("key", key), ("value", value)):
-            if col is not None and (not isinstance(col, str) or not col):
-                raise InvalidRequest(f"{label} must be a column name, got {col!r}")
-        self.key = key
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidRequest(f"value must be a column name, got {value!r}")
+        keys: tuple[str, ...] = (
+            (key,) if isinstance(key, str)
+            else tuple(key) if isinstance(key, (list, tuple)) else ()
+        )
+        if key is not None and (
+            not keys or not all(isinstance(c, str) and c for c in keys)
+            or len(set(keys)) != len(keys)
+        ):
+            raise InvalidRequest(
+                f"key must be a column name or a list of distinct column names, got {key!r}"
+            )
+        self.keys = keys
+        """Key columns: one column's value is the key as is; several make a JSON object."""
+        self.key = keys[0] if len(keys) == 1 else None
         self.value = value
         if (
             not isinstance(transaction_timeout_ms, int)
@@ -222,6 +234,30 @@ class KafkaParticipant(Participant):
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)
+        missing = [c for c in self.keys if c not in schema.names]
+        if missing:
+            raise ParticipantError(
+                f"{self.describe()}: key column(s) {missing} are not in the schema "
+                f"{schema.names}"
+            )
+        if len(self.keys) > 1:
+            try:
+                list(json_rows(pa.RecordBatch.from_pylist(
+                    [], schema=pa.schema([schema.field(c) for c in self.keys]))))
+            except (ValueError, pa.ArrowException) as exc:
+                raise ParticipantError(f"{self.describe()}: key columns: {exc}") from exc
+
+    @staticmethod
+    def headers(branch: BranchRef) -> list[tuple[str, bytes]]:
+        """Headers of every message of a branch: where it came from, so a consumer can
+        trace a message to its batch or drop a batch it has already seen (a branch's
+        messages become visible together, once per (sink, lineage, batch, partition))."""
+        return [
+            ("twophase.sink", branch.sink.encode()),
+            ("twophase.lineage", branch.lineage.encode()),
+            ("twophase.batch", str(branch.batch_id).encode()),
+            ("twophase.partition", str(branch.partition).encode()),
+        ]
 
     def check_vote_window(self, vote_timeout: float) -> None:
         """A transaction must outlive the vote window, or the broker aborts it while the
@@ -308,7 +344,8 @@ class KafkaParticipant(Participant):
         try:
             producer.begin_transaction()
             step = "produce"
-            rows = self._produce_all(producer, schema, batches, on_delivery, errors)
+            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
+                                     self.headers(branch))
             step = "send the marker offset"
             producer.send_offsets_to_transaction(
                 [TopicPartition(self.topic, 0, branch.batch_id + 1)],
@@ -344,9 +381,10 @@ class KafkaParticipant(Participant):
         batches: Iterable[pa.RecordBatch],
         on_delivery: Callable[[Any, Any], None],
         errors: list[Any],
+        headers: list[tuple[str, bytes]],
     ) -> int:
         limit = self.max_message_bytes()
-        room = limit - RECORD_OVERHEAD_BYTES
+        room = limit - RECORD_OVERHEAD_BYTES - sum(len(k) + len(v) for k, v in headers)
         produce, poll, topic = producer.produce, producer.poll, self.topic
         rows = 0
         for batch in batches:
@@ -360,16 +398,16 @@ class KafkaParticipant(Participant):
                     raise _Refusal(
                         f"row {rows} is {size} bytes (key+value), over the message size limit "
                         f"of {limit} bytes less {RECORD_OVERHEAD_BYTES} bytes of record "
-                        "overhead (message.max.bytes of the producer / max.message.bytes of "
-                        "the topic)"
+                        "overhead and the twophase headers (message.max.bytes of the "
+                        "producer / max.message.bytes of the topic)"
                     )
                 try:
-                    produce(topic, v, k, on_delivery=on_delivery)
+                    produce(topic, v, k, on_delivery=on_delivery, headers=headers)
                 except BufferError:
                     while True:  # the local queue is full: serve delivery reports, retry
                         poll(0.05)
                         try:
-                            produce(topic, v, k, on_delivery=on_delivery)
+                            produce(topic, v, k, on_delivery=on_delivery, headers=headers)
                             break
                         except BufferError:
                             continue
@@ -390,6 +428,8 @@ class KafkaParticipant(Participant):
             keys: Iterable[bytes | None] = [
                 _to_bytes(k) for k in batch.column(self.key).to_pylist()
             ]
+        elif self.keys:
+            keys = list(json_rows(batch.select(list(self.keys))))
         else:
             keys = itertools.repeat(None, n)
         return zip(keys, values, strict=True)

@@ -50,7 +50,7 @@ def normalize_key(key: str | Sequence[str] | None) -> tuple[str, ...]:
     """``key=`` as a tuple of column names (``"a"`` or ``["a", "b"]``)."""
     if key is None:
         return ()
-    cols = (key,) if isinstance(key, str) else tuple(key)
+    cols = (key,) if isinstance(key, str) else tuple(key) if isinstance(key, (list, tuple)) else ()
     if not cols or not all(isinstance(c, str) and c for c in cols):
         raise InvalidRequest(f"key must be a column name or a list of column names, got {key!r}")
     if len(set(cols)) != len(cols):
