@@ -214,3 +214,52 @@ def test_stream_gains_a_column_with_fail_stops_before_writing(
     assert sorted(ids) == list(range(10))  # batch 0 only
     assert spark.read.parquet(str(out)).count() == 10
     assert _prepared(pg_dsn, cfg.sink) == []
+
+
+def test_update_mode_aggregation_into_postgres_files_and_kafka(
+    spark: Any, tmp_path: Path, pg_dsn: str, tansu_bootstrap: str
+) -> None:
+    """What update mode means per system, in one sink: PostgreSQL holds the latest count
+    per customer; files hold each batch's changed rows (the newest batch per customer is
+    the count); Kafka holds the same changelog keyed by customer, headers naming the
+    batch."""
+    import re
+
+    from tests.kafka_support import create_topic, read_all
+    from twophase.sinks.kafka import KafkaParticipant
+
+    cfg = _job(tmp_path, pg_dsn, aggregate="update", pg_mode="upsert", pg_key=["customer"],
+               files_path=str(tmp_path / "out"), kafka_bootstrap=tansu_bootstrap)
+    cfg.kafka_topic = f"counts-{cfg.sink}".replace("_", "-")
+    create_topic(tansu_bootstrap, cfg.kafka_topic)
+    from twophase.testing.job import build_participants
+
+    parts = build_participants(cfg)
+    parts[-1] = KafkaParticipant(cfg.kafka_topic, {"bootstrap.servers": tansu_bootstrap},
+                                 key="customer")
+    write_input(cfg.input_dir, batches=3, rows_per_batch=ROWS)
+    sink = run(cfg, spark, participants=parts)
+    assert [r.outcome for r in sink.history] == ["committed"] * 3
+    want = expected_counts(3, ROWS)
+    assert _table(pg_dsn, cfg.pg_table) == want
+    newest: dict[str, tuple[int, int]] = {}
+    for f in sorted((tmp_path / "out").glob("part-*.parquet")):
+        m = re.search(r"-(\d{20})-", f.name)
+        assert m is not None, f.name
+        for row in pq.read_table(f).to_pylist():
+            seen = newest.get(row["customer"])
+            if seen is None or int(m[1]) > seen[0]:
+                newest[row["customer"]] = (int(m[1]), row["count"])
+    assert {k: v[1] for k, v in newest.items()} == want
+    changed_rows = sum(r.rows for r in sink.history)
+    msgs = read_all(tansu_bootstrap, cfg.kafka_topic, expect=changed_rows)
+    assert len(msgs) == changed_rows
+    latest = {}
+    for m in msgs:  # one topic partition: offset order is commit order
+        value = json.loads(m.value())
+        assert m.key() == value["customer"].encode()
+        headers = dict(m.headers())
+        assert headers["twophase.sink"] == cfg.sink.encode()
+        assert int(headers["twophase.batch"]) in (0, 1, 2)
+        latest[value["customer"]] = value["count"]
+    assert latest == want
