@@ -90,6 +90,7 @@ KILLS = ("after_decision=kill*1", "coordinator_before_decision=kill*1",
          "before_return=kill*1")
 
 
+@pytest.mark.timeout(1200)  # four driver processes; about a minute on an idle machine
 @pytest.mark.parametrize("output_mode", ["update", "complete"])
 def test_aggregation_with_driver_killed_mid_commit_ends_with_exact_counts(
     tmp_path: Path, pg_dsn: str, output_mode: str
