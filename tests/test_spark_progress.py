@@ -1,9 +1,12 @@
 """Spark-side visibility: each batch's twophase outcome reachable from the query's
-progress (a ``StreamingQueryListener``), and the sink's participants recorded with the
-coordinator at register (what ``twophase resolve SINK`` rebuilds them from)."""
+progress (a ``StreamingQueryListener``) and as a JSON log line (``json_logs=True``), and
+the sink's participants recorded with the coordinator at register (what ``twophase
+resolve SINK`` rebuilds them from)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,15 @@ pytestmark = pytest.mark.spark
 
 
 def test_each_batch_outcome_reaches_a_streaming_query_listener(
-    spark: Any, tmp_path: Path
+    spark: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     write_input(str(tmp_path / "in"), batches=2, rows_per_batch=30)
     coordinator = f"sqlite:///{tmp_path / 'coord.db'}"
     lake = StagedFileParticipant(str(tmp_path / "out"), format="jsonl", name="lake")
-    sink = TransactionalSink("progress", [lake], coordinator, partitions=2, vote_timeout=60)
+    top = logging.getLogger("twophase")
+    saved = (top.handlers[:], top.level, top.propagate)
+    sink = TransactionalSink("progress", [lake], coordinator, partitions=2, vote_timeout=60,
+                             json_logs=True)
     seen: list[tuple[int, BatchReport | None]] = []
     got = threading.Event()
 
@@ -48,6 +54,7 @@ def test_each_batch_outcome_reaches_a_streaming_query_listener(
     finally:
         spark.streams.removeListener(listener)
         sink.close()
+        top.handlers[:], top.level, top.propagate = saved
     by_batch = dict(seen)
     assert sorted(by_batch) == [0, 1]
     for batch_id, report in by_batch.items():
@@ -55,6 +62,10 @@ def test_each_batch_outcome_reaches_a_streaming_query_listener(
         assert (report.outcome, report.decision, report.rows) == ("committed", "COMMIT", 30)
         assert report.txn.startswith("progress/") and report.txn.endswith(f"/{batch_id}/1")
         assert report.as_dict()["phases"]["prepare_s"] >= 0
+    logged = [json.loads(line) for line in capfd.readouterr().err.splitlines()
+              if line.startswith("{") and "twophase_batch" in line]
+    assert [x["twophase_batch"]["batch_id"] for x in logged] == [0, 1]
+    assert all(x["twophase_batch"]["decision"] == "COMMIT" for x in logged)
     store = Store(coordinator, create=False)
     try:
         (recorded,) = store.participants("progress")

@@ -91,6 +91,7 @@ class TransactionalSink:
         vote_timeout: float = 300.0,
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
+        json_logs: bool = False,
     ) -> None:
         self.name = validate_name("sink name", name)
         if not participants:
@@ -119,6 +120,10 @@ class TransactionalSink:
             # A prepared branch must outlive the vote window (a Kafka transaction times out).
             p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
+        if json_logs:  # one JSON object per line on stderr, as the daemon logs
+            from twophase.logs import setup_logging
+
+            setup_logging("info")
         self.history: list[BatchReport] = []
         self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
