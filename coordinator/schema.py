@@ -135,6 +135,12 @@ def ensure(conn: Connection, *, create: bool, where: str) -> None:
             update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
         )
         return
+    if found in _UPGRADABLE:
+        raise SchemaMismatch(
+            f"store {where} has schema version {found}; a read-only tool does not upgrade "
+            f"it: start this version's coordinator on it once (twophase serve, or any job) "
+            f"to upgrade it in place to version {SCHEMA_VERSION}"
+        )
     if found != str(SCHEMA_VERSION):
         raise SchemaMismatch(
             f"store {where} has schema version {found}, this coordinator "

@@ -23,6 +23,8 @@ from twophase.coordinator.app import create_app
 from twophase.coordinator.embedded import EmbeddedServer
 from twophase.coordinator.guard import OPEN_PATHS
 from twophase.coordinator.store import Store
+from twophase.errors import SchemaMismatch
+from twophase.participant import BranchRef
 from twophase.protocol import State, TxnKey
 from twophase.sinks.files import StagedFileParticipant
 from twophase.task import BatchPlan, run_partition
@@ -149,6 +151,8 @@ def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
         s.participants.drop(conn)
         conn.execute(s.meta.update().values(value="2"))
     store.close()
+    with pytest.raises(SchemaMismatch, match="upgrade it in place"):
+        Store(url, create=False)  # a read-only tool never upgrades
     store = Store(url)
     try:
         store.register(SINK, [{"kind": "files", "name": "lake", "target": "/x",
@@ -160,3 +164,28 @@ def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
     finally:
         store.close()
     assert version is not None and version.value == str(s.SCHEMA_VERSION) == "3"
+
+
+def test_the_consoles_resolve_settles_a_sink_inside_the_coordinator(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    lake = StagedFileParticipant(str(tmp_path / "lake"), format="jsonl", name="lake")
+    schema = pa.schema([("id", pa.int64())])
+    with CoordinatorClient(server.url, server.token) as client:
+        epoch = client.register(SINK, [lake.descriptor()])  # type: ignore[list-item]
+        client.begin(SINK, LINEAGE, 0, epoch, ["lake"], 1, 60)
+        ref = BranchRef(SINK, LINEAGE, 0, 1, "lake", 0)
+        batch = pa.RecordBatch.from_pylist([{"id": 1}], schema=schema)
+        client.vote(KEY, epoch, [VoteIn("lake/0", True, lake.prepare(ref, schema, [batch]))])
+    path = f"/v1/admin/sinks/{SINK}/resolve"
+    auth = {"Authorization": f"Bearer {server.token}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as http:
+        dry = http.post(path, json={"dry_run": True}).json()
+        assert {(a["branch"], a["status"], a["action"]) for a in dry["actions"]} == {
+            ("lake/0", "PREPARED", "commit")}
+        assert http.get(f"/v1/txns/{SINK}/{LINEAGE}/0/1").json()["state"] == "COMMITTING"
+        done = http.post(path, json={"dry_run": False}).json()
+        assert done["ok"] and http.get(f"/v1/txns/{SINK}/{LINEAGE}/0/1").json()["state"] == (
+            "COMMITTED")
+        assert http.post(path, json={"dry_run": "yes"}).status_code == 422  # strict body
+    assert lake.status(ref).value == "COMMITTED"

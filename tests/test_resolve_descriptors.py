@@ -132,3 +132,26 @@ def test_descriptors_keep_no_secret_and_take_it_from_the_environment(
     assert "s3cret-pw" not in again.dsn  # libpq's PGPASSWORD / ~/.pgpass apply then
     monkeypatch.setenv("TWOPHASE_SECRET_PG_SALES_PASSWORD", "s3cret-pw")
     assert "password=s3cret-pw" in rebuild(recorded[0]).dsn  # type: ignore[attr-defined]
+
+
+def test_a_kafka_descriptor_names_its_secrets_and_never_carries_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from twophase.errors import InvalidRequest
+    from twophase.sinks.kafka import KafkaParticipant
+
+    kafka = KafkaParticipant("orders", {"bootstrap.servers": "broker:9092",
+                                        "security.protocol": "SASL_SSL",
+                                        "sasl.username": "app", "sasl.password": "pw-123"},
+                             key="id", name="kafka-orders", transaction_timeout_ms=120_000)
+    d = kafka.descriptor()
+    assert "pw-123" not in json.dumps(d) and d["options"]["secrets"] == "sasl.password"
+    for var in [k for k in os.environ if k.startswith("TWOPHASE_SECRET_")]:
+        monkeypatch.delenv(var)
+    with pytest.raises(InvalidRequest, match="TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD"):
+        rebuild(d)
+    monkeypatch.setenv("TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD", "pw-123")
+    again = rebuild(d)
+    assert isinstance(again, KafkaParticipant)
+    assert again.config == kafka.config and again.key == "id"
+    assert again.transaction_timeout_ms == 120_000
