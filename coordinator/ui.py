@@ -75,7 +75,10 @@ def ui_routes(store: Store, metrics: Metrics) -> APIRouter:
         """The console's content as an HTML fragment (token needed)."""
         now = store.clock()
         sinks = [s for s in store.sinks_overview(now) if sink is None or s["name"] == sink]
-        open_ = [r.txn for r in store.list(sink=sink, limit=500) if not r.txn.state.finished]
+        open_ = sorted(
+            (r.txn for st in _OPEN for r in store.list(sink=sink, state=st, limit=200)),
+            key=lambda t: (t.created, t.attempt), reverse=True,
+        )
         recent = [r.txn for r in store.list(sink=sink, limit=limit)]
         body = (
             _sinks_html(sinks)
@@ -89,6 +92,7 @@ def ui_routes(store: Store, metrics: Metrics) -> APIRouter:
 
 
 _NO_STORE: Final = {"Cache-Control": "no-store"}
+_OPEN: Final = tuple(st.value for st in p.State if not st.finished)
 
 
 def _e(x: object) -> str:
