@@ -238,7 +238,14 @@ def rebuild(descriptor: Mapping[str, Any], secrets: Mapping[str, str] | None = N
     if secrets is None:
         wanted = str(descriptor.get("options", {}).get("secrets") or "")
         secrets = secrets_from_env(name, [k for k in wanted.split(",") if k])
-    part: Participant = cls.from_descriptor(dict(descriptor), secrets)
+    try:
+        part: Participant = cls.from_descriptor(dict(descriptor), secrets)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequest(
+            f"participant {name!r}: its recorded {kind} descriptor is incomplete or "
+            f"malformed ({type(exc).__name__}: {exc}); register the sink again with this "
+            "twophase version, or name the participant by hand"
+        ) from None
     return part
 
 

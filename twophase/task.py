@@ -130,9 +130,11 @@ def _finish_commit(
     """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
     t0 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
+    measured: dict[str, BranchMetrics] = {}
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
+        tc = time.perf_counter()
         action = recovery_action(Decision.COMMIT, part.status(ref))
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
@@ -143,8 +145,9 @@ def _finish_commit(
             _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
+        measured[bid] = {"commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    client.ack(plan.key, plan.epoch, acks)
+    client.ack(plan.key, plan.epoch, acks, measured)
     out.commit_s = time.perf_counter() - t0
     out.decision = Decision.COMMIT.value
 
