@@ -77,3 +77,9 @@ def test_type_change_and_dropped_column_refused_under_every_policy(tmp_path: Pat
                        "files but not in the batch"):
         p.check(BASE)
     assert len(_visible(tmp_path)) == 1
+
+
+def test_descriptor_carries_the_schema_policy(tmp_path: Path) -> None:
+    p = StagedFileParticipant(str(tmp_path), on_schema_change="add_columns")
+    assert StagedFileParticipant.from_descriptor(p.descriptor(), {}).on_schema_change == \
+        "add_columns"

@@ -58,3 +58,11 @@ def test_key_bad_input(tansu_bootstrap: str) -> None:
     floats = pa.schema([("id", pa.int64()), ("x", pa.float64())])
     p = KafkaParticipant("t", conf, key=["id", "x"])
     p._check_columns(floats)  # JSON-able: fine (NaN is refused per row, at prepare)
+
+
+def test_descriptor_keeps_composite_and_single_keys() -> None:
+    conf = {"bootstrap.servers": "127.0.0.1:1"}
+    for key in (["k", "id"], "k", None):
+        p = KafkaParticipant("t", conf, key=key)
+        q = KafkaParticipant.from_descriptor(p.descriptor(), {})
+        assert (q.keys, q.key) == (p.keys, p.key)

@@ -304,3 +304,13 @@ def test_add_columns_still_refuses_a_type_change_and_alters_nothing(
         "SELECT column_name FROM information_schema.columns WHERE table_name = %s "
         "ORDER BY ordinal_position", (table,)).fetchall()]
     assert cols == ["customer", "n"]  # 'region' was not added: the check failed first
+
+
+def test_descriptor_carries_the_mode_options(pg_dsn: str, table: str) -> None:
+    p = PostgresParticipant(pg_dsn, table, mode="upsert", key=["a", "b"], delete_when="gone",
+                            on_schema_change="add_columns")
+    q = PostgresParticipant.from_descriptor(p.descriptor(), {})
+    assert (q.mode, q.key, q.delete_when, q.on_schema_change) == (
+        "upsert", ("a", "b"), "gone", "add_columns")
+    r = PostgresParticipant.from_descriptor(PostgresParticipant(pg_dsn, table).descriptor(), {})
+    assert (r.mode, r.key, r.delete_when, r.on_schema_change) == ("append", (), None, "fail")
