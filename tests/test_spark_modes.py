@@ -111,9 +111,11 @@ def test_aggregation_with_driver_killed_mid_commit_ends_with_exact_counts(
                    pg_key=["customer"], partitions=None, vote_timeout=300.0)
     batches = 0
     outcomes: list[str] = []
-    # complete mode: the two kills that leave work for recovery (prepared branches with a
-    # COMMIT decision; a committed batch Spark replays), to bound the default run's time
-    kills = KILLS if output_mode == "update" else (KILLS[0], KILLS[2])
+    # complete mode: the two kills that leave work for recovery (a committed batch Spark
+    # replays; prepared branches with a COMMIT decision), to bound the default run's time.
+    # In this order each restart reports its batch (before_return also fires after a
+    # recovery, which would hide the "recovered" report).
+    kills = KILLS if output_mode == "update" else (KILLS[2], KILLS[0])
     for point in kills:
         write_input(cfg.input_dir, batches=1, rows_per_batch=ROWS, first=batches)
         batches += 1
