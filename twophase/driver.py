@@ -84,6 +84,8 @@ class TransactionalSink:
         vote_timeout: float = 300.0,
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
+        retry_budget_s: float = 120.0,
+        preflight: bool = True,
     ) -> None:
         self.name = validate_name("sink name", name)
         if not participants:
@@ -98,6 +100,8 @@ class TransactionalSink:
             raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
         if max_attempts < 1:
             raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if not retry_budget_s > 0:
+            raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
         self.coordinator = coordinator
         self.token = token
@@ -112,6 +116,10 @@ class TransactionalSink:
             # A prepared branch must outlive the vote window (a Kafka transaction times out).
             p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
+        self.retry_budget_s = float(retry_budget_s)
+        self.preflight = preflight
+        self._preflighted = False
+        _default_logging()
         self.history: list[BatchReport] = []
         self._conn: Connection | None = None
         self._client: CoordinatorClient | None = None
@@ -124,7 +132,7 @@ class TransactionalSink:
             from twophase.connection import connect
 
             self._conn = connect(self.coordinator, self.token)
-            self._client = self._conn.client()
+            self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
     def close(self) -> None:
@@ -156,6 +164,13 @@ class TransactionalSink:
             # One writer epoch per driver run: a restarted driver fences the old one.
             self._epoch = client.register(self.name)
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
+        if self.preflight and not self._preflighted:
+            from twophase.preflight import check_executors
+
+            assert self._conn is not None
+            check_executors(df.sparkSession.sparkContext, self.name, self.participants,
+                            self._conn.url)
+            self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")
         partitions = self.partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
@@ -223,6 +238,7 @@ class TransactionalSink:
             handles=handles,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
+            retry_budget=self.retry_budget_s,
         )
 
     def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:
@@ -279,8 +295,54 @@ class TransactionalSink:
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started
         self.history.append(report)
+        self._log(report)
         if self.on_batch is not None:
             self.on_batch(report)
+
+    def _log(self, r: BatchReport) -> None:
+        """One INFO line per committed batch; a WARNING when recovery had work to do."""
+        where = f"sink {self.name} batch {r.batch_id}"
+        if r.outcome == "replay":
+            log.warning("%s replayed: already committed by an earlier run, nothing written",
+                        where)
+            return
+        ms = {k: r.phases.get(k, 0.0) * 1000 for k in ("prepare_s", "wait_s", "commit_s")}
+        log.info(
+            "%s %s: %d rows, %d participants (%s) x %d partitions, attempt %d; "
+            "prepare %.0f ms, wait %.0f ms, commit %.0f ms, total %.0f ms",
+            where, r.outcome, r.rows, len(self.participants),
+            ", ".join(p.name for p in self.participants), r.partitions, r.attempts,
+            ms["prepare_s"], ms["wait_s"], ms["commit_s"], r.seconds * 1000,
+        )
+        if r.outcome == "recovered" or r.recovered or r.redone:
+            log.warning(
+                "%s recovered from an earlier run: %s; %d branch(es) of aborted attempts "
+                "rolled back, %d lost branch(es) written again", where,
+                "finished its committed attempt" if r.outcome == "recovered"
+                else f"committed at attempt {r.attempts}", r.recovered, r.redone,
+            )
+
+
+class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr for the ``twophase`` logger while the application configured no logging of
+    its own (then its handlers get the records and this one stays quiet)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def _default_logging() -> None:
+    """A job that never configured ``logging`` still shows a line per batch: attach a
+    stderr handler to the ``twophase`` logger (level INFO unless the application set one)."""
+    root = logging.getLogger("twophase")
+    if any(isinstance(h, _DefaultHandler) for h in root.handlers):
+        return
+    handler = _DefaultHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
 
 
 def _arrow_schema(df: DataFrame) -> Any:
@@ -294,7 +356,8 @@ def _arrow_schema(df: DataFrame) -> Any:
 def _short_error(exc: BaseException) -> str:
     """The first meaningful line of a (possibly huge) Spark/Py4J error."""
     text = str(exc)
-    for marker in ("BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
+    for marker in ("ModuleNotFoundError:", "ImportError:", "InvalidRequest:",
+                   "BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
         idx = text.find(marker)
         if idx >= 0:
             line = text[idx:].splitlines()[0]
