@@ -159,8 +159,9 @@ class CoordinatorClient:
                     code="unavailable",
                 ) from exc
             raise CoordinatorUnavailable(
-                f"coordinator {self.url} unavailable for {waited:.0f}s "
-                f"({method} {path}): {_cause(exc)}",
+                f"coordinator {self.url} unavailable for {waited:.0f}s (retry budget "
+                f"{self.retry_budget:.0f}s: the sink's retry_budget_s) ({method} {path}): "
+                f"{_cause(exc)}",
                 status=getattr(exc, "status", None),
                 code="unavailable",
             ) from exc
