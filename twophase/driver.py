@@ -164,12 +164,16 @@ class TransactionalSink:
             # One writer epoch per driver run: a restarted driver fences the old one.
             self._epoch = client.register(self.name)
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
-        if self.preflight and not self._preflighted:
-            from twophase.preflight import check_executors
+        if not self._preflighted:
+            # Once per sink start: the executors' interpreter (the driver's own in local
+            # mode), then the probe job that checks it can run our tasks.
+            from twophase.preflight import check_executors, choose_worker_python
 
             assert self._conn is not None
-            check_executors(df.sparkSession.sparkContext, self.name, self.participants,
-                            self._conn.url)
+            sc = df.sparkSession.sparkContext
+            choose_worker_python(sc)
+            if self.preflight:
+                check_executors(sc, self.name, self.participants, self._conn.url)
             self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")
