@@ -155,3 +155,23 @@ def test_api_docs_page_loads_nothing_from_elsewhere(tmp_path: Path) -> None:
         assert "/openapi.json" in page.text and "/v1/sinks/{sink}/begin" in page.text
         assert "<script" not in page.text and "http" not in page.text.replace("/openapi", "")
         assert httpx.get(f"{daemon.url}/openapi.json", timeout=10).status_code == 200
+
+
+def test_the_chaos_job_config_example_is_a_valid_config_and_every_field_is_documented(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+    import json
+
+    from twophase.testing.job import JobConfig
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "chaos.md").read_text()
+    section = doc.split("### The `--job CONFIG.json` format", 1)[1]
+    example = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    (tmp_path / "job.json").write_text(json.dumps(example))
+    cfg = JobConfig.load(tmp_path / "job.json")
+    assert cfg.pg_dsn and cfg.files_path and cfg.partitions == 2
+    fields = {f.name for f in dataclasses.fields(JobConfig)}
+    assert set(example) == fields
+    table = section.split("| field |", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{f}`" in table for f in fields), fields

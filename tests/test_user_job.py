@@ -90,6 +90,7 @@ def test_the_readme_job_as_a_user_runs_it(tmp_path: Path, pg_dsn: str) -> None:
     assert "the executors use the driver's interpreter" in out.stderr
     assert f"({sys.executable}," in out.stderr  # the preflight's host line names it
     assert "Traceback" not in out.stderr
+    assert "twophase.coordinator" not in out.stderr  # the embedded coordinator stays quiet
     parts = [PostgresParticipant(dsn=pg_dsn, table=table),
              StagedFileParticipant(path=str(tmp_path / "data" / "lake" / "orders"))]
     report = verify(parts, list(range(120)), sink="orders")

@@ -328,7 +328,7 @@ class TransactionalSink:
 
 
 class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """stderr for the ``twophase`` logger while the application configured no logging of
+    """stderr for the ``twophase`` loggers while the application configured no logging of
     its own (then its handlers get the records and this one stays quiet)."""
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -336,17 +336,24 @@ class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
             super().emit(record)
 
 
+_SHOWN = ("twophase.sink", "twophase.preflight")  # INFO by default: a line per batch
+
+
 def _default_logging() -> None:
-    """A job that never configured ``logging`` still shows a line per batch: attach a
-    stderr handler to the ``twophase`` logger (level INFO unless the application set one)."""
-    root = logging.getLogger("twophase")
-    if any(isinstance(h, _DefaultHandler) for h in root.handlers):
+    """A job that never configured ``logging`` still shows a line per batch and every
+    warning: a stderr handler on the ``twophase`` logger, and INFO for the sink's own
+    loggers unless the application set their level (an embedded coordinator's INFO lines
+    stay off)."""
+    top = logging.getLogger("twophase")
+    if any(isinstance(h, _DefaultHandler) for h in top.handlers):
         return
     handler = _DefaultHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    if root.level == logging.NOTSET:
-        root.setLevel(logging.INFO)
+    top.addHandler(handler)
+    for name in _SHOWN:
+        lg = logging.getLogger(name)
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.INFO)
 
 
 def _arrow_schema(df: DataFrame) -> Any:
