@@ -126,7 +126,7 @@ class CoordinatorClient:
         cannot_connect = connect_budget is not None and isinstance(first, httpx.ConnectError)
         budget = min(self.retry_budget, connect_budget or self.retry_budget)
         log.warning(
-            "coordinator %s: %s %s failed (%s); retrying for up to %.0fs",
+            "coordinator %s: %s %s failed (%s); retrying for up to %gs",
             self.url, method, path, _cause(first),
             budget if cannot_connect else self.retry_budget,
         )
@@ -151,7 +151,7 @@ class CoordinatorClient:
             waited = time.monotonic() - started
             if isinstance(exc, httpx.ConnectError) and connect_budget is not None:
                 raise CoordinatorUnavailable(
-                    f"cannot connect to the coordinator at {self.url} ({method} {path}, "
+                    f"coordinator {self.url} unavailable: cannot connect ({method} {path}, "
                     f"tried for {waited:.0f}s): {_cause(exc)}. Check the coordinator= URL "
                     "(host and port) and that the coordinator is running "
                     "(twophase serve --store ...), or use a store URL such as "
@@ -160,7 +160,7 @@ class CoordinatorClient:
                 ) from exc
             raise CoordinatorUnavailable(
                 f"coordinator {self.url} unavailable for {waited:.0f}s (retry budget "
-                f"{self.retry_budget:.0f}s: the sink's retry_budget_s) ({method} {path}): "
+                f"{self.retry_budget:g}s: the sink's retry_budget_s) ({method} {path}): "
                 f"{_cause(exc)}",
                 status=getattr(exc, "status", None),
                 code="unavailable",

@@ -69,6 +69,13 @@ class TransactionalSink:
     ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
     embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
     token from ``token=`` or ``TWOPHASE_TOKEN``).
+
+    Before its first batch the sink checks the executors (``preflight=False`` skips it;
+    :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
+    ride through an unreachable coordinator (a URL nobody answers at fails within
+    seconds at the first call). Logs go to the ``twophase.sink`` logger: INFO per
+    committed batch, WARNING for replayed, recovered, aborted and redone ones;
+    ``on_batch`` gets each :class:`BatchReport`.
     """
 
     def __init__(

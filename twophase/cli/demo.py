@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from twophase.errors import InvalidRequest
+
 EPILOG = """\
 examples:
   twophase demo                               10 batches x 1,000 rows into files + PostgreSQL
@@ -30,7 +32,7 @@ Exit code 0 when every id landed exactly once in every judged system, 1 otherwis
 MARKER = ".twophase-demo"  # marks a work folder this command created (and may empty)
 
 
-class WorkdirRefused(Exception):
+class WorkdirRefused(InvalidRequest):
     """The work folder has content the demo did not create."""
 
 
