@@ -171,3 +171,17 @@ def test_a_missing_module_in_prepare_is_not_retried(spark: Any, tmp_path: Path) 
     with connect(coordinator) as conn:
         attempts = [t.attempt for t in conn.client().list(sink="nomodule")]
     assert attempts == [1]
+
+
+def test_executors_that_cannot_reach_the_coordinator_are_named(spark: Any,
+                                                               tmp_path: Path) -> None:
+    from twophase.preflight import check_executors
+    from twophase.testing.servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EnvironmentProblem) as err:
+        check_executors(spark.sparkContext, "unreachable",
+                        [StagedFileParticipant(path=str(tmp_path / "out"))], url)
+    msg = str(err.value)
+    assert f"cannot reach the coordinator at {url}" in msg and "refused" in msg
+    assert "TWOPHASE_EMBEDDED_HOST" in msg and socket.gethostname() in msg
