@@ -25,6 +25,7 @@ import io
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from typing import Any, Final
 
@@ -48,6 +49,8 @@ BRANCH_META: Final = "twophase-branch"
 UPLOAD_META: Final = "twophase-upload"
 ROWS_META: Final = "twophase-rows"
 PART_SIZE: Final = 8 * 1024 * 1024
+_IN_FLIGHT: Final = 4  # parts uploading at once while the encoder goes on
+_HANDLE_PARTS: Final = 32  # up to this many ETags ride in the vote; more: ListParts
 _BUCKET_RE: Final = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SEGMENT_RE: Final = re.compile(r"^[A-Za-z0-9_.=-]{1,255}$")
 _MAX_PREFIX: Final = 512  # S3 keys are <= 1024 bytes; the names below take up to ~300
@@ -107,8 +110,9 @@ def _error_code(exc: BaseException) -> str:
 
 
 class _PartWriter(io.RawIOBase):
-    """A file the encoder writes to; every ``PART_SIZE`` bytes become one uploaded part,
-    so memory stays bounded and each byte is sent once."""
+    """A file the encoder writes to; every ``part_size`` bytes become one part, uploaded
+    by a few threads while encoding goes on (at most ``_IN_FLIGHT`` parts held), so memory
+    stays bounded and each byte is sent once."""
 
     def __init__(self, client: Any, bucket: str, key: str, upload_id: str,
                  part_size: int) -> None:
@@ -117,6 +121,8 @@ class _PartWriter(io.RawIOBase):
         self._part_size = part_size
         self._buf = bytearray()
         self._pos = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[str]] = []
         self.parts = 0
 
     def writable(self) -> bool:
@@ -133,17 +139,38 @@ class _PartWriter(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def _upload_part(self, number: int, body: bytes) -> str:
+        out = self._client.upload_part(Bucket=self._bucket, Key=self._key,
+                                       UploadId=self._upload, PartNumber=number, Body=body)
+        return str(out["ETag"])
+
     def _send(self) -> None:
         self.parts += 1
-        self._client.upload_part(Bucket=self._bucket, Key=self._key, UploadId=self._upload,
-                                 PartNumber=self.parts, Body=bytes(self._buf))
+        body = bytes(self._buf)
         self._buf.clear()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="twophase-s3")
+        in_flight = [f for f in self._pending if not f.done()]
+        if len(in_flight) >= _IN_FLIGHT:
+            wait(in_flight, return_when=FIRST_COMPLETED)
+        for f in self._pending:
+            if f.done():
+                f.result()  # a failed part fails the prepare now
+        self._pending.append(self._pool.submit(self._upload_part, self.parts, body))
 
-    def finish(self) -> int:
-        """Send what is left (an empty object is one empty part); the number of parts."""
+    def finish(self) -> list[str]:
+        """Send what is left (an empty object is one empty part); the parts' ETags."""
         if self._buf or self.parts == 0:
             self._send()
-        return self.parts
+        try:
+            return [f.result() for f in self._pending]
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 class S3StagedFileParticipant(StagedFileParticipant):
@@ -308,9 +335,10 @@ class S3StagedFileParticipant(StagedFileParticipant):
     ) -> Handle:
         key = self.final_key(branch)
         try:
-            if self._committed(branch):
-                return self._handle(branch, 0, "already-committed")
+            committed = self._committed(branch)
             self._abort_torn(branch)  # left by a prepare killed midway
+            if committed:
+                return self._handle(branch, 0, "already-committed")
             upload = self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=key, ContentType=_CONTENT_TYPES[self.format],
                 Metadata={BRANCH_META: _branch_tag(branch)},
@@ -319,22 +347,27 @@ class S3StagedFileParticipant(StagedFileParticipant):
             raise PrepareRefused(str(exc)) from exc
         except Exception as exc:
             raise PrepareRefused(self._explain(exc, f"cannot start upload {key}")) from exc
+        writer = _PartWriter(self.client, self.bucket, key, upload, self.part_size)
         try:
-            writer = _PartWriter(self.client, self.bucket, key, upload, self.part_size)
             rows = self._encode(writer, schema, batches)
-            parts = writer.finish()
+            etags = writer.finish()
             self.client.put_object(
                 Bucket=self.bucket, Key=self.staged_key(branch), Body=b"",
-                Metadata={UPLOAD_META: upload, ROWS_META: str(rows), "twophase-parts": str(parts)},
+                Metadata={UPLOAD_META: upload, ROWS_META: str(rows),
+                          "twophase-parts": str(len(etags))},
             )
         except BaseException as exc:
+            writer.shutdown()
             with suppress(Exception):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
             if isinstance(exc, (ValueError, pa.ArrowException, OSError)) or \
                     type(exc).__module__.startswith("botocore"):
                 raise PrepareRefused(self._explain(exc, "rows refused")) from exc
             raise
-        return self._handle(branch, rows, "prepared", upload)
+        handle = self._handle(branch, rows, "prepared", upload)
+        if len(etags) <= _HANDLE_PARTS:
+            handle["etags"] = ",".join(etags)  # commit needs no ListParts
+        return handle
 
     def _marker_upload(self, branch: BranchRef) -> str | None:
         meta = self._head(self.staged_key(branch))
@@ -343,7 +376,9 @@ class S3StagedFileParticipant(StagedFileParticipant):
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         key, marker = self.final_key(branch), self.staged_key(branch)
         try:
-            upload = self._marker_upload(branch)
+            upload, etags = self._from_handle(branch, handle)
+            if upload is None:
+                upload = self._marker_upload(branch)
             if upload is None:
                 if self._committed(branch):
                     return  # committed before (this attempt, or a redo found it there)
@@ -353,19 +388,27 @@ class S3StagedFileParticipant(StagedFileParticipant):
                     "never prepared)"
                 )
             try:
-                parts = [
-                    {"PartNumber": p["PartNumber"], "ETag": p["ETag"]}
-                    for page in self.client.get_paginator("list_parts").paginate(
-                        Bucket=self.bucket, Key=key, UploadId=upload)
-                    for p in page.get("Parts", [])
-                ]
+                if etags is None:  # another process, or a vote without them: ask the store
+                    etags = [
+                        p["ETag"]
+                        for page in self.client.get_paginator("list_parts").paginate(
+                            Bucket=self.bucket, Key=key, UploadId=upload)
+                        for p in page.get("Parts", [])
+                    ]
                 self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=key, UploadId=upload,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": [{"PartNumber": i, "ETag": e}
+                                               for i, e in enumerate(etags, 1)]},
                 )
             except Exception as exc:
-                if _error_code(exc) != "NoSuchUpload" or not self._committed(branch):
+                if _error_code(exc) != "NoSuchUpload":
                     raise
+                if not self._committed(branch):
+                    raise ParticipantError(
+                        f"{self.describe()}: cannot commit {self.staged_name(branch)}: its "
+                        f"upload {upload} is gone (aborted, or expired by a lifecycle rule "
+                        "shorter than the time the branch stayed prepared)"
+                    ) from exc
             # The object is whole and visible; the marker going is housekeeping (a marker
             # left by a crash here is found stale by in_doubt and commit).
             self.client.delete_object(Bucket=self.bucket, Key=marker)
@@ -375,6 +418,15 @@ class S3StagedFileParticipant(StagedFileParticipant):
             raise ParticipantError(
                 self._explain(exc, f"cannot commit {self.staged_name(branch)}")
             ) from exc
+
+    def _from_handle(self, branch: BranchRef,
+                     handle: Handle | None) -> tuple[str | None, list[str] | None]:
+        """The upload and its ETags from this branch's own YES vote, when it carries them."""
+        if not handle or handle.get("state") != "prepared" or \
+                handle.get("staged") != self.staged_name(branch) or not handle.get("upload"):
+            return None, None
+        etags = handle.get("etags")
+        return handle["upload"], (etags.split(",") if etags else None)
 
     def _abort_torn(self, branch: BranchRef) -> None:
         """Abort uploads on the branch's key that no marker names: prepares killed before

@@ -561,7 +561,8 @@ class _Chaos:
             "verify_lines": report.lines(),
             "events": [asdict(ev) for ev in self.events],
             "run_log": self.runs,
-            "job": asdict(self.cfg) | {"token": None},
+            "job": asdict(self.cfg) | {"token": None, "files_options": _redacted(
+                self.cfg.files_options)},
             "workdir": str(self.work),
         }
         path = self.o.json_out or (self.work / "chaos-report.json")
@@ -580,6 +581,14 @@ class _Chaos:
         except Exception as exc:
             return f"unknown ({type(exc).__name__}: {exc})"
         return sum(1 for t in txns if t["state"] in ("OPEN", "PREPARING", "COMMITTING"))
+
+
+def _redacted(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Storage options for the report, secrets blanked (the report is shared, the job
+    config is the user's)."""
+    if options is None:
+        return None
+    return {k: ("***" if "secret" in k or "token" in k else v) for k, v in options.items()}
 
 
 def _summary(values: Sequence[float]) -> dict[str, float | int | None]:
