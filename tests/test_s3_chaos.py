@@ -5,7 +5,8 @@
 Kills drivers and Spark Python workers at failpoints and at random moments, restarts from
 the checkpoint, then verifies every id once in PostgreSQL and once in the committed S3
 objects (a pyarrow dataset over S3), nothing prepared and no multipart upload left open.
-``TWOPHASE_S3_CHAOS_KILLS`` (default 12) and ``TWOPHASE_S3_CHAOS_SEED`` (default 14) vary it.
+``TWOPHASE_S3_CHAOS_KILLS`` (default 12) and ``TWOPHASE_S3_CHAOS_SEED`` (default 14) vary it;
+``TWOPHASE_S3_CHAOS_MAX_SECONDS`` stops killing after that long (then finish and verify).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from twophase.testing.chaos import ChaosOptions, render, run_chaos
 from twophase.testing.job import JobConfig
 from twophase.testing.locals3 import LocalS3
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(7200)]
 
 
 def test_chaos_over_postgres_and_s3(tmp_path: Path, pg_dsn: str, s3: LocalS3,
@@ -40,6 +41,7 @@ def test_chaos_over_postgres_and_s3(tmp_path: Path, pg_dsn: str, s3: LocalS3,
         kills=int(os.environ.get("TWOPHASE_S3_CHAOS_KILLS", "12")),
         seed=int(os.environ.get("TWOPHASE_S3_CHAOS_SEED", "14")),
         victims=("driver", "worker"), batches=3, rows_per_batch=200,
+        max_seconds=float(os.environ.get("TWOPHASE_S3_CHAOS_MAX_SECONDS", "3600")),
         log=lambda m: print(m, flush=True),
     ))
     print("\n".join(render(report)))
