@@ -263,8 +263,9 @@ class S3StagedFileParticipant(StagedFileParticipant):
                     "InvalidToken", "ExpiredToken"):
             return (f"{where}: access denied ({code}); check the credentials "
                     "(storage_options aws_access_key_id/aws_secret_access_key, or the AWS "
-                    "environment/profile) and that they may read and write "
-                    f"s3://{self.bucket}/{self.prefix}")
+                    "environment/profile) and that they may list, read and write "
+                    f"s3://{self.bucket}/{self.prefix} (without s3:ListBucket, S3 answers "
+                    "403 for a key that does not exist)")
         if isinstance(exc, ClientError):
             return f"{where}: {code}: {exc}"
         return f"{where}: {exc}"

@@ -215,6 +215,8 @@ class ChaosOptions:
     coordinator_mode: str = "embedded"
     pg_dsn: str | None = None
     files: bool = True
+    files_path: str | None = None  # default: a folder in workdir; or s3://bucket/prefix
+    files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     judge_kafka: bool = True
     job: JobConfig | None = None  # a user's job; chaos writes its input
@@ -305,7 +307,8 @@ class _Chaos:
                 sink=f"chaos_{tag}",
                 pg_dsn=o.pg_dsn,
                 pg_table=f"chaos_{tag}",
-                files_path=str(self.work / "files") if o.files else None,
+                files_path=(o.files_path or str(self.work / "files")) if o.files else None,
+                files_options=o.files_options if o.files else None,
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
                 partitions=o.partitions,
