@@ -36,6 +36,7 @@ from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
     BranchStatus,
+    Descriptor,
     Handle,
     Participant,
     ParticipantError,
@@ -111,6 +112,21 @@ class StagedFileParticipant(Participant):
 
     def describe(self) -> str:
         return f"files participant {self.name!r} ({self.format} in {self.path})"
+
+    def descriptor(self) -> Descriptor:
+        return {"kind": self.kind, "name": self.name, "target": str(self.path),
+                "options": {"path": str(self.path), "format": self.format}}
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> StagedFileParticipant:
+        o = descriptor["options"]
+        if str(o["path"]).startswith("s3://"):  # its storage options and secrets
+            from twophase.sinks.s3 import S3StagedFileParticipant
+
+            return S3StagedFileParticipant.from_descriptor(descriptor, secrets)
+        return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"])
 
     # -- names ------------------------------------------------------------------------------
 

@@ -35,10 +35,12 @@ from twophase.errors import InvalidRequest
 from twophase.participant import (
     BranchRef,
     BranchStatus,
+    Descriptor,
     Handle,
     ParticipantError,
     PrepareRefused,
     ReadBack,
+    required_secret,
 )
 from twophase.sinks.files import _STAGED_RE, STAGING_DIR, StagedFileParticipant, _sanitize
 
@@ -58,6 +60,7 @@ _CLIENT_OPTIONS: Final = frozenset({
     "endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
     "region_name", "verify", "use_ssl", "config",
 })
+_SECRET_OPTIONS: Final = ("aws_secret_access_key", "aws_session_token")
 _CONTENT_TYPES: Final = {"parquet": "application/vnd.apache.parquet",
                          "jsonl": "application/x-ndjson"}
 
@@ -208,6 +211,33 @@ class S3StagedFileParticipant(StagedFileParticipant):
 
     def describe(self) -> str:
         return f"files participant {self.name!r} ({self.format} in {self.url})"
+
+    def descriptor(self) -> Descriptor:
+        """Path, format and storage options; the secret key and session token are left
+        out and named in ``secrets`` (rebuilt from ``TWOPHASE_SECRET_<NAME>_<KEY>``); a
+        botocore ``config`` object is not recorded (the rebuilt client uses defaults)."""
+        options: dict[str, Any] = {"path": self.url, "format": self.format}
+        secrets = []
+        for k, v in sorted(self.storage_options.items()):
+            if k in _SECRET_OPTIONS:
+                secrets.append(k)
+            elif k != "config":
+                options[f"storage.{k}"] = v if isinstance(v, (str, int, float, bool)) else str(v)
+        options["secrets"] = ",".join(secrets)
+        return {"kind": self.kind, "name": self.name, "target": self.url, "options": options}
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> S3StagedFileParticipant:
+        o, name = descriptor["options"], descriptor["name"]
+        storage = {k.removeprefix("storage."): v for k, v in o.items()
+                   if k.startswith("storage.")}
+        for k in str(o.get("secrets") or "").split(","):
+            if k:
+                storage[k] = required_secret(name, secrets, k)
+        return cls(str(o["path"]), str(o.get("format", "parquet")), name=name,
+                   storage_options=storage)
 
     # -- keys -------------------------------------------------------------------------------
 

@@ -316,3 +316,24 @@ def test_no_credentials_at_all_names_the_fix(s3: LocalS3, monkeypatch: pytest.Mo
            storage_options={"endpoint_url": s3.endpoint, "region_name": s3.region})
     with pytest.raises(ParticipantError, match="no AWS credentials found"):
         p.check(SCHEMA)
+
+
+def test_descriptor_keeps_secrets_out_and_rebuilds(s3: LocalS3, s3_bucket: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from twophase.participant import rebuild
+
+    prefix = unique_prefix("descr")
+    p = _p(s3, s3_bucket, prefix, name="lake")
+    d = p.descriptor()
+    assert d["kind"] == "files" and d["target"] == p.url
+    assert s3.secret_key not in str(d) and d["options"]["secrets"] == "aws_secret_access_key"
+    assert d["options"]["storage.endpoint_url"] == s3.endpoint
+    with pytest.raises(InvalidRequest, match="TWOPHASE_SECRET_LAKE_AWS_SECRET_ACCESS_KEY"):
+        rebuild(d)
+    monkeypatch.setenv("TWOPHASE_SECRET_LAKE_AWS_SECRET_ACCESS_KEY", s3.secret_key)
+    again = rebuild(d)
+    assert isinstance(again, S3StagedFileParticipant)
+    assert again.storage_options == s3.storage_options and again.name == "lake"
+    b = _branch(again)
+    again.commit(b, p.prepare(b, SCHEMA, [_batch([1])]))  # the rebuilt one can sign
+    assert again.status(b) is BranchStatus.COMMITTED
