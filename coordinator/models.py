@@ -51,6 +51,8 @@ class VoteItem(_Strict):
     yes: bool
     handle: dict[str, str] | None = None
     reason: str | None = Field(default=None, max_length=4096)
+    digest: str | None = Field(default=None, max_length=128, pattern=r"^[0-9a-z:]+$",
+                               description="content digest of the rows voted on")
 
 
 class VotesIn(_Strict):

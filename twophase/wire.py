@@ -75,6 +75,7 @@ class BranchOut(TypedDict):
     handle: dict[str, str] | None
     reason: str | None
     ack: DecisionName | None
+    digest: NotRequired[str | None]  # absent in answers of older coordinators
 
 
 class TxnOut(TypedDict):
@@ -137,6 +138,7 @@ def encode_branch(b: p.BranchState) -> BranchOut:
         "handle": dict(b.handle) if b.handle is not None else None,
         "reason": b.reason,
         "ack": _decision_name(b.ack),
+        "digest": b.digest,
     }
 
 
@@ -196,6 +198,7 @@ class VoteIn:
     yes: bool
     handle: Mapping[str, str] | None = None
     reason: str | None = None
+    digest: str | None = None  # content digest of the rows voted on (twophase.digest)
 
 
 class BeginBody(TypedDict):
@@ -212,6 +215,7 @@ class VoteBody(TypedDict):
     yes: bool
     handle: dict[str, str] | None
     reason: str | None
+    digest: str | None
 
 
 class VotesBody(TypedDict):
@@ -269,7 +273,7 @@ def votes_body(epoch: int, votes: Iterable[VoteIn]) -> VotesBody:
         "votes": [
             {"branch": v.branch, "yes": v.yes,
              "handle": dict(v.handle) if v.handle is not None else None,
-             "reason": v.reason}
+             "reason": v.reason, "digest": v.digest}
             for v in votes
         ],
     }
@@ -343,6 +347,7 @@ def decode_branch(d: Mapping[str, Any], where: str = "branch") -> p.BranchState:
         handle=handle,
         reason=_opt(d, "reason", str, where),
         ack=_decision(d.get("ack"), f"{where}.ack"),
+        digest=_opt(d, "digest", str, where),
     )
 
 
