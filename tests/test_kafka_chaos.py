@@ -142,7 +142,7 @@ def test_transaction_expired_while_applying_commit_is_redone(
         assert answer.decision == Decision.COMMIT
         # the broker expires the transaction: abort + epoch bump (here: a fence)
         kafka._new_producer(ref).close()
-        with pytest.raises(ParticipantError, match="still in doubt|must be redone"):
+        with pytest.raises(ParticipantError, match=r"still in doubt|must be redone"):
             kafka.commit(ref, handle)
         kafka.close()  # the failed task's process ends: its producer goes with it
         assert verify([kafka], range(25)).systems[0].missing == 25  # nothing landed

@@ -125,8 +125,8 @@ def test_reader_rebuilds_exactly_the_committed_records(tansu_bootstrap: str, top
     assert sum(p.high_watermark for p in log.partitions) > 40  # markers take offsets too
     s = _verify(tansu_bootstrap, topic, range(20))
     assert s.ok and s.rows == 20 and s.aborted == 20 and s.mismatch == 0, s
-    for prod in (a, zombie, successor):
-        prod.close() if hasattr(prod, "close") else None
+    # (the fenced zombie is not closed: librdkafka's close would try to abort its
+    # transaction, which tansu leaves unanswered)
 
 
 def test_negative_control_double_commit_is_caught(tansu_bootstrap: str, topic: str) -> None:
@@ -161,6 +161,5 @@ def test_negative_control_open_transaction_is_caught(tansu_bootstrap: str, topic
     _txn(hanging, topic, range(4, 6), commit=None)  # produced, flushed, never settled
     s = _verify(tansu_bootstrap, topic, range(4))
     assert not s.ok and s.open_transactions >= 1 and s.unexpected == 0, s
-    assert "open_transactions=" in s.note or s.open_transactions
     hanging.abort_transaction(10)  # settled: the same topic now passes
     assert _verify(tansu_bootstrap, topic, range(4)).ok
