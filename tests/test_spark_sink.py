@@ -224,7 +224,9 @@ def test_kafka_branch_over_the_wire_against_tansu(
     assert report.ok, report.lines()
     kafka = next(s for s in report.systems if s.kind == "kafka")
     assert kafka.rows == 80 and kafka.exact and kafka.open_transactions == 0
-    assert kafka.duplicates == kafka.missing == kafka.aborted == 0
+    assert kafka.duplicates == kafka.missing == kafka.mismatch == 0
+    # (aborted rows are possible: a slow machine can abort an attempt at its vote deadline;
+    # the retry lands the rows once and the log shows the first attempt's rows aborted)
     # each branch's marker group committed offset checkpoint+1 = 2 for the last batch
     for partition in range(2):
         group = f"twophase.{job.sink}.{_lineage(job)}.kafka-{job.kafka_topic}.{partition}"
