@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from twophase.errors import StoreError
+
 if TYPE_CHECKING:
     from twophase.coordinator.store import Store
 
@@ -74,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
     from twophase.coordinator.app import create_app
     from twophase.coordinator.background import Settings, parse_duration
     from twophase.coordinator.logs import setup_logging
-    from twophase.errors import StoreError
 
     if not args.token and not args.insecure:
         print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN "
@@ -89,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
                             alert_after=parse_duration(args.alert_after))
         wait = parse_duration(args.store_wait)
         store = _open_store(args.store, wait)
-    except (ValueError, StoreError) as exc:
-        print(f"twophase serve: {exc}", file=sys.stderr)
-        return 2
     except _StoreDown as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, StoreError) as exc:
+        print(f"twophase serve: {exc}", file=sys.stderr)
+        return 2
     app = create_app(store, args.token, insecure=args.insecure, settings=settings)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level,
@@ -104,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _StoreDown(Exception):
-    pass
+class _StoreDown(StoreError):
+    """The store did not answer within --store-wait (exit 1, not a usage error)."""
 
 
 def _open_store(url: str, wait: float) -> Store:
