@@ -120,6 +120,33 @@ def test_postgres_postmaster_killed_at_each_step(point: str, own_pg: LocalPostgr
     pg.close()
 
 
+def test_store_down_is_503_then_recovers(own_pg: LocalPostgres, tmp_path: Path) -> None:
+    """The daemon's PostgreSQL store SIGKILLed: /healthz and the API answer 503
+    ``store_error`` naming the cause (never 500); once it is back, they answer again
+    without a restart of the daemon."""
+    with psycopg.connect(own_pg.dsn, autocommit=True) as c:
+        c.execute("CREATE DATABASE tp_store_down")
+    store = own_pg.dsn.rsplit("/", 1)[0] + "/tp_store_down"
+    d = LocalDaemon(store, TOKEN, tmp_path / "d.log").start()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        assert own_pg.kill()
+        for r in (httpx.get(f"{d.url}/healthz", timeout=30),
+                  httpx.post(f"{d.url}/v1/sinks/s/register", headers=auth, timeout=30)):
+            assert r.status_code == 503, r.text
+            assert r.json()["error"] == "store_error"
+            assert "store is unreachable" in r.json()["message"]
+        own_pg.restart()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{d.url}/healthz", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the daemon did not reconnect"
+            time.sleep(0.2)
+        r = httpx.post(f"{d.url}/v1/sinks/s/register", headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json()["epoch"] == 1
+    finally:
+        d.stop()
+
+
 def test_staging_filesystem_full_during_prepare(tmp_path: Path, daemon: LocalDaemon) -> None:
     """The files participant's folder is a 2 MiB tmpfs: a batch that does not fit fails
     its prepare with ENOSPC (a NO vote naming the cause), leaves nothing staged or
@@ -165,6 +192,7 @@ def _read_jsonl(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow  # ~1-2 min: two daemons, two private PostgreSQL servers, 16 batches
 def test_coordinator_store_killed_under_two_replicas(tmp_path: Path) -> None:
     """Two daemons share one PostgreSQL store; it is SIGKILLed while batches run through
     both. While it is down the daemons answer 503 naming the store (and /healthz says so);
