@@ -120,6 +120,15 @@ def _fuzz(url: str, check: Callable[[Any], None]) -> int:
             check(case)
 
         run()
+        # schemathesis's coverage phase: the boundaries of every parameter and field
+        # (the largest integer, one past it, empty and overlong strings, wrong types):
+        # the cases random generation rarely hits and where 5xx hide
+        config = schema.config.generation_for(operation=op, phase="coverage")
+        for case in schema.iter_coverage_cases(
+                op, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                generation_config=config):
+            _bounded(case)
+            check(case)
         ran += 1
     return ran
 
