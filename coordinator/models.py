@@ -12,7 +12,15 @@ import re
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    field_validator,
+)
 
 from twophase import wire
 from twophase.names import BRANCH_PATTERN, LINEAGE_PATTERN, NAME_PATTERN, validate_name
@@ -26,9 +34,13 @@ __all__ = [
     "AcksIn",
     "Attempt",
     "BeginIn",
+    "BranchMetricsIn",
     "Checkpoint",
+    "DescriptorIn",
     "ForceAckIn",
     "Lineage",
+    "RegisterIn",
+    "ResolveIn",
     "SinkName",
     "VoteItem",
     "VotesIn",
@@ -85,11 +97,24 @@ class BeginIn(_Strict):
     vote_timeout: float = Field(default=300.0, gt=0, le=7 * 86400)
 
 
+_SECONDS = Field(default=None, ge=0, le=7 * 86400)
+
+
+class BranchMetricsIn(_Strict):
+    """What the executor measured for one branch (observed, never decided on)."""
+
+    prepare_s: float | None = _SECONDS
+    wait_s: float | None = _SECONDS
+    commit_s: float | None = _SECONDS
+    rows: int | None = Field(default=None, ge=0, le=10**12)
+
+
 class VoteItem(_Strict):
     branch: Branch = Field(description="participant/partition")
     yes: bool
     handle: dict[HandleKey, HandleValue] | None = Field(default=None, max_length=32)
     reason: Text | None = None
+    metrics: BranchMetricsIn | None = None
 
 
 class VotesIn(_Strict):
@@ -100,6 +125,7 @@ class VotesIn(_Strict):
 class AckItem(_Strict):
     branch: Branch
     outcome: wire.DecisionName
+    metrics: BranchMetricsIn | None = None
 
 
 class AcksIn(_Strict):
@@ -115,10 +141,44 @@ class AbandonIn(_Strict):
 class ForceAckIn(_Strict):
     branch: Branch
     outcome: wire.DecisionName
+    reason: Text | None = Field(default=None, description="why, for the log and the history")
+
+
+class DescriptorIn(_Strict):
+    """A participant's descriptor; secrets are never sent (see Participant.descriptor)."""
+
+    kind: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)
+    target: Annotated[str, StringConstraints(max_length=1024), _NO_NUL]
+    options: dict[str, str | int | float | bool | None] = Field(max_length=64)
+
+    @field_validator("options")
+    @classmethod
+    def _bounded(
+        cls, v: dict[str, str | int | float | bool | None]
+    ) -> dict[str, str | int | float | bool | None]:
+        for k, x in v.items():
+            if not 0 < len(k) <= 128:
+                raise ValueError(f"option name {k[:40]!r} must be 1-128 characters")
+            if isinstance(x, str) and len(x) > 4096:
+                raise ValueError(f"option {k!r} is longer than 4096 characters")
+            if "\x00" in k or (isinstance(x, str) and "\x00" in x):
+                raise ValueError(f"option {k[:40]!r} contains a NUL character: remove it")
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
+                raise ValueError(f"option {k[:40]!r} is out of the 64-bit range")
+        return v
+
+
+class RegisterIn(_Strict):
+    participants: list[DescriptorIn] = Field(max_length=64)
 
 
 class AbortIn(_Strict):
     reason: Text
+
+
+class ResolveIn(_Strict):
+    dry_run: bool = Field(default=False, description="only report what would be done")
 
 
 SinkName = Annotated[str, Path(pattern=NAME_PATTERN, description="sink name",

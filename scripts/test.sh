@@ -33,6 +33,12 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
   echo "== installing iproute2 (ip/tc not found)"
   apt_install iproute2
 fi
+# Debian's Chromium for the console's browser test (driven by Playwright for Python with
+# executable_path=/usr/bin/chromium; Playwright's own browser download is never used).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "== installing Debian's chromium (the console's browser test)"
+  apt_install chromium
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating virtual environment $VENV"
