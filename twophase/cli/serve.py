@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from twophase.coordinator.app import create_app
     from twophase.coordinator.background import Settings, parse_duration
+    from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
 
     if not args.token and not args.insecure:
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after))
         wait = parse_duration(args.store_wait)
+        lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
         store = _open_store(args.store, wait)
     except _StoreDown as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)
