@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
+from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import Participant
@@ -111,14 +112,20 @@ class TransactionalSink:
                 f"participant names must be unique within sink {name!r}, got {names}; "
                 "pass name=... to tell two participants of the same kind apart"
             )
-        if partitions is not None and partitions < 1:
-            raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
-        if max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if len(participants) > MAX_PARTICIPANTS:
+            raise InvalidRequest(
+                f"a TransactionalSink takes at most {MAX_PARTICIPANTS} participants, got "
+                f"{len(participants)}: split the output over several sinks"
+            )
+        _bounded_int("partitions", partitions, 1, MAX_PARTITIONS, optional=True)
+        _bounded_int("max_attempts", max_attempts, 1, 1000)
+        _bounded_float("backoff", backoff, 0.0, 3600.0, "seconds between attempts")
+        _bounded_float("vote_timeout", vote_timeout, 0.001, MAX_VOTE_TIMEOUT,
+                       "seconds the coordinator waits for every vote")
         if not retry_budget_s > 0:
             raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
-        self.coordinator = coordinator
+        self.coordinator = check_coordinator(coordinator)
         self.token = token
         self.partitions = partitions
         self.max_attempts = max_attempts
@@ -449,3 +456,25 @@ def _short_error(exc: BaseException) -> str:
             line = text[idx:].splitlines()[0]
             return line[:500]
     return (text.splitlines() or [type(exc).__name__])[0][:500]
+
+
+# The coordinator's bounds (coordinator/models.py refuses more): checked here so that a
+# bad argument fails when the sink is built, not at the first batch.
+MAX_PARTICIPANTS = 64
+MAX_PARTITIONS = 100_000
+MAX_VOTE_TIMEOUT = 7 * 86400.0
+
+
+def _bounded_int(what: str, value: object, lo: int, hi: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise InvalidRequest(f"{what} must be an int from {lo} to {hi}, got {value!r}")
+
+
+def _bounded_float(what: str, value: object, lo: float, hi: float, meaning: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # NaN fails too
+        raise InvalidRequest(
+            f"{what} must be a number of {meaning} from {lo:g} to {hi:g}, got {value!r}"
+        )

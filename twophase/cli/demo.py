@@ -82,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kafka-bootstrap", default=None, metavar="SERVERS",
                    help="add a Kafka topic; 'local' starts a private tansu broker "
                    "(tansu shows aborted records, so Kafka is reported but not judged)")
+    p.add_argument("--coordinator", default=None, metavar="URL",
+                   help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
+                   "instead of the embedded one in WORKDIR/coordinator.db")
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.set_defaults(run=run)
 
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = JobConfig(
             input_dir=str(work / "input"),
             checkpoint=str(work / "checkpoint"),
-            coordinator=f"sqlite:///{work / 'coordinator.db'}",
+            coordinator=args.coordinator or f"sqlite:///{work / 'coordinator.db'}",
             sink="demo_orders",
             pg_dsn=pg_dsn,
             pg_table="demo_orders",
