@@ -53,6 +53,7 @@ class BatchPlan:
     digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
+    retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -271,7 +272,8 @@ def run_partition(
     from twophase.client import CoordinatorClient
 
     own_client = client is None
-    cl = client or CoordinatorClient(plan.coordinator_url, plan.token)
+    cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
+                                     retry_budget=plan.retry_budget)
     rows = list(batches)
     out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))
     try:
