@@ -328,7 +328,7 @@ def _txn_routes(svc: _Service) -> APIRouter:
         now = st.clock()
         events: list[p.Event] = [
             p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
-                   reason=v.reason)
+                   reason=v.reason, digest=v.digest)
             for v in body.votes
         ]
         key = TxnKey(sink, lineage, checkpoint, attempt)

@@ -114,6 +114,8 @@ class VoteItem(_Strict):
     yes: bool
     handle: dict[HandleKey, HandleValue] | None = Field(default=None, max_length=32)
     reason: Text | None = None
+    digest: str | None = Field(default=None, max_length=128, pattern=r"^[0-9a-z:]+$",
+                               description="content digest of the rows voted on")
     metrics: BranchMetricsIn | None = None
 
 

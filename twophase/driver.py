@@ -306,6 +306,7 @@ class TransactionalSink:
     ) -> BatchPlan:
         assert self._conn is not None and self._epoch is not None
         handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
+        digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
         return BatchPlan(
             key=txn.key,
             epoch=self._epoch,
@@ -315,6 +316,7 @@ class TransactionalSink:
             token=self._conn.token,
             participants=self.participants,
             handles=handles,
+            digests=digests,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
             retry_budget=self.retry_budget_s,

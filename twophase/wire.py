@@ -95,6 +95,7 @@ class BranchOut(TypedDict):
     handle: dict[str, str] | None
     reason: str | None
     ack: DecisionName | None
+    digest: NotRequired[str | None]  # absent in answers of older coordinators
 
 
 class TxnOut(TypedDict):
@@ -190,6 +191,7 @@ def encode_branch(b: p.BranchState) -> BranchOut:
         "handle": dict(b.handle) if b.handle is not None else None,
         "reason": b.reason,
         "ack": _decision_name(b.ack),
+        "digest": b.digest,
     }
 
 
@@ -261,6 +263,7 @@ class VoteIn:
     handle: Mapping[str, str] | None = None
     reason: str | None = None
     metrics: BranchMetrics | None = None
+    digest: str | None = None  # content digest of the rows voted on (twophase.digest)
 
 
 class BeginBody(TypedDict):
@@ -278,6 +281,7 @@ class VoteBody(TypedDict):
     handle: dict[str, str] | None
     reason: str | None
     metrics: NotRequired[BranchMetrics]
+    digest: NotRequired[str]  # sent only when set: older services refuse unknown keys
 
 
 class VotesBody(TypedDict):
@@ -351,6 +355,8 @@ def _vote(v: VoteIn) -> VoteBody:
                      "reason": clip_text(v.reason) if v.reason is not None else None}
     if v.metrics:
         out["metrics"] = v.metrics
+    if v.digest:
+        out["digest"] = v.digest
     return out
 
 
@@ -444,6 +450,7 @@ def decode_branch(d: Mapping[str, Any], where: str = "branch") -> p.BranchState:
         handle=handle,
         reason=_opt(d, "reason", str, where),
         ack=_decision(d.get("ack"), f"{where}.ack"),
+        digest=_opt(d, "digest", str, where),
     )
 
 
