@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import quote
@@ -30,11 +31,19 @@ from twophase.errors import (
 from twophase.protocol import TxnKey
 from twophase.wire import VoteIn
 
-__all__ = ["CoordinatorClient"]
+__all__ = ["CoordinatorClient", "pinned"]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 CA_ENV: Final = "TWOPHASE_CA_CERT"
 POLL_SLICE: Final = 30.0
+
+
+def pinned(ca_pem: str | None) -> ssl.SSLContext | None:
+    """Verify TLS against exactly this certificate (an embedded coordinator's own,
+    self-signed one, shipped to the tasks with the plan); None: the default trust."""
+    if ca_pem is None:
+        return None
+    return ssl.create_default_context(cadata=ca_pem)
 
 
 class _Retryable(TwophaseError):
@@ -56,7 +65,7 @@ class CoordinatorClient:
         *,
         timeout: float = 30.0,
         retry_budget: float = 120.0,
-        verify: bool | str | None = None,
+        verify: bool | str | ssl.SSLContext | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(

@@ -50,6 +50,7 @@ class BatchPlan:
     handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
+    ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -243,10 +244,11 @@ def run_partition(
     The partition's rows are held in memory as Arrow batches: every participant reads
     them, and a redo may need them again.
     """
-    from twophase.client import CoordinatorClient
+    from twophase.client import CoordinatorClient, pinned
 
     own_client = client is None
-    cl = client or CoordinatorClient(plan.coordinator_url, plan.token)
+    cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
+                                     verify=pinned(plan.ca_pem))
     rows = list(batches)
     out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))
     try:

@@ -50,10 +50,20 @@ class LocalPostgres(LocalServer):
         fsync: bool = True,
         port: int | None = None,
         base_dir: str | None = None,
+        also_listen: str | None = None,
+        trust_network: str | None = None,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
         self.max_prepared_transactions = max_prepared_transactions
         self.fsync = fsync
+        # one more address to listen on (the cluster tests' bridge), and the network
+        # whose clients are trusted there (pg_hba.conf)
+        self.also_listen = also_listen
+        self.trust_network = trust_network
+
+    def dsn_at(self, host: str) -> str:
+        """The DSN through another listening address (``also_listen``)."""
+        return f"postgresql://postgres@{host}:{self.port}/postgres"
 
     @property
     def dsn(self) -> str:
@@ -84,9 +94,13 @@ class LocalPostgres(LocalServer):
         )
         if init.returncode != 0:
             raise PostgresUnavailable(f"initdb failed: {init.stderr.strip() or init.stdout}")
+        if self.trust_network:
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {self.trust_network} trust\n")
+        listen = "127.0.0.1" + (f",{self.also_listen}" if self.also_listen else "")
         args = [
             str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
-            "-k", str(sock), "-c", "listen_addresses=127.0.0.1",
+            "-k", str(sock), "-c", f"listen_addresses={listen}",
             "-c", f"max_prepared_transactions={self.max_prepared_transactions}",
             "-c", "max_connections=200",
             "-c", f"fsync={'on' if self.fsync else 'off'}",

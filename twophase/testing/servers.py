@@ -124,13 +124,15 @@ class LocalDaemon(LocalServer):
     port and store (what a coordinator crash and restart looks like to clients)."""
 
     def __init__(
-        self, store: str, token: str, log: Path | None = None, *, port: int | None = None
+        self, store: str, token: str, log: Path | None = None, *, port: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(port=port)
         self.store = store
         self.token = token
         self.log = log
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host  # the cluster tests bind it on their bridge
+        self.url = f"http://{host}:{self.port}"
 
     def start(
         self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60
@@ -147,7 +149,7 @@ class LocalDaemon(LocalServer):
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "twophase.cli", "serve", "--store", self.store,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                 "--host", self.host, "--port", str(self.port), "--log-level", "warning"],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:
