@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 # tansu_bootstrap / real_kafka_bootstrap fixtures for every test module
-pytest_plugins = ["tests.kafka_support"]
+pytest_plugins = ["tests.kafka_support", "tests.cluster_support"]
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,7 @@ class Worker:
     netns: str
     address: str
     host_veth: str  # the bridge side: link cuts are ``ip link set host_veth down``
+    hostname: str  # its own UTS namespace: ``socket.gethostname()`` there
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     without_twophase: bool = False
@@ -220,8 +221,8 @@ class SparkStandalone:
     def _jvm(self, main: str, args: list[str], log: Path, env: dict[str, str],
              netns: str | None = None, prelude: str = "") -> subprocess.Popen[bytes]:
         cmd = [_java(), "-Xmx256m", "-cp", f"{spark_home() / 'jars'}/*", main, *args]
-        if prelude:  # shell steps inside the worker's mount namespace, then the JVM
-            cmd = ["sh", "-c", prelude + ' exec "$@"', "sh", *cmd]
+        if prelude:  # shell steps inside the worker's own namespaces, then the JVM
+            cmd = ["unshare", "--uts", "sh", "-c", prelude + ' exec "$@"', "sh", *cmd]
         if netns is not None:
             cmd = [shutil.which("ip") or "ip", "netns", "exec", netns, *cmd]
         with open(log, "ab") as out:
@@ -258,7 +259,8 @@ class SparkStandalone:
         work = self.dir / f"worker{n}"
         work.mkdir()
         env = self._env(SPARK_LOCAL_IP=address)
-        prelude = ""
+        hostname = f"{self.tag}-w{n}"
+        prelude = f"hostname '{hostname}' && "
         if without_twophase:
             env.pop("PYTHONPATH", None)
             empty_dir, empty_file = work / "empty", work / "empty.pth"
@@ -268,7 +270,7 @@ class SparkStandalone:
                 src = empty_dir if h.is_dir() else empty_file
                 prelude += f"mount --bind '{src}' '{h}' && "
         log = work / "worker.log"
-        w = Worker(n, netns, address, host_veth, log=log,
+        w = Worker(n, netns, address, host_veth, hostname, log=log,
                    without_twophase=without_twophase)
         w.proc = self._jvm(
             "org.apache.spark.deploy.worker.Worker",
