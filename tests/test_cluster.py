@@ -249,3 +249,34 @@ def test_too_many_partitions_and_dynamic_allocation_refused_before_any_write(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+def test_worker_without_twophase_is_named_by_the_preflight_before_any_write(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A third worker host whose Python lacks twophase (same venv, twophase's install
+    hidden there): the sink's first batch fails with that host's name, what is missing and
+    the fix for clusters; no participant was written. The worker is removed afterwards."""
+    bad = cluster.spark.add_worker(without_twophase=True, timeout=240)
+    try:
+        cfg, path = _job(tmp_path, cluster, f"sqlite:///{tmp_path / 'coord.db'}", 1,
+                         {"spark.cores.max": "6"}, pg_table=_table(tmp_path))
+        driver = _start(path, tmp_path, cluster)
+        assert driver.wait(420) != 0
+        log = driver.log.read_text(errors="replace")
+        assert f"on host {bad.hostname}" in log, driver.tail()
+        assert "cannot import twophase" in log
+        assert "--archives" in log and "spark.pyspark.python" in log
+        for w in cluster.spark.workers:
+            if w is not bad:
+                assert f"on host {w.hostname}" not in log  # the healthy hosts are not named
+        assert not any((tmp_path / "files").rglob("*.parquet"))
+        import psycopg
+
+        with psycopg.connect(cluster.pg_dsn) as conn:
+            n = conn.execute("select count(*) from pg_tables where tablename = %s",
+                             (_table(tmp_path),)).fetchone()
+        assert n == (0,)
+        print(json.dumps({"preflight_named": bad.hostname, "address": bad.address}))
+    finally:
+        cluster.spark.remove_worker(bad)
