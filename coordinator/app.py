@@ -101,6 +101,10 @@ def create_app(
         version=__version__,
         description="Durable 2PC decision log. See docs/coordinator-api.md.",
         lifespan=_lifespan(svc, auth=bool(token)),
+        # Swagger UI and ReDoc load their scripts from a CDN (blank offline): /docs is a
+        # self-contained page instead (docs/decisions.md, issue 10).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.store = st
     app.state.hub = svc.hub
@@ -221,6 +225,11 @@ def _ops_routes(svc: _Service) -> APIRouter:
         """Liveness and store reachability (no token needed)."""
         svc.store.sink("__healthz__")
         return {"status": "ok", "version": __version__}
+
+    @r.get("/docs", response_class=Response, include_in_schema=False)
+    def docs(request: Request) -> Response:
+        """Every route, in one page that loads nothing from elsewhere (works offline)."""
+        return Response(_docs_page(request.app), media_type="text/html; charset=utf-8")
 
     @r.get("/metrics", response_class=Response)
     def prometheus() -> Response:
@@ -395,6 +404,28 @@ def _admin_routes(svc: _Service) -> APIRouter:
         return bg.tick()
 
     return r
+
+
+def _docs_page(app: FastAPI) -> str:
+    """The API's routes from its own OpenAPI document, as plain HTML (no scripts)."""
+    from html import escape
+
+    rows = []
+    for path, ops in sorted(app.openapi().get("paths", {}).items()):
+        for method, op in ops.items():
+            rows.append(f"<tr><td><code>{escape(method.upper())}</code></td>"
+                        f"<td><code>{escape(path)}</code></td>"
+                        f"<td>{escape(str(op.get('summary', '')))}</td></tr>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>twophase coordinator API"
+        "</title></head><body><h1>twophase coordinator API</h1>"
+        "<p>The full description is the OpenAPI document at "
+        "<a href='/openapi.json'>/openapi.json</a> (load it into any OpenAPI viewer); "
+        "the reference is docs/coordinator-api.md. Calls other than /healthz, /metrics, "
+        "/openapi.json and /docs need <code>Authorization: Bearer TOKEN</code>.</p>"
+        "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th>"
+        "</tr>" + "".join(rows) + "</table></body></html>"
+    )
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:

@@ -43,9 +43,9 @@ def pg_dsn(pg: LocalPostgres) -> str:
 
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # No PYSPARK_PYTHON: the suite meets Spark's interpreter as users do (the sink picks
+    # the driver's in local mode, twophase.preflight).
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     session = (

@@ -259,7 +259,7 @@ def test_worker_without_twophase_is_named_by_the_preflight_before_any_write(
     the fix for clusters; no participant was written. The worker is removed afterwards."""
     bad = cluster.spark.add_worker(without_twophase=True, timeout=240)
     try:
-        cfg, path = _job(tmp_path, cluster, f"sqlite:///{tmp_path / 'coord.db'}", 1,
+        _, path = _job(tmp_path, cluster, f"sqlite:///{tmp_path / 'coord.db'}", 1,
                          {"spark.cores.max": "6"}, pg_table=_table(tmp_path))
         driver = _start(path, tmp_path, cluster)
         assert driver.wait(420) != 0

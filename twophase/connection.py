@@ -47,12 +47,14 @@ class Connection:
         self._client: CoordinatorClient | None = None
         self._lock = threading.Lock()
 
-    def client(self) -> CoordinatorClient:
-        """A shared, thread-safe client for this connection (do not close it yourself)."""
+    def client(self, *, retry_budget: float = 120.0) -> CoordinatorClient:
+        """A shared, thread-safe client for this connection (do not close it yourself);
+        ``retry_budget``: seconds it rides through an unreachable coordinator."""
         with self._lock:
             if self._client is None:
                 self._client = CoordinatorClient(self.url, self.token,
-                                                 verify=pinned(self.ca_pem))
+                                                 verify=pinned(self.ca_pem),
+                                                 retry_budget=retry_budget)
             return self._client
 
     def close(self) -> None:

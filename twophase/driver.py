@@ -70,6 +70,13 @@ class TransactionalSink:
     embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
     token from ``token=`` or ``TWOPHASE_TOKEN``).
 
+    Before its first batch the sink checks the executors (``preflight=False`` skips it;
+    :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
+    ride through an unreachable coordinator (a URL nobody answers at fails within
+    seconds at the first call). Logs go to the ``twophase.sink`` logger: INFO per
+    committed batch, WARNING for replayed, recovered, aborted and redone ones;
+    ``on_batch`` gets each :class:`BatchReport`.
+
     On a cluster the embedded coordinator listens on the driver's
     ``spark.driver.bindAddress`` and the tasks reach it at ``spark.driver.host``
     (``coordinator_host=`` overrides both; ``coordinator_tls=(certfile, keyfile)`` serves
@@ -94,6 +101,8 @@ class TransactionalSink:
         coordinator_host: str | None = None,
         coordinator_tls: tuple[str, str] | None = None,
         cluster_wait: float = 60.0,
+        retry_budget_s: float = 120.0,
+        preflight: bool = True,
     ) -> None:
         self.name = validate_name("sink name", name)
         if lineage is None and _spark_connect_client():
@@ -115,6 +124,8 @@ class TransactionalSink:
             raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
         if max_attempts < 1:
             raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if not retry_budget_s > 0:
+            raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
         self.coordinator = coordinator
         self.token = token
@@ -133,6 +144,10 @@ class TransactionalSink:
         self.coordinator_tls = coordinator_tls
         self.cluster_wait = cluster_wait
         self._slots_checked = 0
+        self.retry_budget_s = float(retry_budget_s)
+        self.preflight = preflight
+        self._preflighted = False
+        _default_logging()
         self.history: list[BatchReport] = []
         self._conn: Connection | None = None
         self._client: CoordinatorClient | None = None
@@ -147,7 +162,7 @@ class TransactionalSink:
             bind, advertise = self._coordinator_address(df)
             self._conn = connect(self.coordinator, self.token, host=bind, advertise=advertise,
                                  tls=self.coordinator_tls)
-            self._client = self._conn.client()
+            self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
     def _coordinator_address(self, df: DataFrame) -> tuple[str, str]:
@@ -231,6 +246,21 @@ class TransactionalSink:
             # One writer epoch per driver run: a restarted driver fences the old one.
             self._epoch = client.register(self.name)
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
+        if not self._preflighted:
+            # Once per sink start: the executors' interpreter (the driver's own in local
+            # mode), then the probe job that checks it can run our tasks.
+            from twophase.preflight import check_executors, choose_worker_python
+
+            assert self._conn is not None
+            sc = _jvm_context(df)
+            if sc is None:  # Spark Connect: no SparkContext to run the probe job with
+                log.info("sink %s: Spark Connect, the executors' preflight is skipped",
+                         self.name)
+            else:
+                choose_worker_python(sc)
+                if self.preflight:
+                    check_executors(sc, self.name, self.participants, self._conn.url)
+            self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")
         aborted = finishing = 0
@@ -300,6 +330,7 @@ class TransactionalSink:
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
             ca_pem=self._conn.ca_pem,
+            retry_budget=self.retry_budget_s,
         )
 
     def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:
@@ -356,8 +387,61 @@ class TransactionalSink:
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started
         self.history.append(report)
+        self._log(report)
         if self.on_batch is not None:
             self.on_batch(report)
+
+    def _log(self, r: BatchReport) -> None:
+        """One INFO line per committed batch; a WARNING when recovery had work to do."""
+        where = f"sink {self.name} batch {r.batch_id}"
+        if r.outcome == "replay":
+            log.warning("%s replayed: already committed by an earlier run, nothing written",
+                        where)
+            return
+        ms = {k: r.phases.get(k, 0.0) * 1000 for k in ("prepare_s", "wait_s", "commit_s")}
+        log.info(
+            "%s %s: %d rows, %d participants (%s) x %d partitions, attempt %d; "
+            "prepare %.0f ms, wait %.0f ms, commit %.0f ms, total %.0f ms",
+            where, r.outcome, r.rows, len(self.participants),
+            ", ".join(p.name for p in self.participants), r.partitions, r.attempts,
+            ms["prepare_s"], ms["wait_s"], ms["commit_s"], r.seconds * 1000,
+        )
+        if r.outcome == "recovered" or r.recovered or r.redone:
+            log.warning(
+                "%s recovered from an earlier run: %s; %d branch(es) of aborted attempts "
+                "rolled back, %d lost branch(es) written again", where,
+                "finished its committed attempt" if r.outcome == "recovered"
+                else f"committed at attempt {r.attempts}", r.recovered, r.redone,
+            )
+
+
+class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr for the ``twophase`` loggers while the application configured no logging of
+    its own (then its handlers get the records and this one stays quiet)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+_SHOWN = ("twophase.sink", "twophase.preflight")  # INFO by default: a line per batch
+
+
+def _default_logging() -> None:
+    """A job that never configured ``logging`` still shows a line per batch and every
+    warning: a stderr handler on the ``twophase`` logger, and INFO for the sink's own
+    loggers unless the application set their level (an embedded coordinator's INFO lines
+    stay off)."""
+    top = logging.getLogger("twophase")
+    if any(isinstance(h, _DefaultHandler) for h in top.handlers):
+        return
+    handler = _DefaultHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    top.addHandler(handler)
+    for name in _SHOWN:
+        lg = logging.getLogger(name)
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.INFO)
 
 
 def _spark_connect_client() -> bool:
@@ -407,7 +491,8 @@ def _arrow_schema(df: DataFrame) -> Any:
 def _short_error(exc: BaseException) -> str:
     """The first meaningful line of a (possibly huge) Spark/Py4J error."""
     text = str(exc)
-    for marker in ("BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
+    for marker in ("ModuleNotFoundError:", "ImportError:", "InvalidRequest:",
+                   "BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
         idx = text.find(marker)
         if idx >= 0:
             line = text[idx:].splitlines()[0]

@@ -51,6 +51,7 @@ class BatchPlan:
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
     ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
+    retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -248,7 +249,8 @@ def run_partition(
 
     own_client = client is None
     cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
-                                     verify=pinned(plan.ca_pem))
+                                     verify=pinned(plan.ca_pem),
+                                     retry_budget=plan.retry_budget)
     rows = list(batches)
     out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))
     try:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from twophase.errors import InvalidRequest
+
 EPILOG = """\
 examples:
   twophase demo                               10 batches x 1,000 rows into files + PostgreSQL
@@ -26,6 +28,33 @@ examples:
 
 Exit code 0 when every id landed exactly once in every judged system, 1 otherwise.
 """
+
+MARKER = ".twophase-demo"  # marks a work folder this command created (and may empty)
+
+
+class WorkdirRefused(InvalidRequest):
+    """The work folder has content the demo did not create."""
+
+
+def prepare_workdir(path: str | Path) -> Path:
+    """Create the work folder, or empty one that an earlier demo run created (it holds the
+    marker file). Never deletes anything else: a non-empty folder without the marker is
+    refused."""
+    work = Path(path).resolve()
+    if work.exists() and not work.is_dir():
+        raise WorkdirRefused(f"--workdir {work} is a file, not a folder")
+    if work.exists() and any(work.iterdir()):
+        if not (work / MARKER).is_file():
+            raise WorkdirRefused(
+                f"--workdir {work} is not empty and was not created by twophase demo; "
+                "nothing was deleted. Pass a new or empty folder (e.g. --workdir "
+                "twophase-demo-2), or empty this one yourself"
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("created by twophase demo: this folder is emptied at the "
+                               "next run\n")
+    return work
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,7 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rows-per-batch", type=int, default=1000, help="rows each (default 1000)")
     p.add_argument("--workdir", default="twophase-demo",
                    help="folder for input, checkpoint, output, coordinator log "
-                   "(default ./twophase-demo; emptied at start)")
+                   "(default ./twophase-demo); created by the demo, and emptied at the "
+                   "next run only if the demo created it (a non-empty folder of yours "
+                   "is refused)")
     p.add_argument("--partitions", type=int, default=None,
                    help="branches per participant per batch (default: Spark's parallelism)")
     p.add_argument("--no-postgres", action="store_true", help="files (and Kafka) only")
@@ -76,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
     from twophase.testing.localpg import LocalPostgres, PostgresUnavailable, find_bindir
     from twophase.testing.verify import verify
 
-    work = Path(args.workdir).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    try:
+        work = prepare_workdir(args.workdir)
+    except WorkdirRefused as exc:
+        console.print(f"twophase demo: {exc}")
+        return 2
     servers: list[Any] = []
     try:
         pg_dsn = args.pg_dsn

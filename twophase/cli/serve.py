@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     from twophase.coordinator.app import create_app
     from twophase.coordinator.background import Settings, parse_duration
+    from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
     from twophase.coordinator.store import Store
     from twophase.errors import StoreError
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after))
+        lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
         store = Store(args.store)
     except (ValueError, StoreError) as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)

@@ -137,7 +137,6 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
 
 def spark_session(conf: dict[str, str] | None = None) -> SparkSession:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
     from pyspark.sql import SparkSession
 
