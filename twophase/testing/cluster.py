@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,6 @@ class Worker:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     without_twophase: bool = False
-    extra_pids: list[int] = field(default_factory=list)
 
     def pids(self) -> list[int]:
         """Every process in this worker's network namespace."""
