@@ -61,6 +61,13 @@ class BatchReport:
     redone: int = 0
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # max over tasks, seconds
+    sink: str = ""
+    txn: str = ""  # sink/lineage/batch/attempt of the deciding attempt ("" for a replay)
+    decision: str = ""  # COMMIT for a committed batch; "" for a replay
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (a streaming listener's event, a log record's fields)."""
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
 class TransactionalSink:
@@ -101,6 +108,7 @@ class TransactionalSink:
         coordinator_host: str | None = None,
         coordinator_tls: tuple[str, str] | None = None,
         cluster_wait: float = 60.0,
+        json_logs: bool = False,
         retry_budget_s: float = 120.0,
         preflight: bool = True,
     ) -> None:
@@ -147,8 +155,14 @@ class TransactionalSink:
         self.retry_budget_s = float(retry_budget_s)
         self.preflight = preflight
         self._preflighted = False
-        _default_logging()
+        if json_logs:  # one JSON object per line on stderr, as the daemon logs
+            from twophase.logs import setup_logging
+
+            setup_logging("info")
+        else:
+            _default_logging()
         self.history: list[BatchReport] = []
+        self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
         self._client: CoordinatorClient | None = None
         self._epoch: int | None = None
@@ -215,6 +229,50 @@ class TransactionalSink:
             )
         self._slots_checked = partitions
 
+    @property
+    def console_url(self) -> str | None:
+        """The coordinator's web console (``/ui``), signed in (the token is in the URL's
+        fragment, which browsers never send); ``None`` before the first batch connects."""
+        if self._conn is None:
+            return None
+        from urllib.parse import quote
+
+        if not self._conn.token:
+            return f"{self._conn.url}/ui"
+        return f"{self._conn.url}/ui#token={quote(self._conn.token, safe='')}"
+
+    def report(self, batch_id: int) -> BatchReport | None:
+        """The twophase outcome of micro-batch ``batch_id`` in this driver run (what a
+        ``StreamingQueryListener`` looks up from ``event.progress.batchId``)."""
+        return self._by_batch.get(batch_id)
+
+    def progress_listener(
+        self, callback: Callable[[Any, BatchReport | None], None]
+    ) -> Any:
+        """A ``pyspark.sql.streaming.StreamingQueryListener`` that calls
+        ``callback(progress, report)`` for every query progress, with this sink's report
+        of that batch (``None`` for a batch this sink did not write). Add it with
+        ``spark.streams.addListener(sink.progress_listener(cb))``."""
+        from pyspark.sql.streaming.listener import StreamingQueryListener
+
+        sink = self
+
+        class _Listener(StreamingQueryListener):
+            def onQueryStarted(self, event: Any) -> None:
+                pass
+
+            def onQueryProgress(self, event: Any) -> None:
+                progress = event.progress
+                callback(progress, sink.report(int(progress.batchId)))
+
+            def onQueryIdle(self, event: Any) -> None:
+                pass
+
+            def onQueryTerminated(self, event: Any) -> None:
+                pass
+
+        return _Listener()
+
     def close(self) -> None:
         """Release the coordinator connection (stops an embedded coordinator)."""
         if self._client is not None:
@@ -244,7 +302,9 @@ class TransactionalSink:
         client = self._connect(df)
         if self._epoch is None:
             # One writer epoch per driver run: a restarted driver fences the old one.
-            self._epoch = client.register(self.name)
+            # the participants' descriptors let `twophase resolve SINK` rebuild them
+            descriptors = [d for d in (p.descriptor() for p in self.participants) if d]
+            self._epoch = client.register(self.name, descriptors)  # type: ignore[arg-type]
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
         if not self._preflighted:
             # Once per sink start: the executors' interpreter (the driver's own in local
@@ -276,7 +336,8 @@ class TransactionalSink:
                     self.name, lineage,
                 )
             if res.kind == BeginKind.COMMITTED:
-                self._report(BatchReport(batch_id, "replay", 0), started)
+                self._report(BatchReport(batch_id, "replay", 0, sink=self.name, decision="COMMIT"),
+                             started)
                 return
             txn = res.txn
             assert txn is not None
@@ -382,11 +443,17 @@ class TransactionalSink:
             recovered=sum(int(o["recovered"]) for o in outcomes),
             redone=sum(int(o["redone"]) for o in outcomes),
             phases=phases,
+            sink=self.name,
+            txn="/".join(str(x) for x in txn.key),
+            decision=txn.decision.value if txn.decision is not None else "",
         )
 
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started
         self.history.append(report)
+        self._by_batch[report.batch_id] = report
+        while len(self._by_batch) > 1000:  # a long-running query: keep the recent ones
+            del self._by_batch[next(iter(self._by_batch))]
         self._log(report)
         if self.on_batch is not None:
             self.on_batch(report)
@@ -396,7 +463,7 @@ class TransactionalSink:
         where = f"sink {self.name} batch {r.batch_id}"
         if r.outcome == "replay":
             log.warning("%s replayed: already committed by an earlier run, nothing written",
-                        where)
+                        where, extra={"twophase_batch": r.as_dict()})
             return
         ms = {k: r.phases.get(k, 0.0) * 1000 for k in ("prepare_s", "wait_s", "commit_s")}
         log.info(
@@ -405,6 +472,7 @@ class TransactionalSink:
             where, r.outcome, r.rows, len(self.participants),
             ", ".join(p.name for p in self.participants), r.partitions, r.attempts,
             ms["prepare_s"], ms["wait_s"], ms["commit_s"], r.seconds * 1000,
+            extra={"twophase_batch": r.as_dict()},  # the report as data, for JSON logs
         )
         if r.outcome == "recovered" or r.recovered or r.redone:
             log.warning(
@@ -433,7 +501,7 @@ def _default_logging() -> None:
     loggers unless the application set their level (an embedded coordinator's INFO lines
     stay off)."""
     top = logging.getLogger("twophase")
-    if any(isinstance(h, _DefaultHandler) for h in top.handlers):
+    if top.handlers:  # ours already, or the application's (e.g. json_logs)
         return
     handler = _DefaultHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

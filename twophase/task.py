@@ -26,7 +26,7 @@ from twophase.participant import (
     PrepareRefused,
 )
 from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
-from twophase.wire import VoteIn
+from twophase.wire import BranchMetrics, VoteIn
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -132,9 +132,11 @@ def _finish_commit(
     """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
     t0 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
+    measured: dict[str, BranchMetrics] = {}
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
+        tc = time.perf_counter()
         action = recovery_action(Decision.COMMIT, part.status(ref))
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
@@ -145,8 +147,9 @@ def _finish_commit(
             _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
+        measured[bid] = {"commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    client.ack(plan.key, plan.epoch, acks)
+    client.ack(plan.key, plan.epoch, acks, measured)
     out.commit_s = time.perf_counter() - t0
     out.decision = Decision.COMMIT.value
 
@@ -167,6 +170,7 @@ def _run_attempt(
             ref = plan.ref(part, partition)
             bid = branch_id(part.name, partition)
             failpoints.hit("before_prepare", part.name, partition)
+            tp = time.perf_counter()
             try:
                 handle = part.prepare(ref, schema, batches)
             except PrepareRefused as exc:
@@ -174,7 +178,8 @@ def _run_attempt(
                 break  # one NO decides ABORT: preparing the rest would be wasted work
             prepared.append((part, ref, handle))
             failpoints.hit("after_prepare", part.name, partition)
-            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle)))
+            measured: BranchMetrics = {"prepare_s": time.perf_counter() - tp, "rows": out.rows}
+            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle), metrics=measured))
     except Exception as exc:
         # An unexpected failure while preparing: vote NO with the cause so the batch
         # aborts now instead of at the vote deadline, undo what this task prepared,
@@ -193,12 +198,16 @@ def _run_attempt(
     out.wait_s = time.perf_counter() - t1
     t2 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
+    measured_acks: dict[str, BranchMetrics] = {}
     for part, ref, handle in prepared:
+        tc = time.perf_counter()
         _apply(part, ref, handle, decision)
         acks.append((ref.branch_id, decision))
+        measured_acks[ref.branch_id] = {"wait_s": out.wait_s,
+                                        "commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
     if acks:
-        client.ack(plan.key, plan.epoch, acks)
+        client.ack(plan.key, plan.epoch, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
     refused = [v for v in votes if not v.yes]
