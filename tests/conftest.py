@@ -4,6 +4,7 @@
 - ``spark``: one local[2] SparkSession for the whole session.
 - ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
   (``tests/kafka_support.py``).
+- ``s3``, ``s3_bucket``: an S3-API server (moto) on loopback (``tests/s3_support.py``).
 Nothing here depends on a server that was running before the suite.
 """
 
@@ -22,8 +23,9 @@ if str(ROOT) not in sys.path:
 
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
-# tansu_bootstrap / real_kafka_bootstrap fixtures for every test module
-pytest_plugins = ["tests.kafka_support", "tests.cluster_support"]
+# tansu_bootstrap / real_kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
+# test module
+pytest_plugins = ["tests.kafka_support", "tests.s3_support", "tests.cluster_support"]
 
 
 @pytest.fixture(scope="session")
