@@ -75,6 +75,9 @@ def executor_failpoints(spec: str, once_dir: Path) -> dict[str, str]:
     }
 
 
+_DRIVERS: list[Driver] = []  # killed at the cluster's teardown if a test left one running
+
+
 class Driver:
     """One driver process in its own process group (its JVM included); its JSON
     stdout lines are collected in :attr:`lines`."""
@@ -93,6 +96,7 @@ class Driver:
             )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        _DRIVERS.append(self)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -164,5 +168,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
               f"{spark.master_url}, workers {[w.address for w in spark.workers]}")
         yield Cluster(spark, pg)
     finally:
+        for d in _DRIVERS:
+            if d.proc.poll() is None:
+                d.kill()
         pg.stop()
         spark.stop()
