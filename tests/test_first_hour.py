@@ -175,3 +175,18 @@ def test_the_chaos_job_config_example_is_a_valid_config_and_every_field_is_docum
     assert set(example) == fields
     table = section.split("| field |", 1)[1].split("\n\n", 1)[0]
     assert all(f"`{f}`" in table for f in fields), fields
+
+
+def test_the_retry_budget_is_a_sink_option(tmp_path: Path) -> None:
+    from twophase import TransactionalSink
+    from twophase.errors import InvalidRequest
+
+    files = StagedFileParticipant(path=str(tmp_path / "out"))
+    with pytest.raises(InvalidRequest, match="retry_budget_s must be > 0"):
+        TransactionalSink("orders", [files], coordinator="sqlite:///x.db", retry_budget_s=0)
+    sink = TransactionalSink("orders", [files], coordinator=f"sqlite:///{tmp_path / 'c.db'}",
+                             retry_budget_s=7.5)
+    try:
+        assert sink._connect().retry_budget == 7.5  # the driver's client
+    finally:
+        sink.close()
