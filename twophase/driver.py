@@ -169,7 +169,7 @@ class TransactionalSink:
         self._checked_schema: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-    def _connect(self, df: DataFrame) -> CoordinatorClient:
+    def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
         if self._client is None:
             from twophase.connection import connect
 
@@ -179,11 +179,14 @@ class TransactionalSink:
             self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
-    def _coordinator_address(self, df: DataFrame) -> tuple[str, str]:
+    def _coordinator_address(self, df: DataFrame | None) -> tuple[str, str]:
         """Where an embedded coordinator listens and what the tasks are told: loopback
-        under a ``local`` master, else the driver's own bind address and host."""
+        under a ``local`` master (or with no session to ask), else the driver's own bind
+        address and host."""
         if self.coordinator_host:
             return self.coordinator_host, self.coordinator_host
+        if df is None:
+            return "127.0.0.1", "127.0.0.1"
         conf = df.sparkSession.conf
         master = conf.get("spark.master", "local") or "local"
         if master.startswith("local"):
