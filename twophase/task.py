@@ -53,6 +53,7 @@ class BatchPlan:
     digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
+    ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
@@ -269,10 +270,11 @@ def run_partition(
     The partition's rows are held in memory as Arrow batches: every participant reads
     them, and a redo may need them again.
     """
-    from twophase.client import CoordinatorClient
+    from twophase.client import CoordinatorClient, pinned
 
     own_client = client is None
     cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
+                                     verify=pinned(plan.ca_pem),
                                      retry_budget=plan.retry_budget)
     rows = list(batches)
     out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))

@@ -52,12 +52,22 @@ class LocalPostgres(LocalServer):
         base_dir: str | None = None,
         host: str = "127.0.0.1",
         netns: str | None = None,
+        also_listen: str | None = None,
+        trust_network: str | None = None,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
         self.host = host
         self.netns = netns  # run inside this network namespace (`ip netns exec`; root)
         self.max_prepared_transactions = max_prepared_transactions
         self.fsync = fsync
+        # one more address to listen on (the cluster tests' bridge), and the network
+        # whose clients are trusted there (pg_hba.conf)
+        self.also_listen = also_listen
+        self.trust_network = trust_network
+
+    def dsn_at(self, host: str) -> str:
+        """The DSN through another listening address (``also_listen``)."""
+        return f"postgresql://postgres@{host}:{self.port}/postgres"
 
     @property
     def dsn(self) -> str:
@@ -90,6 +100,9 @@ class LocalPostgres(LocalServer):
         if self.host != "127.0.0.1":  # initdb trusts loopback only: add the link's subnet
             with open(data / "pg_hba.conf", "a") as hba:
                 hba.write("host all all samenet trust\n")
+        if self.trust_network:
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {self.trust_network} trust\n")
         try:
             self._launch(bindir, user, timeout)
         except PostgresUnavailable:
@@ -119,9 +132,10 @@ class LocalPostgres(LocalServer):
         data = self.dir / "data"
         sock = self.dir / "sock"
         log = self.dir / "server.log"
+        listen = self.host + (f",{self.also_listen}" if self.also_listen else "")
         args = [
             str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
-            "-k", str(sock), "-c", f"listen_addresses={self.host}",
+            "-k", str(sock), "-c", f"listen_addresses={listen}",
             "-c", f"max_prepared_transactions={self.max_prepared_transactions}",
             "-c", "max_connections=200",
             "-c", f"fsync={'on' if self.fsync else 'off'}",
