@@ -24,6 +24,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -206,6 +207,16 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
         metrics.requests.labels(code).inc()
         return _error(status, code, msg)
 
+    @app.exception_handler(DBAPIError)
+    async def _store_down(_r: Request, exc: DBAPIError) -> Response:
+        # the store is unreachable or failing (not a bad request): 503, which clients
+        # retry; the daemon reconnects by itself once the database is back
+        metrics.requests.labels(StoreError.code).inc()
+        why = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
+        log.error("store error", extra={"error": why})
+        return _error(503, StoreError.code, f"the coordinator's store is unreachable or "
+                      f"failing: {why}; retry later (check the database behind --store)")
+
     @app.exception_handler(ValueError)
     async def _value_error(_r: Request, exc: ValueError) -> Response:
         metrics.requests.labels("invalid_request").inc()
@@ -317,7 +328,7 @@ def _txn_routes(svc: _Service) -> APIRouter:
         now = st.clock()
         events: list[p.Event] = [
             p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
-                   reason=v.reason)
+                   reason=v.reason, digest=v.digest)
             for v in body.votes
         ]
         key = TxnKey(sink, lineage, checkpoint, attempt)

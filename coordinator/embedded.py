@@ -42,6 +42,8 @@ class EmbeddedServer:
         token: str | None = None,
         advertise_host: str | None = None,
         settings: Settings | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
     ) -> None:
         self.store_url = store_url
         self.host = host
@@ -49,6 +51,13 @@ class EmbeddedServer:
         self.token = token or secrets.token_urlsafe(24)
         self.advertise_host = advertise_host
         self.settings = settings
+        self.ssl_certfile = ssl_certfile
+        self.ssl_keyfile = ssl_keyfile
+        # the certificate the tasks are told to trust (and nothing else)
+        self.ca_pem: str | None = None
+        if ssl_certfile is not None:
+            with open(ssl_certfile) as f:
+                self.ca_pem = f.read()
         self.store: Store | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -60,7 +69,8 @@ class EmbeddedServer:
             host = socket.getfqdn()
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> EmbeddedServer:
         import uvicorn
@@ -75,7 +85,8 @@ class EmbeddedServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_keep_alive=75)
+                                timeout_keep_alive=75, ssl_certfile=self.ssl_certfile,
+                                ssl_keyfile=self.ssl_keyfile)
         server = uvicorn.Server(config)
         self._server = server
         self._thread = threading.Thread(

@@ -2,7 +2,8 @@
 # The whole test suite, from nothing: a fresh virtual environment, the project with every
 # extra, Debian's PostgreSQL server and a Java runtime when missing, then ruff, mypy,
 # import-linter (the layers) and pytest. Extra arguments go to pytest
-# (e.g. `bash scripts/test.sh -k protocol`).
+# (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m cluster` runs only the
+# multi-host cluster tests, which need root for their network namespaces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,17 @@ if ! command -v java >/dev/null 2>&1; then
   apt_install openjdk-17-jre-headless
 fi
 java -version 2>&1 | head -1
+# iproute2 (ip, tc) for the cluster tests and the network fault tests (they create their
+# own network namespaces, veth pairs and a bridge; they, and the tmpfs of the ENOSPC
+# test, need root); openssl for the TLS tests' self-signed certificates.
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+  echo "== installing Debian's iproute2 (ip/tc not found)"
+  apt_install iproute2
+fi
+if ! command -v openssl >/dev/null 2>&1; then
+  echo "== installing openssl"
+  apt_install openssl
+fi
 # Debian's Chromium for the console's browser test (driven by Playwright for Python with
 # executable_path=/usr/bin/chromium; Playwright's own browser download is never used).
 if [ ! -x /usr/bin/chromium ]; then

@@ -23,8 +23,9 @@ if str(ROOT) not in sys.path:
 
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
-# tansu_bootstrap / real_kafka_bootstrap and s3 / s3_bucket fixtures for every test module
-pytest_plugins = ["tests.kafka_support", "tests.s3_support"]
+# tansu_bootstrap / real_kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
+# test module
+pytest_plugins = ["tests.kafka_support", "tests.s3_support", "tests.cluster_support"]
 
 
 @pytest.fixture(scope="session")

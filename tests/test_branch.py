@@ -13,8 +13,9 @@ import pyarrow as pa
 import pytest
 
 from twophase.connection import Connection, connect
+from twophase.errors import RedoMismatch
 from twophase.participant import BranchStatus, Participant
-from twophase.protocol import BeginKind, State
+from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
 from twophase.task import BatchPlan, BranchOutcome, run_partition
@@ -54,7 +55,8 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
         key=res.txn.key, epoch=epoch, partitions=2,
         mode="finish" if res.kind == BeginKind.IN_DOUBT else "run",
         coordinator_url=conn.url, token=conn.token, participants=tuple(parts),
-        handles=handles, ack_earlier=tuple(t.attempt for t in res.recover
+        handles=handles, digests={b: s.digest for b, s in res.txn.branches.items() if s.digest},
+        ack_earlier=tuple(t.attempt for t in res.recover
                                            if t.attempt != res.txn.attempt),
     )
     return plan, res.kind
@@ -63,13 +65,15 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
 def _prepare_and_vote_yes(plan: BatchPlan, parts: list[Participant], client: Any,
                           epoch: int) -> None:
     """Every branch prepares and votes YES by hand: COMMIT is decided, nothing applied."""
+    from twophase.digest import rows_digest
     from twophase.wire import VoteIn
 
     for p in range(2):
         votes = []
         for part in parts:
             handle = part.prepare(plan.ref(part, p), SCHEMA, _batch(p))
-            votes.append(VoteIn(branch=f"{part.name}/{p}", yes=True, handle=dict(handle)))
+            votes.append(VoteIn(branch=f"{part.name}/{p}", yes=True, handle=dict(handle),
+                                digest=rows_digest(SCHEMA, _batch(p))))
         client.vote(plan.key, epoch, votes)
 
 
@@ -152,27 +156,77 @@ def test_finish_mode_commits_prepared_and_redoes_lost(setup) -> None:  # type: i
     assert report.ok, report.lines()
 
 
-def test_redo_refuses_a_replay_that_differs_from_the_vote(setup) -> None:  # type: ignore[no-untyped-def]
-    """A lost branch is redone from the replayed batch; if the replay has other rows
-    than were voted (a nondeterministic query), the redo is refused, naming why."""
+def _lost_after_commit(setup):  # type: ignore[no-untyped-def]
+    """COMMIT decided, the files branch of partition 0 lost: (sink, parts, client, plan,
+    finish plan) for a redo."""
     sink, parts, conn = setup
     client = conn.client()
     epoch = client.register(sink)
     plan, _ = _plan(sink, parts, conn, epoch)
     _prepare_and_vote_yes(plan, parts, client, epoch)
+    assert all(s.digest for s in client.get(plan.key).branches.values())  # stored with votes
     files = parts[1]
     files.abort(plan.ref(files, 0), None)  # lost
     finish, _ = _plan(sink, parts, conn, client.register(sink))
-    with pytest.raises(Exception, match="not deterministic"):
-        run_partition(finish, 0, SCHEMA, _batch(0, n=7))
+    assert finish.digests == {b: s.digest for b, s in client.get(plan.key).branches.items()}
+    return sink, parts, client, plan, finish
+
+
+def _same_count_other_value(p: int) -> list[pa.RecordBatch]:
+    [b] = _batch(p)
+    labels = b.column(1).to_pylist()
+    labels[2] = "changed"
+    return [pa.RecordBatch.from_pydict({"id": b.column(0), "label": labels}, schema=SCHEMA)]
+
+
+@pytest.mark.parametrize("replay", ["more_rows", "same_count_other_value"])
+def test_redo_refuses_a_replay_that_differs_from_the_vote_then_redrive(  # type: ignore[no-untyped-def]
+    setup, replay: str
+) -> None:
+    """A lost branch is redone from the replayed batch; a replay with other rows than
+    were voted (a nondeterministic query: more rows, or one value changed at the same
+    row count, which a row count would miss) is refused naming the batch, partition,
+    participant and the settling commands; nothing is written. Re-driving with the voted
+    rows then finishes the batch."""
+    sink, parts, client, plan, finish = _lost_after_commit(setup)
+    files = parts[1]
+    bad = _batch(0, n=7) if replay == "more_rows" else _same_count_other_value(0)
+    with pytest.raises(RedoMismatch) as err:
+        run_partition(finish, 0, SCHEMA, bad)
+    msg = str(err.value)
+    for part in (f"branch {files.name}/0", f"batch {plan.key.batch_id}", "partition 0",
+                 "re-drive", "force-ack", '"outcome": "COMMIT"', "not deterministic"):
+        assert part in msg, (part, msg)
     assert files.status(finish.ref(files, 0)) == BranchStatus.ABSENT
-    # the same replay as voted then finishes the batch (and leaves nothing prepared on
-    # the suite's shared server)
-    _run_all(finish)
+    # re-drive: the same replay as voted (any row order) finishes the batch
+    outs = []
+    for p in range(2):
+        [b] = _batch(p)
+        outs.append(run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA,
+                                  [b.take(pa.array(list(reversed(range(b.num_rows)))))]))
+    assert sum(o.redone for o in outs) == 1
     assert client.get(plan.key).state == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
     report = verify(parts, want, sink=sink)
     assert report.ok, report.lines()
+
+
+def test_redo_mismatch_settled_by_accepting_the_loss(setup) -> None:  # type: ignore[no-untyped-def]
+    """The other way out: the operator force-acks the lost branch (its rows are given
+    up); the transaction completes and nothing of the refused replay was written."""
+    sink, parts, client, plan, finish = _lost_after_commit(setup)
+    with pytest.raises(RedoMismatch):
+        run_partition(finish, 0, SCHEMA, _same_count_other_value(0))
+    run_partition(pickle.loads(pickle.dumps(finish)), 1, SCHEMA, _batch(1))
+    # what the refusal told the operator to run (here through the client)
+    for part in parts:
+        bid = f"{part.name}/0"
+        if client.get(plan.key).branches[bid].ack is None:
+            client.force_ack(plan.key, bid, Decision.COMMIT)
+    assert client.get(plan.key).state == State.COMMITTED
+    report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
+    [pg, fl] = report.systems
+    assert pg.ok and fl.missing == 5 and fl.duplicates == fl.unexpected == 0
 
 
 def test_two_sinks_share_a_files_folder_without_dropping_rows(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """``twophase chaos`` end to end: a short run with real SIGKILLs of the driver, a Spark
-Python worker and the coordinator daemon, real PostgreSQL and files; then bad options."""
+Python worker and the coordinator daemon, real PostgreSQL, files and Kafka (tansu, judged
+from its partition logs); ``twophase demo --kafka-bootstrap local``; the long run over all
+three participants (``slow``); then bad options."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
     out = tmp_path / "report.json"
     res = _chaos("--kills", "3", "--seed", "3", "--victims", "driver,worker,coordinator",
                  "--coordinator-mode", "daemon", "--batches", "2", "--rows-per-batch", "40",
-                 "--pg-dsn", pg_dsn, "--workdir", str(tmp_path / "wd"),
+                 "--pg-dsn", pg_dsn, "--kafka-tansu", "--workdir", str(tmp_path / "wd"),
                  "--json-out", str(out))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "exactly-once: PASSED" in res.stdout
@@ -37,17 +39,54 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
     assert report["kills"] == 3 and len(report["events"]) == 3
     assert sum(report["by_victim"].values()) == 3
     systems = {s["kind"]: s for s in report["verify"]["systems"]}
-    assert set(systems) == {"postgres", "files"}
+    assert set(systems) == {"postgres", "files", "kafka"}
     for s in systems.values():
         assert s["rows"] == report["rows"] == report["batches"] * 40
-        assert (s["duplicates"], s["missing"], s["unexpected"],
-                s["prepared_leftovers"]) == (0, 0, 0, 0)
+        assert (s["duplicates"], s["missing"], s["unexpected"], s["prepared_leftovers"],
+                s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0)
+        assert s["exact"] and s["ok"]
+    assert "judged from the partition logs" in systems["kafka"]["note"]
+    assert "not judged" not in res.stdout
     assert report["recovery_seconds"]["n"] >= 1
     for ev in report["events"]:
         assert ev["victim"] in ("driver", "worker", "coordinator")
         assert ev["method"] in ("failpoint", "timer") and ev["step"]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
+
+
+def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:
+    """``twophase demo --kafka-bootstrap local`` judges Kafka like the others (exit code 0
+    only when every system, Kafka included, shows each id once and nothing open)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "twophase.cli", "demo", "--kafka-bootstrap", "local",
+         "--no-postgres", "--batches", "2", "--rows-per-batch", "50", "--partitions", "2",
+         "--workdir", str(tmp_path / "demo"), "--json"],
+        capture_output=True, text=True, timeout=900, check=False)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    report, _ = json.JSONDecoder().raw_decode(res.stdout[res.stdout.index("{\n"):])
+    kafka = next(s for s in report["systems"] if s["kind"] == "kafka")
+    assert kafka["ok"] and kafka["exact"] and kafka["rows"] == 100, kafka
+    assert kafka["open_transactions"] == kafka["duplicates"] == kafka["missing"] == 0
+
+
+@pytest.mark.slow
+def test_long_chaos_run_over_postgres_files_and_kafka(tmp_path: Path, pg_dsn: str) -> None:
+    """The long run of docs/chaos.md: >= 100 kills, PostgreSQL + files + Kafka, all judged
+    (about an hour on a 2-core machine)."""
+    out = tmp_path / "report.json"
+    res = _chaos("--kills", "100", "--seed", "12", "--coordinator-mode", "daemon",
+                 "--victims", "worker,coordinator", "--batches", "4", "--rows-per-batch",
+                 "200", "--max-kills-per-run", "12", "--pg-dsn", pg_dsn, "--kafka-tansu",
+                 "--workdir", str(tmp_path / "wd"), "--json-out", str(out), "--quiet",
+                 timeout=4 * 3600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["kills"] >= 100 and report["coordinator_unsettled"] == 0
+    systems = {s["kind"]: s for s in report["verify"]["systems"]}
+    assert set(systems) == {"postgres", "files", "kafka"}
+    for s in systems.values():
+        assert s["ok"] and s["exact"] and s["rows"] == report["rows"]
 
 
 def test_same_seed_same_kill_plan(tmp_path: Path) -> None:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import pickle
 import re
 import string
+import time
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.participant import BranchRef, ParticipantError
+from twophase.participant import BranchRef, BranchStatus, ParticipantError
+from twophase.protocol import Decision, RecoveryAction, recovery_action
 from twophase.sinks.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KafkaParticipant,
@@ -91,6 +93,62 @@ def test_commit_failure_is_reported_not_aborted() -> None:
         p.commit(b, None)
     assert p.in_doubt("orders") == []
     producer.close()
+
+
+# -- past the transaction timeout -------------------------------------------------------
+
+# What commit_transaction answers once the broker has expired (aborted) the transaction
+# (transaction.timeout.ms passed while the COMMIT decision was being applied): the
+# coordinator aborts it and bumps the producer epoch, so the producer is fenced
+# (PRODUCER_FENCED / INVALID_PRODUCER_EPOCH, fatal), or with Kafka 4's transactions v2
+# told to abort (TRANSACTION_ABORTABLE); librdkafka may also report its own _FENCED or an
+# INVALID_TXN_STATE. tansu never expires a transaction, so the expiry is modelled here by
+# a producer that answers the broker's error; tests/test_kafka_chaos.py redoes an expired
+# (fenced) branch end to end.
+EXPIRED = [("PRODUCER_FENCED", True, False), ("INVALID_PRODUCER_EPOCH", True, False),
+           ("_FENCED", True, False), ("TRANSACTION_ABORTABLE", False, True),
+           ("INVALID_TXN_STATE", False, True)]
+
+
+class _ExpiredProducer:
+    """A producer whose transaction the broker expired: commit answers ``err``; abort and
+    close are recorded so the test can check that nothing aborted under COMMIT."""
+
+    def __init__(self, err: KafkaError) -> None:
+        self.err, self.calls = err, []  # type: list[str]
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        self.calls.append("commit")
+        raise KafkaException(self.err)
+
+    def abort_transaction(self, timeout: float = -1) -> None:  # pragma: no cover - the bug
+        self.calls.append("abort")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize(("name", "fatal", "abortable"), EXPIRED,
+                         ids=[n for n, _, _ in EXPIRED])
+def test_an_expired_transaction_is_redone_under_commit_never_aborted(
+    name: str, fatal: bool, abortable: bool
+) -> None:
+    """Expiry while applying COMMIT: reported at once (no retry loop), the producer is
+    dropped, the transaction is not aborted by us, and the recovery rule redoes the
+    branch (COMMIT decided, nothing prepared here: REDO)."""
+    p = part(connect_timeout_s=1, commit_retry_s=30)
+    b = ref(p)
+    err = KafkaError(getattr(KafkaError, name), "transaction timed out", fatal=fatal,
+                     txn_requires_abort=abortable)
+    producer = _ExpiredProducer(err)
+    p._prepared[b] = _Prepared(b, producer, {})
+    started = time.monotonic()
+    with pytest.raises(ParticipantError, match=rf"{name}.*must be redone under the COMMIT"):
+        p.commit(b, None)
+    assert time.monotonic() - started < 5  # not retried for commit_retry_s
+    assert producer.calls == ["commit"]  # never aborted under a COMMIT decision
+    assert p.in_doubt("orders") == []  # dropped: the next finish sees ABSENT, not PREPARED
+    assert recovery_action(Decision.COMMIT, BranchStatus.ABSENT) is RecoveryAction.REDO
 
 
 # -- topics, config, names ---------------------------------------------------------------

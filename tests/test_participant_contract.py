@@ -32,9 +32,13 @@ class _Bare(Participant):
         return []
 
 
-class _Isolated(_Bare):
+class _Reads(_Bare):
+    def __init__(self, name: str, back: ReadBack) -> None:
+        super().__init__(name)
+        self.back = back
+
     def read_back(self, column: str) -> ReadBack:
-        return ReadBack((1, 1, 2), isolation_dependent=True)
+        return self.back
 
 
 def test_defaults_no_vote_window_rule_and_no_reader() -> None:
@@ -44,12 +48,15 @@ def test_defaults_no_vote_window_rule_and_no_reader() -> None:
         verify([p], [1])
 
 
-def test_isolation_dependent_figures_are_judged_only_when_asked() -> None:
-    judged = verify([_Isolated("iso")], [1, 2])
-    assert not judged.ok and judged.systems[0].exact and judged.systems[0].duplicates == 1
-    unjudged = verify([_Isolated("iso")], [1, 2], judge_kafka=False)
-    [s] = unjudged.systems
-    assert unjudged.ok and not s.exact and "tansu" in s.note
+def test_open_transactions_and_reader_mismatch_fail_aborted_rows_do_not() -> None:
+    """Aborted rows are reported (expected after a kill); an open transaction or a second
+    reader disagreeing fails the verdict, like a duplicate."""
+    assert verify([_Reads("a", ReadBack((1, 2), aborted=3))], [1, 2]).ok
+    opened = verify([_Reads("o", ReadBack((1, 2), open=1))], [1, 2])
+    assert not opened.ok and opened.systems[0].open_transactions == 1
+    assert "open_transactions=1" in "\n".join(opened.lines())
+    assert not verify([_Reads("m", ReadBack((1, 2), mismatch=1))], [1, 2]).ok
+    assert not verify([_Reads("d", ReadBack((1, 1, 2)))], [1, 2]).ok
 
 
 def test_kafka_vote_window() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -32,7 +33,7 @@ from twophase.errors import (
 from twophase.protocol import TxnKey
 from twophase.wire import VoteIn
 
-__all__ = ["CoordinatorClient"]
+__all__ = ["CoordinatorClient", "pinned"]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 CA_ENV: Final = "TWOPHASE_CA_CERT"
@@ -40,6 +41,14 @@ POLL_SLICE: Final = 30.0
 FIRST_CONTACT_BUDGET: Final = 5.0  # seconds register() retries a refused/unresolvable URL
 
 log = logging.getLogger("twophase.client")
+
+
+def pinned(ca_pem: str | None) -> ssl.SSLContext | None:
+    """Verify TLS against exactly this certificate (an embedded coordinator's own,
+    self-signed one, shipped to the tasks with the plan); None: the default trust."""
+    if ca_pem is None:
+        return None
+    return ssl.create_default_context(cadata=ca_pem)
 
 
 class _Retryable(TwophaseError):
@@ -61,7 +70,7 @@ class CoordinatorClient:
         *,
         timeout: float = 30.0,
         retry_budget: float = 120.0,
-        verify: bool | str | None = None,
+        verify: bool | str | ssl.SSLContext | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(

@@ -3,7 +3,14 @@
 ``http(s)://host:port`` is a daemon. A store URL (``sqlite:///path.db``,
 ``postgresql://...``) starts the coordinator inside this process, on a free port, so that
 executors reach it over HTTP exactly like a daemon; one embedded server per store URL and
-host is shared by every sink of the process and stops when its last user closes.
+address is shared by every sink of the process and stops when its last user closes.
+
+Where it listens: ``host`` (the sink passes the Spark driver's ``spark.driver.bindAddress``
+and advertises ``spark.driver.host`` on a cluster, loopback under a ``local`` master),
+overridden by ``$TWOPHASE_EMBEDDED_HOST`` (bind address) and
+``$TWOPHASE_EMBEDDED_ADVERTISE`` (the address the executors are told). Every embedded
+server has its own random token, which the tasks carry; ``tls=(certfile, keyfile)``
+serves HTTPS and the tasks trust exactly that certificate.
 
 This is the one module of the core that imports the coordinator (lazily, only when an
 embedded coordinator is asked for); the layering is otherwise core -> nothing above it.
@@ -15,12 +22,15 @@ import os
 import threading
 from typing import Any, Final
 
-from twophase.client import TOKEN_ENV, CoordinatorClient
+from twophase.client import TOKEN_ENV, CoordinatorClient, pinned
 from twophase.errors import InvalidRequest
 
-__all__ = ["EMBEDDED_HOST_ENV", "Connection", "connect"]
+__all__ = [
+    "EMBEDDED_ADVERTISE_ENV", "EMBEDDED_HOST_ENV", "Connection", "check_coordinator", "connect",
+]
 
 EMBEDDED_HOST_ENV: Final = "TWOPHASE_EMBEDDED_HOST"
+EMBEDDED_ADVERTISE_ENV: Final = "TWOPHASE_EMBEDDED_ADVERTISE"
 
 _STORE_PREFIXES: Final = ("sqlite:///", "postgresql://", "postgresql+psycopg://", "postgres://")
 
@@ -29,9 +39,11 @@ class Connection:
     """What :func:`connect` returns. Pickles to ``url`` + ``token`` only, so it can be
     shipped to Spark executors; there it reaches the (daemon or embedded) coordinator."""
 
-    def __init__(self, url: str, token: str | None, server: Any = None, cache_key: Any = None):
+    def __init__(self, url: str, token: str | None, server: Any = None, cache_key: Any = None,
+                 ca_pem: str | None = None):
         self.url = url
         self.token = token
+        self.ca_pem = ca_pem  # the embedded server's own certificate, when it serves TLS
         self._server = server
         self._cache_key = cache_key
         self._client: CoordinatorClient | None = None
@@ -42,7 +54,9 @@ class Connection:
         ``retry_budget``: seconds it rides through an unreachable coordinator."""
         with self._lock:
             if self._client is None:
-                self._client = CoordinatorClient(self.url, self.token, retry_budget=retry_budget)
+                self._client = CoordinatorClient(self.url, self.token,
+                                                 verify=pinned(self.ca_pem),
+                                                 retry_budget=retry_budget)
             return self._client
 
     def close(self) -> None:
@@ -56,10 +70,10 @@ class Connection:
             self._server = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "token": self.token}
+        return {"url": self.url, "token": self.token, "ca_pem": self.ca_pem}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["token"])  # type: ignore[misc]
+        self.__init__(state["url"], state["token"], ca_pem=state.get("ca_pem"))  # type: ignore[misc]
 
     def __repr__(self) -> str:
         kind = "embedded" if self._server is not None else "daemon"
@@ -90,28 +104,56 @@ def _release_embedded(cache_key: Any) -> None:
     server.stop()
 
 
-def connect(coordinator: str, token: str | None = None) -> Connection:
+def connect(
+    coordinator: str,
+    token: str | None = None,
+    *,
+    host: str | None = None,
+    advertise: str | None = None,
+    tls: tuple[str, str] | None = None,
+) -> Connection:
     """``http(s)://host:port`` -> a daemon (token: the parameter, else $TWOPHASE_TOKEN);
     ``sqlite:///path.db`` / ``postgresql://...`` -> an embedded coordinator in this process
-    (one per store URL, shared by every sink of the process; random token)."""
+    (one per store URL and address, shared by every sink of the process; random token),
+    listening on ``host`` (default loopback) and known to the tasks as ``advertise``
+    (default ``host``); the environment overrides both (module docstring)."""
     if coordinator.startswith(("http://", "https://")):
         return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
     if coordinator.startswith(_STORE_PREFIXES):
         # lazy, and the core's only import of the coordinator (see the module docstring)
         from twophase.coordinator.embedded import EmbeddedServer
 
-        host = os.environ.get(EMBEDDED_HOST_ENV, "127.0.0.1")
-        key = (EmbeddedServer.store_key(coordinator), host)
+        bind = os.environ.get(EMBEDDED_HOST_ENV) or host or "127.0.0.1"
+        shown = os.environ.get(EMBEDDED_ADVERTISE_ENV) or (
+            advertise if not os.environ.get(EMBEDDED_HOST_ENV) else None)
+        key = (EmbeddedServer.store_key(coordinator), bind)
         with _EMBEDDED_LOCK:
             entry = _EMBEDDED.get(key)
             if entry is None:
-                server = EmbeddedServer(coordinator, host=host).start()
+                server = EmbeddedServer(
+                    coordinator, host=bind, advertise_host=shown,
+                    ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None,
+                ).start()
                 _EMBEDDED[key] = (server, 1)
             else:
                 server, users = entry
                 _EMBEDDED[key] = (server, users + 1)
-        return Connection(server.url, server.token, server=server, cache_key=key)
-    raise InvalidRequest(
+        return Connection(server.url, server.token, server=server, cache_key=key,
+                          ca_pem=server.ca_pem)
+    raise _not_understood(coordinator)
+
+
+def check_coordinator(coordinator: object) -> str:
+    """``coordinator`` if :func:`connect` understands it, else the error it would raise
+    (checked when a sink is built, long before its first batch connects)."""
+    if not isinstance(coordinator, str) or not coordinator.startswith(
+            ("http://", "https://", *_STORE_PREFIXES)):
+        raise _not_understood(coordinator)
+    return coordinator
+
+
+def _not_understood(coordinator: object) -> InvalidRequest:
+    return InvalidRequest(
         f"coordinator={coordinator!r} is not understood: use 'http://host:port' or "
         "'https://host:port' for a daemon, or a store URL 'sqlite:///path.db' / "
         "'postgresql://user@host:port/db' for an embedded coordinator"

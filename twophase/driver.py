@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
+from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import Participant
@@ -83,6 +84,13 @@ class TransactionalSink:
     seconds at the first call). Logs go to the ``twophase.sink`` logger: INFO per
     committed batch, WARNING for replayed, recovered, aborted and redone ones;
     ``on_batch`` gets each :class:`BatchReport`.
+
+    On a cluster the embedded coordinator listens on the driver's
+    ``spark.driver.bindAddress`` and the tasks reach it at ``spark.driver.host``
+    (``coordinator_host=`` overrides both; ``coordinator_tls=(certfile, keyfile)`` serves
+    it over HTTPS). Before anything is written, a batch needs as many task slots as
+    partitions (waiting up to ``cluster_wait`` seconds for executors to register) and no
+    dynamic allocation: a barrier stage cannot run otherwise (docs/cluster.md).
     """
 
     def __init__(
@@ -98,11 +106,21 @@ class TransactionalSink:
         vote_timeout: float = 300.0,
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
+        coordinator_host: str | None = None,
+        coordinator_tls: tuple[str, str] | None = None,
+        cluster_wait: float = 60.0,
         json_logs: bool = False,
         retry_budget_s: float = 120.0,
         preflight: bool = True,
     ) -> None:
         self.name = validate_name("sink name", name)
+        if lineage is None and _spark_connect_client():
+            raise InvalidRequest(
+                f"sink {name!r}: under Spark Connect foreachBatch runs in a server-side "
+                "Python process that cannot see the streaming query's id; pass "
+                "lineage='<1-64 of A-Z a-z 0-9 - _ .>' naming this query's checkpoint "
+                "(a new checkpoint location needs a new lineage; docs/cluster.md)"
+            )
         if not participants:
             raise InvalidRequest("a TransactionalSink needs at least one participant")
         names = [p.name for p in participants]
@@ -111,10 +129,16 @@ class TransactionalSink:
                 f"participant names must be unique within sink {name!r}, got {names}; "
                 "pass name=... to tell two participants of the same kind apart"
             )
-        if partitions is not None and partitions < 1:
-            raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
-        if max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if len(participants) > MAX_PARTICIPANTS:
+            raise InvalidRequest(
+                f"a TransactionalSink takes at most {MAX_PARTICIPANTS} participants, got "
+                f"{len(participants)}: split the output over several sinks"
+            )
+        _bounded_int("partitions", partitions, 1, MAX_PARTITIONS, optional=True)
+        _bounded_int("max_attempts", max_attempts, 1, 1000)
+        _bounded_float("backoff", backoff, 0.0, 3600.0, "seconds between attempts")
+        _bounded_float("vote_timeout", vote_timeout, 0.001, MAX_VOTE_TIMEOUT,
+                       "seconds the coordinator waits for every vote")
         if not retry_budget_s > 0:
             raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
@@ -130,7 +154,7 @@ class TransactionalSink:
                     "unset (or 1)"
                 )
             partitions = 1
-        self.coordinator = coordinator
+        self.coordinator = check_coordinator(coordinator)
         self.token = token
         self.partitions = partitions
         self.max_attempts = max_attempts
@@ -143,6 +167,10 @@ class TransactionalSink:
             # A prepared branch must outlive the vote window (a Kafka transaction times out).
             p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
+        self.coordinator_host = coordinator_host
+        self.coordinator_tls = coordinator_tls
+        self.cluster_wait = cluster_wait
+        self._slots_checked = 0
         self.retry_budget_s = float(retry_budget_s)
         self.preflight = preflight
         self._preflighted = False
@@ -160,13 +188,68 @@ class TransactionalSink:
         self._checked_schema: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-    def _connect(self) -> CoordinatorClient:
+    def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
         if self._client is None:
             from twophase.connection import connect
 
-            self._conn = connect(self.coordinator, self.token)
+            bind, advertise = self._coordinator_address(df)
+            self._conn = connect(self.coordinator, self.token, host=bind, advertise=advertise,
+                                 tls=self.coordinator_tls)
             self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
+
+    def _coordinator_address(self, df: DataFrame | None) -> tuple[str, str]:
+        """Where an embedded coordinator listens and what the tasks are told: loopback
+        under a ``local`` master (or with no session to ask), else the driver's own bind
+        address and host."""
+        if self.coordinator_host:
+            return self.coordinator_host, self.coordinator_host
+        if df is None:
+            return "127.0.0.1", "127.0.0.1"
+        conf = df.sparkSession.conf
+        master = conf.get("spark.master", "local") or "local"
+        if master.startswith("local"):
+            return "127.0.0.1", "127.0.0.1"
+        host = conf.get("spark.driver.host", None)
+        if not host:
+            import socket
+
+            host = socket.gethostbyname(socket.gethostname())
+        bind = conf.get("spark.driver.bindAddress", None) or host
+        return bind, host
+
+    def _check_cluster(self, df: DataFrame, partitions: int) -> None:
+        """Refuse, before anything is begun or written, a batch Spark would refuse
+        mid-way: barrier stages need all their tasks running at once."""
+        conf = df.sparkSession.conf
+        master = conf.get("spark.master", "local") or "local"
+        dyn = (conf.get("spark.dynamicAllocation.enabled", "false") or "false").lower()
+        if dyn == "true" and not master.startswith("local"):
+            raise InvalidRequest(
+                f"sink {self.name!r}: spark.dynamicAllocation.enabled=true, but the sink "
+                "runs each batch as a barrier stage, which Spark does not run under "
+                "dynamic allocation; start the application with "
+                "--conf spark.dynamicAllocation.enabled=false and a fixed executor count "
+                "(--num-executors / spark.cores.max) covering the sink's partitions"
+            )
+        if partitions <= self._slots_checked:
+            return
+        slots = _task_slots(df)
+        if slots is None:  # Spark Connect: no SparkContext to ask; Spark's own check rules
+            return
+        deadline = time.monotonic() + self.cluster_wait
+        while slots < partitions and time.monotonic() < deadline:
+            time.sleep(0.5)  # executors may still be registering
+            slots = _task_slots(df) or 0
+        if slots < partitions:
+            raise InvalidRequest(
+                f"sink {self.name!r}: a batch needs {partitions} task slots at once (one "
+                f"barrier task per partition) but the cluster offers {slots} (waited "
+                f"{self.cluster_wait:.0f}s for executors); pass partitions<={slots} to "
+                "the sink, or give the application more executor cores "
+                "(spark.cores.max / --num-executors x spark.executor.cores)"
+            )
+        self._slots_checked = partitions
 
     @property
     def console_url(self) -> str | None:
@@ -235,8 +318,10 @@ class TransactionalSink:
     # ------------------------------------------------------------------ the batch
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
-        client = self._connect()
         lineage = self._lineage(df)
+        partitions = self.partitions or _default_partitions(df)
+        self._check_cluster(df, partitions)
+        client = self._connect(df)
         if self._epoch is None:
             # One writer epoch per driver run: a restarted driver fences the old one.
             # the participants' descriptors let `twophase resolve SINK` rebuild them
@@ -249,14 +334,17 @@ class TransactionalSink:
             from twophase.preflight import check_executors, choose_worker_python
 
             assert self._conn is not None
-            sc = df.sparkSession.sparkContext
-            choose_worker_python(sc)
-            if self.preflight:
-                check_executors(sc, self.name, self.participants, self._conn.url)
+            sc = _jvm_context(df)
+            if sc is None:  # Spark Connect: no SparkContext to run the probe job with
+                log.info("sink %s: Spark Connect, the executors' preflight is skipped",
+                         self.name)
+            else:
+                choose_worker_python(sc)
+                if self.preflight:
+                    check_executors(sc, self.name, self.participants, self._conn.url)
             self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")
-        partitions = self.partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
         aborted = finishing = 0
         while True:
             res = client.begin(
@@ -276,6 +364,8 @@ class TransactionalSink:
                 return
             txn = res.txn
             assert txn is not None
+            # an attempt stored by an earlier run keeps its partition count
+            self._check_cluster(df, txn.partitions)
             plan = self._plan(res.kind, txn, res.recover)
             outcomes, job_error = self._run_tasks(df, plan)
             # The coordinator's record, not the job's fate, says what comes next.
@@ -312,6 +402,7 @@ class TransactionalSink:
     ) -> BatchPlan:
         assert self._conn is not None and self._epoch is not None
         handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
+        digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
         return BatchPlan(
             key=txn.key,
             epoch=self._epoch,
@@ -321,8 +412,10 @@ class TransactionalSink:
             token=self._conn.token,
             participants=self.participants,
             handles=handles,
+            digests=digests,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
+            ca_pem=self._conn.ca_pem,
             retry_budget=self.retry_budget_s,
         )
 
@@ -471,6 +564,42 @@ def _run_through(df: DataFrame) -> None:
     df.write.format("noop").mode("overwrite").save()
 
 
+def _spark_connect_client() -> bool:
+    """True when this process talks to Spark through Spark Connect."""
+    try:
+        from pyspark.sql.utils import is_remote
+    except ImportError:
+        return False
+    return bool(is_remote())
+
+
+def _jvm_context(df: DataFrame) -> Any:
+    """The JVM SparkContext, or None under Spark Connect."""
+    session = df.sparkSession
+    if type(session).__module__.startswith("pyspark.sql.connect"):
+        return None
+    return session.sparkContext
+
+
+def _task_slots(df: DataFrame) -> int | None:
+    """How many tasks the application's executors can run at once (Spark's own figure
+    for barrier stages), or None when it cannot be asked (Spark Connect)."""
+    sc = _jvm_context(df)
+    if sc is None:
+        return None
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _default_partitions(df: DataFrame) -> int:
+    sc = _jvm_context(df)
+    if sc is None:
+        conf = df.sparkSession.conf.get("spark.default.parallelism", None)
+        return max(1, int(conf)) if conf else 2
+    return max(1, int(sc.defaultParallelism))
+
+
 def _arrow_schema(df: DataFrame) -> Any:
     """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone)."""
     from pyspark.sql.pandas.types import to_arrow_schema
@@ -489,3 +618,25 @@ def _short_error(exc: BaseException) -> str:
             line = text[idx:].splitlines()[0]
             return line[:500]
     return (text.splitlines() or [type(exc).__name__])[0][:500]
+
+
+# The coordinator's bounds (coordinator/models.py refuses more): checked here so that a
+# bad argument fails when the sink is built, not at the first batch.
+MAX_PARTICIPANTS = 64
+MAX_PARTITIONS = 100_000
+MAX_VOTE_TIMEOUT = 7 * 86400.0
+
+
+def _bounded_int(what: str, value: object, lo: int, hi: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise InvalidRequest(f"{what} must be an int from {lo} to {hi}, got {value!r}")
+
+
+def _bounded_float(what: str, value: object, lo: float, hi: float, meaning: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # NaN fails too
+        raise InvalidRequest(
+            f"{what} must be a number of {meaning} from {lo:g} to {hi:g}, got {value!r}"
+        )

@@ -26,6 +26,7 @@ __all__ = [
     "ParticipantError",
     "PrepareRefused",
     "ProtocolError",
+    "RedoMismatch",
     "SchemaMismatch",
     "StaleEpoch",
     "StoreError",
@@ -155,6 +156,14 @@ class ParticipantError(TwophaseError):
     """A participant failed; the message names the participant and the cause."""
 
     code = "participant_error"
+
+
+class RedoMismatch(ParticipantError):
+    """A lost branch cannot be redone: the replayed rows differ from the ones voted on
+    (their content digests differ). Nothing was written; the message names the branch
+    and the operator's two ways to settle it."""
+
+    code = "redo_mismatch"
 
 
 class PrepareRefused(ParticipantError):

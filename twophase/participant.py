@@ -106,10 +106,13 @@ class ReadBack:
     exact: bool = True
     """False when these values cannot prove exactly-once (``note`` says why)."""
     note: str = ""
-    isolation_dependent: bool = False
-    """True when only the system's read isolation hides aborted writes from ``values``
-    (Kafka ``read_committed``): a broker known to show aborted records (tansu) makes
-    them unjudgeable, which only the caller knows."""
+    aborted: int = 0
+    """Rows written and then discarded by an abort (expected after a kill; reported)."""
+    open: int = 0
+    """Transactions still open at the end of the output (Kafka): must be 0."""
+    mismatch: int = 0
+    """Rows on which a second reader (a Kafka ``read_committed`` consumer on a broker
+    that hides aborted records) disagrees with ``values``: must be 0."""
 
 
 class Participant(abc.ABC):

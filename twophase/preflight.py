@@ -231,8 +231,10 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str) -> PreflightReport:
 
 
 def _unreachable(url: str, host: str, cause: str) -> str:
-    hint = ("an embedded coordinator listens on 127.0.0.1 unless TWOPHASE_EMBEDDED_HOST "
-            "names an address the executors reach"
+    hint = ("an embedded coordinator listens on 127.0.0.1 only under a local master or "
+            "when TWOPHASE_EMBEDDED_HOST / the sink's coordinator_host= say so; on a "
+            "cluster it listens on spark.driver.host, which must be an address the "
+            "executors reach (docs/cluster.md)"
             if host in ("127.0.0.1", "localhost", "::1")
             else "check the host name, port and firewall between executors and coordinator")
     return f"cannot reach the coordinator at {url} ({cause}): {hint}"

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
+from twophase.digest import rows_digest
+from twophase.errors import RedoMismatch
 from twophase.participant import (
     BranchRef,
     Handle,
@@ -48,8 +50,10 @@ class BatchPlan:
     token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
     participants: tuple[Participant, ...]
     handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
+    digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
+    ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
@@ -108,16 +112,27 @@ def _apply(
     failpoints.hit("after_commit", part.name, ref.partition)
 
 
-def _check_redo_rows(plan: BatchPlan, part: Participant, partition: int, rows: int) -> None:
-    """A redo must write what was voted on. If the replayed batch differs (a
-    nondeterministic column or source), refuse rather than land other rows."""
-    voted = plan.handles.get(branch_id(part.name, partition), {}).get("rows")
-    if voted is not None and voted.isdigit() and int(voted) != rows:
-        raise ParticipantError(
-            f"{part.describe()} partition {partition}: the replayed batch has {rows} rows "
-            f"but the committed vote had {voted}; the query's input or transformation is "
-            "not deterministic, so the lost branch cannot be redone exactly"
-        )
+def _check_redo(plan: BatchPlan, part: Participant, partition: int, digest: str) -> None:
+    """A redo must write what was voted on: the replayed partition's content digest must
+    equal the one stored with the vote. If it differs (a nondeterministic column or
+    source), refuse rather than land other rows, and say how the operator settles it.
+    A vote without a digest (an older client) is not checked."""
+    bid = branch_id(part.name, partition)
+    voted = plan.digests.get(bid)
+    if voted is None or voted == digest:
+        return
+    k = plan.key
+    raise RedoMismatch(
+        f"{part.describe()}: cannot redo branch {bid} of sink {k.sink!r} batch {k.batch_id} "
+        f"(attempt {k.attempt}, lineage {k.lineage}): the replayed partition {partition} has "
+        f"other rows than were voted on (digest {digest}, voted {voted}); the query's "
+        "input or transformation is not deterministic, so the lost branch cannot be redone "
+        "exactly and nothing was written. Settle it: either re-drive (make the replay "
+        "return the voted rows, e.g. restore the source files, and restart the query: it "
+        "redoes the branch) or accept the loss of this branch's rows with POST "
+        f"{{coordinator}}/v1/admin/txns/{k.sink}/{k.lineage}/{k.batch_id}/{k.attempt}/force-ack "
+        f'{{"branch": "{bid}", "outcome": "COMMIT"}} (see docs/coordinator-api.md)'
+    )
 
 
 def _finish_commit(
@@ -142,7 +157,7 @@ def _finish_commit(
         elif action == RecoveryAction.REDO:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
-            _check_redo_rows(plan, part, partition, out.rows)
+            _check_redo(plan, part, partition, rows_digest(schema, batches))
             _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
@@ -164,6 +179,7 @@ def _run_attempt(
     t0 = time.perf_counter()
     prepared: list[tuple[Participant, BranchRef, Handle]] = []
     votes: list[VoteIn] = []
+    digest = rows_digest(schema, batches)  # stored with the vote: a redo must match it
     try:
         for part in plan.participants:
             ref = plan.ref(part, partition)
@@ -178,7 +194,8 @@ def _run_attempt(
             prepared.append((part, ref, handle))
             failpoints.hit("after_prepare", part.name, partition)
             measured: BranchMetrics = {"prepare_s": time.perf_counter() - tp, "rows": out.rows}
-            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle), metrics=measured))
+            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle), metrics=measured,
+                                digest=digest))
     except Exception as exc:
         # An unexpected failure while preparing: vote NO with the cause so the batch
         # aborts now instead of at the vote deadline, undo what this task prepared,
@@ -253,10 +270,11 @@ def run_partition(
     The partition's rows are held in memory as Arrow batches: every participant reads
     them, and a redo may need them again.
     """
-    from twophase.client import CoordinatorClient
+    from twophase.client import CoordinatorClient, pinned
 
     own_client = client is None
     cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
+                                     verify=pinned(plan.ca_pem),
                                      retry_budget=plan.retry_budget)
     rows = list(batches)
     out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))

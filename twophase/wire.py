@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from typing_extensions import NotRequired, TypedDict
 
@@ -21,6 +21,9 @@ from twophase import protocol as p
 from twophase.errors import WireError
 
 __all__ = [
+    "MAX_EPOCH",
+    "MAX_INT",
+    "MAX_TEXT",
     "AbandonBody",
     "AbortBody",
     "AckBody",
@@ -50,6 +53,7 @@ __all__ = [
     "abort_body",
     "acks_body",
     "begin_body",
+    "clip_text",
     "decode_begin",
     "decode_branch",
     "decode_branches",
@@ -73,6 +77,14 @@ StateName = Literal["OPEN", "PREPARING", "COMMITTING", "COMMITTED", "ABORTING", 
 DecisionName = Literal["COMMIT", "ABORT"]
 BeginKindName = Literal["new", "committed", "in_doubt"]
 
+# Bounds of every request field (the service refuses more; the client never sends more).
+MAX_INT: Final = 2**63 - 1
+"""Largest integer a request may carry: SQLite INTEGER and PostgreSQL BIGINT hold it."""
+MAX_EPOCH: Final = 2**62
+"""Largest writer epoch a request may carry; registering adds one, so it cannot overflow."""
+MAX_TEXT: Final = 4096
+"""Longest free text (a NO vote's or an abandon's reason, a handle value)."""
+
 
 # ---------------------------------------------------------------------------------------
 # what the coordinator answers (named as its OpenAPI schemas: "Out" of the service)
@@ -83,6 +95,7 @@ class BranchOut(TypedDict):
     handle: dict[str, str] | None
     reason: str | None
     ack: DecisionName | None
+    digest: NotRequired[str | None]  # absent in answers of older coordinators
 
 
 class TxnOut(TypedDict):
@@ -178,6 +191,7 @@ def encode_branch(b: p.BranchState) -> BranchOut:
         "handle": dict(b.handle) if b.handle is not None else None,
         "reason": b.reason,
         "ack": _decision_name(b.ack),
+        "digest": b.digest,
     }
 
 
@@ -249,6 +263,7 @@ class VoteIn:
     handle: Mapping[str, str] | None = None
     reason: str | None = None
     metrics: BranchMetrics | None = None
+    digest: str | None = None  # content digest of the rows voted on (twophase.digest)
 
 
 class BeginBody(TypedDict):
@@ -266,6 +281,7 @@ class VoteBody(TypedDict):
     handle: dict[str, str] | None
     reason: str | None
     metrics: NotRequired[BranchMetrics]
+    digest: NotRequired[str]  # sent only when set: older services refuse unknown keys
 
 
 class VotesBody(TypedDict):
@@ -308,6 +324,16 @@ def _outcome(o: p.Decision | str) -> DecisionName:
     return p.Decision(o).value
 
 
+def clip_text(text: str) -> str:
+    """``text`` as the service accepts it: at most :data:`MAX_TEXT` characters, no NUL
+    (PostgreSQL refuses it in text), no lone surrogate (not UTF-8). A reason built from
+    an exception message can be anything; clipping it keeps the vote from being refused."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > MAX_TEXT:
+        text = text[: MAX_TEXT - 15] + " ...[clipped]"
+    return text
+
+
 def begin_body(
     lineage: str,
     batch_id: int,
@@ -326,9 +352,11 @@ def begin_body(
 def _vote(v: VoteIn) -> VoteBody:
     out: VoteBody = {"branch": v.branch, "yes": v.yes,
                      "handle": dict(v.handle) if v.handle is not None else None,
-                     "reason": v.reason}
+                     "reason": clip_text(v.reason) if v.reason is not None else None}
     if v.metrics:
         out["metrics"] = v.metrics
+    if v.digest:
+        out["digest"] = v.digest
     return out
 
 
@@ -356,7 +384,7 @@ def register_body(descriptors: Iterable[DescriptorOut]) -> RegisterBody:
 
 
 def abandon_body(epoch: int, reason: str) -> AbandonBody:
-    return {"epoch": epoch, "reason": reason}
+    return {"epoch": epoch, "reason": clip_text(reason)}
 
 
 def force_ack_body(branch: str, outcome: p.Decision, reason: str | None = None) -> ForceAckBody:
@@ -367,7 +395,7 @@ def force_ack_body(branch: str, outcome: p.Decision, reason: str | None = None) 
 
 
 def abort_body(reason: str) -> AbortBody:
-    return {"reason": reason}
+    return {"reason": clip_text(reason)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,6 +450,7 @@ def decode_branch(d: Mapping[str, Any], where: str = "branch") -> p.BranchState:
         handle=handle,
         reason=_opt(d, "reason", str, where),
         ack=_decision(d.get("ack"), f"{where}.ack"),
+        digest=_opt(d, "digest", str, where),
     )
 
 

@@ -48,6 +48,7 @@ from twophase.sinks.kafka.config import (
     validate_topic,
 )
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.log import judge_log, read_log
 from twophase.sinks.kafka.readback import read_topic
 
 __all__ = ["KafkaParticipant"]
@@ -546,10 +547,14 @@ class KafkaParticipant(Participant):
             )
 
     def read_back(self, column: str) -> ReadBack:
-        """The topic read to its end by a ``read_committed`` consumer. Another instance's
-        open transactions cannot be listed (see :meth:`in_doubt`): ``prepared`` is 0."""
-        values = read_topic(self.config, self.topic, column, value_column=self.value)
-        return ReadBack(tuple(values), isolation_dependent=True)
+        """The topic's committed rows rebuilt from its partition logs (COMMIT/ABORT
+        markers, :mod:`~twophase.sinks.kafka.log`), cross-checked with a
+        ``read_committed`` consumer when nothing is left open (see :func:`judge_log`)."""
+        log = read_log(self.config, self.topic)
+        consumer: list[Any] | None = None
+        if not log.open_transactions:
+            consumer = read_topic(self.config, self.topic, column, value_column=self.value)
+        return judge_log(log, column, consumer, value_column=self.value)
 
     def close(self) -> None:
         """Drop producers; open transactions are aborted by librdkafka on close."""

@@ -58,6 +58,7 @@ class Vote:
     now: float
     handle: Mapping[str, str] | None = None
     reason: str | None = None
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ def _on_vote(txn: Transaction, ev: Event) -> Transaction:
         vote=vote,
         handle=MappingProxyType(dict(ev.handle or {})) if ev.yes else None,
         reason=None if ev.yes else (ev.reason or "voted NO without a reason"),
+        digest=ev.digest if ev.yes else None,
     )
     txn = _with_branch(replace(txn, state=State.PREPARING), ev.branch, st)
     if not ev.yes:

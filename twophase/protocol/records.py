@@ -93,6 +93,7 @@ class BranchState:
     handle: Mapping[str, str] | None = None  # what the participant needs to commit later
     reason: str | None = None  # why it voted NO
     ack: Decision | None = None  # the outcome the branch confirmed it applied
+    digest: str | None = None  # content digest of the rows voted on (a redo must match it)
 
 
 @dataclass(frozen=True)

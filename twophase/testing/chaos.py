@@ -218,7 +218,6 @@ class ChaosOptions:
     files_path: str | None = None  # default: a folder in workdir; or s3://bucket/prefix
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
-    judge_kafka: bool = True
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -535,7 +534,7 @@ class _Chaos:
         rec = [ev.recovery_s for ev in self.events if ev.recovery_s is not None]
         report = verify(build_participants(self.cfg),
                         expected_ids(self.total_batches, self.o.rows_per_batch),
-                        sink=self.cfg.sink, judge_kafka=self.o.judge_kafka)
+                        sink=self.cfg.sink)
         by_victim_step: dict[str, Counter[str]] = {}
         for ev in self.events:
             by_victim_step.setdefault(ev.victim, Counter())[ev.step] += 1

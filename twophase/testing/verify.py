@@ -1,13 +1,14 @@
 """The exactly-once verifier: what landed in each system, compared with what should have.
 
 Given a sink's participants, the id column and the expected ids, it reads every system
-the way a consumer would, through the participant contract
-(:meth:`~twophase.participant.Participant.read_back`: PostgreSQL table, files through
-pyarrow, Kafka with a ``read_committed`` consumer) and reports per system: duplicates,
-missing ids, unexpected ids, and leftovers still prepared (``pg_prepared_xacts``, staged
-files, open Kafka branches known to this process). Used by the tests, ``twophase demo``
-and ``twophase chaos``. It knows no system: a new participant is verified by
-implementing ``read_back``.
+through the participant contract (:meth:`~twophase.participant.Participant.read_back`:
+PostgreSQL table, files through pyarrow, Kafka rebuilt from its partition logs with
+Kafka's transaction rule and cross-checked with a ``read_committed`` consumer) and
+reports per system: duplicates, missing ids, unexpected ids, leftovers still prepared
+(``pg_prepared_xacts``, staged files, open Kafka branches known to this process), open
+Kafka transactions, aborted rows (reported) and disagreements between two readers. Used
+by the tests, ``twophase demo`` and ``twophase chaos``. It knows no system: a new
+participant is verified by implementing ``read_back``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class SystemReport:
     unexpected: int
     prepared_leftovers: int
     examples: dict[str, list[Any]] = field(default_factory=dict)
-    exact: bool = True  # False when the reader cannot judge exactly-once (e.g. tansu)
+    exact: bool = True  # False when the reader cannot judge exactly-once
     note: str = ""
+    aborted: int = 0  # rows discarded by an abort (expected after kills; reported)
+    open_transactions: int = 0  # Kafka transactions left open at the end of the log
+    mismatch: int = 0  # rows on which a second reader disagrees (Kafka read_committed)
     # Litter of a prepare killed mid-write (files: temp files in the staging folder): never
     # visible to readers and never prepared (the staged name did not appear), so it does not
     # break exactly-once; reported so it is seen.
@@ -42,7 +46,8 @@ class SystemReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.duplicates or self.missing or self.unexpected or self.prepared_leftovers)
+        return not (self.duplicates or self.missing or self.unexpected or self.prepared_leftovers
+                    or self.open_transactions or self.mismatch)
 
 
 @dataclass
@@ -73,6 +78,9 @@ class VerifyReport:
                 f"missing={s.missing:<5} unexpected={s.unexpected:<5} "
                 f"prepared_leftovers={s.prepared_leftovers:<3} {verdict}"
             )
+            if s.kind == "kafka" or s.aborted or s.open_transactions or s.mismatch:
+                out.append(f"  {'':<24} aborted={s.aborted} open_transactions="
+                           f"{s.open_transactions} mismatch={s.mismatch} ({s.note})")
             if s.temp_leftovers:
                 out.append(f"  {'':<24} + {s.temp_leftovers} temp file(s) of a prepare killed "
                            "mid-write (never visible, not prepared)")
@@ -91,14 +99,10 @@ def verify(
     *,
     column: str = "id",
     sink: str | None = None,
-    judge_kafka: bool = True,
 ) -> VerifyReport:
     """Compare every participant's committed ids with ``expected``.
 
-    ``sink`` adds the participant's own ``in_doubt(sink)`` leftovers. ``judge_kafka=False``
-    reports without judging the figures that only the system's read isolation makes
-    right (Kafka ``read_committed``: a broker that shows aborted records, such as tansu,
-    cannot prove exactly-once).
+    ``sink`` adds the participant's own ``in_doubt(sink)`` leftovers.
     """
     want = Counter(expected)
     systems: list[SystemReport] = []
@@ -111,8 +115,6 @@ def verify(
         dups = sorted(k for k, n in got.items() if n > 1)
         missing = sorted(k for k in want if k not in got)
         unexpected = sorted(k for k in got if k not in want)
-        exact = back.exact and (judge_kafka or not back.isolation_dependent)
-        note = back.note or ("" if exact else "broker shows aborted records (tansu)")
         systems.append(
             SystemReport(
                 participant=p.name,
@@ -124,8 +126,11 @@ def verify(
                 prepared_leftovers=leftovers,
                 examples={"duplicates": dups[:5], "missing": missing[:5],
                           "unexpected": unexpected[:5]},
-                exact=exact,
-                note=note,
+                exact=back.exact,
+                note=back.note,
+                aborted=back.aborted,
+                open_transactions=back.open,
+                mismatch=back.mismatch,
                 temp_leftovers=back.temp,
             )
         )

@@ -1,0 +1,348 @@
+"""A topic's committed records rebuilt from its partition logs, for the verifier.
+
+Why: a ``read_committed`` consumer is only as good as the broker's read isolation, and
+tansu (the broker the tests run) shows aborted and open records to such readers. Every
+broker, tansu included, writes the transaction control batches (COMMIT / ABORT markers)
+into each partition's log, and a raw Fetch returns every record batch with its
+attributes. So this module fetches each partition from offset 0 to the high watermark
+and applies Kafka's own rule (see :func:`replay`):
+
+- a non-transactional data batch is visible at once;
+- a producer's transactional batches on a partition become visible at its next COMMIT
+  marker on that partition and are discarded at an ABORT marker;
+- batches still pending at the end of the log belong to an open transaction.
+
+Record batches are decoded with kafka-python's maintained record module (format v2,
+control batches, every compression codec it supports). The Fetch itself is a plain
+Fetch v4 request (``read_uncommitted``, so control batches come back) on a plaintext
+connection to each partition's leader; the partition leaders come from a
+confluent-kafka metadata request. Not part of the protocol: only the verifier uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from twophase.errors import ParticipantError
+from twophase.participant import ReadBack
+
+__all__ = [
+    "LogBatch", "PartitionLog", "TopicLog", "decode_batches", "fetch_partition", "judge_log",
+    "read_log", "replay",
+]
+
+_FETCH = 1
+_FETCH_VERSION = 4  # isolation level + record batch v2; no tagged fields
+_CLIENT_ID = b"twophase-verify"
+_MAX_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LogBatch:
+    """One record batch as the log holds it (what :func:`replay` needs)."""
+
+    offset: int
+    producer_id: int
+    producer_epoch: int
+    transactional: bool
+    control: bool
+    values: tuple[bytes | None, ...] = ()  # data batch: the record values
+    commit: bool = False  # control batch: COMMIT (True) or ABORT (False)
+    next_offset: int = 0  # the offset after this batch
+
+
+@dataclass
+class PartitionLog:
+    """One partition's records, sorted by what Kafka's rule makes of them."""
+
+    partition: int
+    high_watermark: int = 0
+    committed: list[bytes | None] = field(default_factory=list)
+    aborted: list[bytes | None] = field(default_factory=list)
+    # producer id -> records of its transaction still open at the end of the log
+    open: dict[int, list[bytes | None]] = field(default_factory=dict)
+
+
+@dataclass
+class TopicLog:
+    topic: str
+    partitions: list[PartitionLog]
+
+    @property
+    def committed(self) -> list[bytes | None]:
+        return [v for p in self.partitions for v in p.committed]
+
+    @property
+    def aborted(self) -> list[bytes | None]:
+        return [v for p in self.partitions for v in p.aborted]
+
+    @property
+    def open_transactions(self) -> int:
+        """Open (producer, partition) transactions at the end of the logs."""
+        return sum(len(p.open) for p in self.partitions)
+
+    @property
+    def open_records(self) -> int:
+        return sum(len(r) for p in self.partitions for r in p.open.values())
+
+
+def replay(partition: int, batches: Iterable[LogBatch], high_watermark: int = 0) -> PartitionLog:
+    """Kafka's visibility rule over one partition's batches, in log order.
+
+    A control marker settles every pending batch of its producer id: a fenced producer's
+    open transaction is aborted by a marker carrying the newer epoch, so the epoch is not
+    compared. A transactional data batch arriving after its producer's transaction was
+    settled starts a new transaction.
+    """
+    out = PartitionLog(partition, high_watermark)
+    pending: dict[int, list[bytes | None]] = {}
+    for b in batches:
+        if b.control:
+            done = pending.pop(b.producer_id, [])
+            (out.committed if b.commit else out.aborted).extend(done)
+        elif b.transactional:
+            pending.setdefault(b.producer_id, []).extend(b.values)
+        else:
+            out.committed.extend(b.values)
+    out.open = {pid: vals for pid, vals in pending.items()}
+    return out
+
+
+def decode_batches(data: bytes) -> list[LogBatch]:
+    """The record batches in a Fetch response's ``records`` bytes (a trailing partial
+    batch, which brokers may send, is left out)."""
+    from kafka.record import MemoryRecords
+
+    out: list[LogBatch] = []
+    records = MemoryRecords(data)
+    while True:
+        batch = records.next_batch()
+        if batch is None:
+            break
+        if batch.magic != 2:
+            raise ParticipantError(
+                f"verify: record batch at offset {batch.base_offset} has message format "
+                f"v{batch.magic}; transactions need v2"
+            )
+        items = list(batch)
+        if batch.is_control_batch:
+            kinds = {bool(r.commit) for r in items}
+            if len(kinds) != 1:
+                raise ParticipantError(
+                    f"verify: control batch at offset {batch.base_offset} is neither "
+                    "one COMMIT nor one ABORT"
+                )
+            out.append(LogBatch(batch.base_offset, batch.producer_id, batch.producer_epoch,
+                                batch.is_transactional, True, commit=kinds.pop(),
+                                next_offset=batch.next_offset))
+        else:
+            out.append(LogBatch(batch.base_offset, batch.producer_id, batch.producer_epoch,
+                                batch.is_transactional, False,
+                                values=tuple(r.value for r in items),
+                                next_offset=batch.next_offset))
+    return out
+
+
+# -- the Fetch request -------------------------------------------------------------------
+def _string(s: str | bytes) -> bytes:
+    raw = s.encode() if isinstance(s, str) else s
+    return struct.pack(">h", len(raw)) + raw
+
+
+def _fetch_request(correlation: int, topic: str, partition: int, offset: int) -> bytes:
+    body = struct.pack(">hhi", _FETCH, _FETCH_VERSION, correlation) + _string(_CLIENT_ID)
+    # replica_id, max_wait_ms, min_bytes, max_bytes, isolation_level (read_uncommitted)
+    body += struct.pack(">iiiib", -1, 500, 1, _MAX_BYTES, 0)
+    body += struct.pack(">i", 1) + _string(topic)
+    body += struct.pack(">iiqi", 1, partition, offset, _MAX_BYTES)
+    return struct.pack(">i", len(body)) + body
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def take(self, fmt: str) -> tuple[int, ...]:
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def num(self, fmt: str) -> int:
+        return int(self.take(fmt)[0])
+
+    def raw(self, n: int) -> bytes:
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the broker closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _fetch_once(
+    sock: socket.socket, correlation: int, topic: str, partition: int, offset: int
+) -> tuple[int, bytes]:
+    """(high watermark, records bytes) of one Fetch v4 at ``offset``."""
+    sock.sendall(_fetch_request(correlation, topic, partition, offset))
+    (size,) = struct.unpack(">i", _recv(sock, 4))
+    r = _Reader(_recv(sock, size))
+    if r.num(">i") != correlation:
+        raise ParticipantError("verify: Fetch answer out of order")
+    r.take(">i")  # throttle time
+    for _ in range(r.num(">i")):
+        name = r.raw(r.num(">h")).decode()
+        for _ in range(r.num(">i")):
+            part, error, hwm, _lso = r.take(">ihqq")
+            aborted = r.num(">i")
+            r.raw(max(aborted, 0) * 16)  # (producer id, first offset) pairs
+            records = r.raw(max(r.num(">i"), 0))
+            if name == topic and part == partition:
+                if error:
+                    raise ParticipantError(
+                        f"verify: Fetch of {topic!r} partition {partition} at offset {offset} "
+                        f"answered error code {error}"
+                    )
+                return int(hwm), records
+    raise ParticipantError(f"verify: Fetch answer has no {topic!r} partition {partition}")
+
+
+def fetch_partition(
+    host: str, port: int, topic: str, partition: int, *, timeout: float = 30.0
+) -> tuple[int, list[LogBatch]]:
+    """Every record batch of one partition from offset 0 to the high watermark read at
+    the first Fetch (later appends are left out: the verifier reads a settled topic)."""
+    batches: list[LogBatch] = []
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        correlation, offset = 1, 0
+        end, data = _fetch_once(sock, correlation, topic, partition, offset)
+        while offset < end:
+            got = [b for b in decode_batches(data) if b.next_offset > offset]
+            if got:
+                batches.extend(got)
+                offset = got[-1].next_offset
+            else:
+                if time.monotonic() > deadline:
+                    raise ParticipantError(
+                        f"verify: {topic!r} partition {partition} not read to offset {end} "
+                        f"within {timeout:.0f}s (stuck at {offset})"
+                    )
+                time.sleep(0.1)
+            if offset >= end:
+                break
+            correlation += 1
+            _, data = _fetch_once(sock, correlation, topic, partition, offset)
+    return end, [b for b in batches if b.offset < end]
+
+
+def _leaders(
+    config: Mapping[str, object], topic: str, timeout: float
+) -> dict[int, tuple[str, int]]:
+    """partition -> (host, port) of its leader, from a metadata request."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            md = admin.list_topics(topic, timeout=10)
+            found = md.topics.get(topic)
+            if found is not None and found.error is None and found.partitions:
+                out: dict[int, tuple[str, int]] = {}
+                for pid, p in found.partitions.items():
+                    broker = md.brokers.get(p.leader)
+                    if broker is None:
+                        break
+                    out[pid] = (str(broker.host), int(broker.port))
+                else:
+                    return out
+        except KafkaException:
+            pass
+        if time.monotonic() > deadline:
+            raise ParticipantError(f"verify: no metadata for Kafka topic {topic!r}")
+        time.sleep(0.5)
+
+
+def read_log(config: Mapping[str, object], topic: str, *, timeout: float = 120.0) -> TopicLog:
+    """Every partition of ``topic`` fetched to its high watermark and replayed."""
+    from twophase.sinks.kafka.config import common_config
+
+    leaders = _leaders(common_config(config), topic, timeout)
+    parts = []
+    for pid in sorted(leaders):
+        host, port = leaders[pid]
+        try:
+            hwm, batches = fetch_partition(host, port, topic, pid, timeout=timeout)
+        except OSError as exc:
+            raise ParticipantError(
+                f"verify: cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc} "
+                "(the log reader speaks plaintext Kafka only)"
+            ) from exc
+        parts.append(replay(pid, batches, hwm))
+    return TopicLog(topic, parts)
+
+
+def _column(value: bytes | None, column: str) -> Any:
+    if not value:
+        return None  # a tombstone: no row
+    try:
+        return json.loads(value)[column]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ParticipantError(
+            f"verify: a record value is not a JSON object with {column!r}: {value[:80]!r}"
+        ) from exc
+
+
+def judge_log(
+    log: TopicLog,
+    column: str,
+    consumer: Sequence[Any] | None,
+    *,
+    value_column: str | None = None,
+) -> ReadBack:
+    """The verifier's view of a topic: ``column`` of every committed row, the aborted
+    rows and open transactions, and the cross-check with ``consumer`` (the ids a
+    ``read_committed`` consumer read, or None when not read).
+
+    The cross-check: the consumer agreeing with the log is proof from a second reader;
+    a consumer that returns any aborted row is a broker that does not hide them (tansu),
+    which proves nothing either way and is said in the note; any other difference is
+    counted in ``mismatch``.
+    """
+    if value_column is not None:
+        # The value is one column, not the row: the id cannot be read back.
+        return ReadBack((), aborted=len(log.aborted), open=log.open_transactions, exact=False,
+                        note=f"value= names column {value_column!r}: ids not readable")
+    committed = [_column(v, column) for v in log.committed if v]
+    aborted = [_column(v, column) for v in log.aborted if v]
+    note, mismatch = "judged from the partition logs", 0
+    if consumer is not None:
+        want, got = Counter(committed), Counter(consumer)
+        if got == want:
+            note += "; a read_committed consumer agrees"
+        elif (got - want) & Counter(aborted):
+            # It returned aborted rows: a broker that does not hide them (tansu, which
+            # also returns an arbitrary share of them), so it proves nothing either way.
+            note += ("; the broker shows aborted records to read_committed readers (tansu): "
+                     "no cross-check")
+        else:
+            mismatch = sum(((got - want) + (want - got)).values())
+            note += f"; a read_committed consumer disagrees on {mismatch} rows"
+    return ReadBack(tuple(committed), aborted=len(aborted), open=log.open_transactions,
+                    mismatch=mismatch, note=note)

@@ -1,0 +1,36 @@
+"""Child process: run one partition of a pickled plan, as a Spark task would.
+
+Usage: ``python run_partition.py PLAN.pkl PARTITION ROWS.arrow``. Exit code 0 when the
+partition finished, 4 when it raised a ``TwophaseError`` (its message on stderr). Used
+with failpoints (``TWOPHASE_FAILPOINTS``) to hold a task at a protocol step while the
+test acts on the same batch from elsewhere.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+
+def main() -> int:
+    import pyarrow as pa
+
+    from twophase.errors import TwophaseError
+    from twophase.task import run_partition
+
+    plan_path, partition, rows_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    with open(plan_path, "rb") as f:
+        plan = pickle.load(f)
+    with pa.memory_map(rows_path) as source:
+        reader = pa.ipc.open_stream(source)
+        batches = list(reader)
+    try:
+        run_partition(plan, partition, reader.schema, batches)
+    except TwophaseError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 4
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
