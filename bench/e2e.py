@@ -257,7 +257,7 @@ def run_query(spark: Any, input_dir: str, work: Path, variant: str, dsn: str,
 
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
-        except Exception:  # noqa: BLE001, S110 - cleanup only
+        except Exception:  # cleanup only
             pass
     return result
 

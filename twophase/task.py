@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.participant import (
+    EMPTY_BRANCH,
     BranchRef,
     Handle,
     Participant,
     ParticipantError,
     PrepareRefused,
+    is_empty_branch,
 )
 from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
 from twophase.wire import VoteIn
@@ -33,7 +35,16 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["BatchPlan", "BranchOutcome", "run_partition"]
+__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "run_partition", "split_of"]
+
+INPUT_SPLIT = "input"
+"""The batch's partitions as Spark read them (the other split is "hash", of every column)."""
+
+
+def split_of(handle: Mapping[str, str]) -> str:
+    """How the partition behind a vote was split (votes from before this was recorded
+    were all split by hash)."""
+    return handle.get("split", "hash")
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class BatchPlan:
     handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
+    split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -100,7 +112,9 @@ def _apply(
 ) -> None:
     """Apply the decision to one branch, between the commit failpoints."""
     failpoints.hit("before_commit", part.name, ref.partition)
-    if decision == Decision.COMMIT:
+    if is_empty_branch(handle):
+        pass  # nothing was prepared, so there is nothing to make visible or discard
+    elif decision == Decision.COMMIT:
         part.commit(ref, handle)
     else:
         part.abort(ref, handle)
@@ -110,7 +124,15 @@ def _apply(
 def _check_redo_rows(plan: BatchPlan, part: Participant, partition: int, rows: int) -> None:
     """A redo must write what was voted on. If the replayed batch differs (a
     nondeterministic column or source), refuse rather than land other rows."""
-    voted = plan.handles.get(branch_id(part.name, partition), {}).get("rows")
+    handle = plan.handles.get(branch_id(part.name, partition), {})
+    if handle and split_of(handle) != plan.split:
+        raise ParticipantError(
+            f"{part.describe()} partition {partition}: the committed vote's rows were split "
+            f"{split_of(handle)!r} but this replay is split {plan.split!r} (Spark now reads "
+            "the batch into another number of partitions); restart with the settings the "
+            "batch was first run with so the lost branch can be redone exactly"
+        )
+    voted = handle.get("rows")
     if voted is not None and voted.isdigit() and int(voted) != rows:
         raise ParticipantError(
             f"{part.describe()} partition {partition}: the replayed batch has {rows} rows "
@@ -133,6 +155,9 @@ def _finish_commit(
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
+        if is_empty_branch(plan.handles.get(bid)):
+            acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
+            continue
         action = recovery_action(Decision.COMMIT, part.status(ref))
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
@@ -166,13 +191,15 @@ def _run_attempt(
             bid = branch_id(part.name, partition)
             failpoints.hit("before_prepare", part.name, partition)
             try:
-                handle = part.prepare(ref, schema, batches)
+                # An empty partition writes nothing anywhere: no empty file, no empty
+                # transaction; its vote says so and the decision is applied to nothing.
+                handle = part.prepare(ref, schema, batches) if out.rows else EMPTY_BRANCH
             except PrepareRefused as exc:
                 votes.append(VoteIn(branch=bid, yes=False, reason=str(exc)))
                 break  # one NO decides ABORT: preparing the rest would be wasted work
             prepared.append((part, ref, handle))
             failpoints.hit("after_prepare", part.name, partition)
-            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle)))
+            votes.append(VoteIn(branch=bid, yes=True, handle={**handle, "split": plan.split}))
     except Exception as exc:
         # An unexpected failure while preparing: vote NO with the cause so the batch
         # aborts now instead of at the vote deadline, undo what this task prepared,
@@ -214,7 +241,8 @@ def _vote_and_abort(
         client.vote(plan.key, plan.epoch, votes)
     finally:
         for part, ref, handle in prepared:
-            part.abort(ref, handle)
+            if not is_empty_branch(handle):
+                part.abort(ref, handle)
 
 
 def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
