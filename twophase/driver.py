@@ -18,6 +18,7 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -283,14 +284,12 @@ class TransactionalSink:
 
             ctx = BarrierTaskContext.get()
             partition = ctx.partitionId()
-            first = None
             it = iter(batches)
-            buffered = []
-            for b in it:
-                first = first or b.schema
-                buffered.append(b)
-            schema = first if first is not None else arrow_schema
-            out = run_partition(plan, partition, schema, buffered)
+            first = next(it, None)
+            if first is None:
+                out = run_partition(plan, partition, arrow_schema, iter(()))
+            else:  # the rows stream on to the participants, never held here
+                out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
             yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
 
         arrow_schema = _arrow_schema(df)
