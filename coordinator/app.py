@@ -40,13 +40,17 @@ from twophase.coordinator.models import (
     AcksIn,
     Attempt,
     BeginIn,
+    BranchMetricsIn,
     Checkpoint,
     ForceAckIn,
     Lineage,
+    RegisterIn,
+    ResolveIn,
     SinkName,
     VotesIn,
 )
 from twophase.coordinator.store import Store
+from twophase.coordinator.ui import StoreDecisions, ui_routes
 from twophase.errors import InvalidRequest, StoreError, TransactionNotFound, TwophaseError
 from twophase.names import NAME_PATTERN
 from twophase.protocol import TxnKey
@@ -111,6 +115,7 @@ def create_app(
     app.include_router(_sink_routes(svc))
     app.include_router(_txn_routes(svc))
     app.include_router(_admin_routes(svc))
+    app.include_router(ui_routes(svc.store, svc.metrics))
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(Guard, token=token, max_body=max_body)
     return app
@@ -236,9 +241,31 @@ def _sink_routes(svc: _Service) -> APIRouter:
     st = svc.store
 
     @r.post("/v1/sinks/{sink}/register", response_model=wire.SinkOut, responses=ERRORS)
-    async def register(sink: SinkName) -> Response:
-        """A writer (driver) starts: returns the sink's next epoch, fencing older writers."""
-        return _json(wire.encode_sink(await st.register_async(sink)))
+    async def register(sink: SinkName, body: RegisterIn | None = None) -> Response:
+        """A writer (driver) starts: returns the sink's next epoch, fencing older writers.
+        The optional body records the participants' descriptors (for ``twophase
+        resolve``); without it the recorded ones are kept."""
+        descriptors = None
+        if body is not None:
+            descriptors = [d.model_dump() for d in body.participants]
+            names = [d["name"] for d in descriptors]
+            if len(set(names)) != len(names):
+                raise InvalidRequest(f"participant names must be unique, got {names}")
+        return _json(wire.encode_sink(await st.register_async(sink, descriptors)))
+
+    @r.get("/v1/sinks", response_model=wire.SinkListOut, responses=ERRORS)
+    def list_sinks() -> Response:
+        """Every sink: last committed batch, in-doubt count and age, alerts."""
+        out: wire.SinkListOut = {"sinks": st.sinks_overview()}  # type: ignore[typeddict-item]
+        return _json(out)
+
+    @r.get("/v1/sinks/{sink}/participants", response_model=wire.ParticipantsOut,
+           responses=ERRORS)
+    def participants(sink: SinkName) -> Response:
+        """The participant descriptors recorded at the sink's last register (no secrets)."""
+        if st.sink(sink) is None:
+            return _error(404, "not_found", f"no sink {sink!r}")
+        return _json({"sink": sink, "participants": st.participants(sink)})
 
     @r.get("/v1/sinks/{sink}", response_model=wire.SinkOut, responses=ERRORS)
     def get_sink(sink: SinkName) -> Response:
@@ -267,6 +294,13 @@ def _txn_routes(svc: _Service) -> APIRouter:
     r = APIRouter(tags=["txns"])
     st, hub = svc.store, svc.hub
 
+    def _observe(txn: p.Transaction, sent: list[tuple[str, BranchMetricsIn | None]]) -> None:
+        """The executors' figures, once the change was accepted, for known branches only
+        (so the metrics' labels stay the sink's own participants)."""
+        for branch, m in sent:
+            if m is not None and branch in txn.branches:
+                svc.metrics.branch(txn.key, branch, m.model_dump())
+
     @r.post(TXN_PATH + "/votes", response_model=wire.TxnOut, responses=ERRORS)
     async def vote(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
                    body: VotesIn) -> Response:
@@ -277,8 +311,10 @@ def _txn_routes(svc: _Service) -> APIRouter:
                    reason=v.reason)
             for v in body.votes
         ]
-        return _txn_json(await st.apply_async(TxnKey(sink, lineage, checkpoint, attempt),
-                                              events))
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        txn = await st.apply_async(key, events)
+        _observe(txn, [(v.branch, v.metrics) for v in body.votes])
+        return _txn_json(txn)
 
     @r.post(TXN_PATH + "/acks", response_model=wire.TxnOut, responses=ERRORS)
     async def ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
@@ -289,8 +325,10 @@ def _txn_routes(svc: _Service) -> APIRouter:
             p.Ack(branch=a.branch, epoch=body.epoch, outcome=p.Decision(a.outcome), now=now)
             for a in body.acks
         ]
-        return _txn_json(await st.apply_async(TxnKey(sink, lineage, checkpoint, attempt),
-                                              events))
+        key = TxnKey(sink, lineage, checkpoint, attempt)
+        txn = await st.apply_async(key, events)
+        _observe(txn, [(a.branch, a.metrics) for a in body.acks])
+        return _txn_json(txn)
 
     @r.post(TXN_PATH + "/abandon", response_model=wire.TxnOut, responses=ERRORS)
     def abandon(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
@@ -374,8 +412,8 @@ def _admin_routes(svc: _Service) -> APIRouter:
         """Operator: a branch is settled by hand (no epoch check)."""
         key = TxnKey(sink, lineage, checkpoint, attempt)
         log.warning("force-ack", extra={"txn": list(key), "branch": body.branch,
-                                        "outcome": body.outcome})
-        return _txn_json(st.force(key, body.branch, p.Decision(body.outcome)))
+                                        "outcome": body.outcome, "reason": body.reason})
+        return _txn_json(st.force(key, body.branch, p.Decision(body.outcome), body.reason))
 
     @r.post(ADMIN_TXN_PATH + "/abort", response_model=wire.TxnOut, responses=ERRORS)
     def admin_abort(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint,
@@ -386,6 +424,26 @@ def _admin_routes(svc: _Service) -> APIRouter:
         log.warning("admin abort", extra={"txn": list(key), "reason": body.reason})
         ev = p.AdminAbort(reason=body.reason, now=st.clock())
         return _txn_json(st.apply(key, [ev]))
+
+    @r.post("/v1/admin/sinks/{sink}/resolve", responses=ERRORS)
+    def admin_resolve(sink: SinkName, body: ResolveIn) -> Response:
+        """Settle the sink's leftovers here, with participants rebuilt from the recorded
+        descriptors (secrets from this process's environment); see ``twophase resolve``."""
+        from twophase.resolve import participants_from, resolve_sink
+
+        try:
+            parts = participants_from(st.participants(sink))
+        except ImportError as exc:
+            return _error(422, "invalid_request", f"resolving sink {sink!r} here needs "
+                          f"{exc.name}: install the participant's extra in the coordinator "
+                          "(pip install 'twophase[all]'), or run twophase resolve elsewhere")
+        log.warning("admin resolve", extra={"sink": sink, "dry_run": body.dry_run})
+        try:
+            report = resolve_sink(StoreDecisions(st), sink, parts, dry_run=body.dry_run)
+        finally:
+            for part in parts:
+                part.close()
+        return _json(report.as_dict())
 
     @r.post("/v1/admin/tick")
     def admin_tick() -> dict[str, int]:

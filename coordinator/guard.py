@@ -18,7 +18,9 @@ __all__ = ["MAX_BODY", "OPEN_PATHS", "Guard"]
 
 MAX_BODY: Final = 1 << 20  # 1 MiB
 # reachable without a token: probes, scrapers and the API's own description
-OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc"})
+# and the console's sign-in page (/ui: no data in it; /ui/view and every action need it)
+OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
+                               "/ui"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

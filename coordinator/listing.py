@@ -10,7 +10,7 @@ from typing import Any
 
 from twophase import wire
 
-__all__ = ["fetch"]
+__all__ = ["fetch", "fetch_sinks"]
 
 
 def fetch(
@@ -38,5 +38,22 @@ def fetch(
         else:
             rows = store.list(sink=sink, state=state, limit=limit)
         return [{**wire.encode_txn(r.txn), "alert": r.alert} for r in rows]
+    finally:
+        store.close()
+
+
+def fetch_sinks(coordinator: str, *, token: str | None = None) -> list[dict[str, Any]]:
+    """Every sink with its last committed batch, in-doubt count and age, alerts
+    (``wire.SinkSummaryOut``), from a daemon or read from a store."""
+    if coordinator.startswith(("http://", "https://")):
+        from twophase.client import CoordinatorClient
+
+        with CoordinatorClient(coordinator, token, retry_budget=10.0) as client:
+            return [dict(s) for s in client.sinks()]
+    from twophase.coordinator.store import Store
+
+    store = Store(coordinator, create=False)
+    try:
+        return store.sinks_overview()
     finally:
         store.close()

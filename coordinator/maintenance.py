@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import case, delete, func, select, update
 
 from twophase import protocol as p
 from twophase.coordinator import schema as s
@@ -21,7 +21,7 @@ from twophase.protocol import TxnKey
 if TYPE_CHECKING:
     from twophase.coordinator.store import Store
 
-__all__ = ["expire_due", "mark_alerts", "purge", "stats"]
+__all__ = ["expire_due", "mark_alerts", "purge", "sinks_overview", "stats"]
 
 log = logging.getLogger("twophase.coordinator.maintenance")
 
@@ -119,3 +119,40 @@ def stats(store: Store, now: float | None = None) -> dict[str, Any]:
         "oldest_in_doubt_age": max(0.0, now - oldest) if oldest is not None else 0.0,
         "alerts": int(alerts or 0),
     }
+
+
+def sinks_overview(store: Store, now: float | None = None) -> list[dict[str, Any]]:
+    """Every sink with its in-doubt count and age, undecided count and alerts, by name
+    (``wire.SinkSummaryOut``): what ``twophase sinks`` and the console show."""
+    now = store.clock() if now is None else now
+    sk, pt = s.sinks, s.participants
+    per_sink = (
+        select(
+            _T.c.sink,
+            func.sum(case((_T.c.state.in_(_IN_DOUBT), 1), else_=0)),
+            func.sum(case((_T.c.state.in_(_UNDECIDED), 1), else_=0)),
+            func.min(case((_T.c.state.in_(_IN_DOUBT), _T.c.decided_at), else_=None)),
+            func.sum(case((_T.c.alert.is_(True), 1), else_=0)),
+        )
+        .where(_T.c.state.notin_(_FINISHED))
+        .group_by(_T.c.sink)
+    )
+    with store.db.read() as conn:
+        sinks = conn.execute(
+            select(sk.c.name, sk.c.epoch, sk.c.lineage, sk.c.last_committed)
+            .where(sk.c.name != "__healthz__").order_by(sk.c.name)
+        ).all()
+        open_ = {r[0]: r[1:] for r in conn.execute(per_sink).all()}
+        names: dict[str, list[str]] = {}
+        for sink_name, part in conn.execute(select(pt.c.sink, pt.c.name).order_by(pt.c.name)):
+            names.setdefault(sink_name, []).append(part)
+    out = []
+    for name, epoch, lineage, last in sinks:
+        in_doubt, undecided, oldest, alerts = open_.get(name, (0, 0, None, 0))
+        out.append({
+            "name": name, "epoch": int(epoch), "lineage": lineage, "last_committed": last,
+            "in_doubt": int(in_doubt or 0), "undecided": int(undecided or 0),
+            "oldest_in_doubt_age": max(0.0, now - oldest) if oldest is not None else None,
+            "alerts": int(alerts or 0), "participants": names.get(name, []),
+        })
+    return out

@@ -8,7 +8,9 @@ read from the store at scrape time, so they are right for every replica sharing 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -16,9 +18,13 @@ from prometheus_client.registry import Collector
 
 from twophase import protocol as p
 from twophase.coordinator.store import Store
+from twophase.protocol import TxnKey, parse_branch_id
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                     30, 60, 300)
+
+_ROW_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000)
+_RECENT = 2000  # transactions whose executor figures this process keeps for the console
 
 
 class _StoreCollector(Collector):
@@ -73,7 +79,53 @@ class Metrics:
             "twophase_http_errors", "Refused or failed requests by error code", ["code"],
             registry=self.registry,
         )
+        branch_labels = ["sink", "participant"]
+        self.branch_seconds = {
+            field: Histogram(
+                f"twophase_branch_{metric}_seconds", help_, branch_labels,
+                buckets=_LATENCY_BUCKETS, registry=self.registry,
+            )
+            for field, metric, help_ in (
+                ("prepare_s", "prepare", "Executor time to prepare one branch"),
+                ("wait_s", "vote_wait", "Executor time from its vote to the decision"),
+                ("commit_s", "commit", "Executor time to apply the decision to one branch"),
+            )
+        }
+        self.branch_rows = Histogram(
+            "twophase_branch_rows", "Rows one branch prepared", branch_labels,
+            buckets=_ROW_BUCKETS, registry=self.registry,
+        )
+        # per transaction: the slowest branch's phases and the rows, as executors sent them
+        self._recent: OrderedDict[TxnKey, dict[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
         self.registry.register(_StoreCollector(store))
+
+    def branch(self, key: TxnKey, branch_id: str, m: Mapping[str, float | int | None]) -> None:
+        """Observe what an executor measured for one branch (sent with a vote or an ack)."""
+        try:
+            participant, _ = parse_branch_id(branch_id)
+        except ValueError:
+            return  # the machine refuses unknown branches; nothing to label
+        labels = (key.sink, participant)
+        with self._lock:
+            rec = self._recent.setdefault(key, {})
+            self._recent.move_to_end(key)
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+            for field, hist in self.branch_seconds.items():
+                v = m.get(field)
+                if v is not None:
+                    hist.labels(*labels).observe(float(v))
+                    rec[field] = max(rec.get(field, 0.0), float(v))
+            rows = m.get("rows")
+            if rows is not None:
+                self.branch_rows.labels(*labels).observe(float(rows))
+                rec["rows"] = rec.get("rows", 0.0) + float(rows)
+
+    def recent(self, key: TxnKey) -> dict[str, float]:
+        """The executors' figures for one transaction, if this process received them."""
+        with self._lock:
+            return dict(self._recent.get(key, {}))
 
     def observe(self, before: p.Transaction | None, after: p.Transaction) -> None:
         """Count a change this process wrote (called once it is durable)."""

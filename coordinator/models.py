@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from twophase import wire
 from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
@@ -24,9 +24,13 @@ __all__ = [
     "AcksIn",
     "Attempt",
     "BeginIn",
+    "BranchMetricsIn",
     "Checkpoint",
+    "DescriptorIn",
     "ForceAckIn",
     "Lineage",
+    "RegisterIn",
+    "ResolveIn",
     "SinkName",
     "VoteItem",
     "VotesIn",
@@ -46,11 +50,24 @@ class BeginIn(_Strict):
     vote_timeout: float = Field(default=300.0, gt=0, le=7 * 86400)
 
 
+_SECONDS = Field(default=None, ge=0, le=7 * 86400)
+
+
+class BranchMetricsIn(_Strict):
+    """What the executor measured for one branch (observed, never decided on)."""
+
+    prepare_s: float | None = _SECONDS
+    wait_s: float | None = _SECONDS
+    commit_s: float | None = _SECONDS
+    rows: int | None = Field(default=None, ge=0, le=10**12)
+
+
 class VoteItem(_Strict):
     branch: str = Field(max_length=96, description="participant/partition")
     yes: bool
     handle: dict[str, str] | None = None
     reason: str | None = Field(default=None, max_length=4096)
+    metrics: BranchMetricsIn | None = None
 
 
 class VotesIn(_Strict):
@@ -61,6 +78,7 @@ class VotesIn(_Strict):
 class AckItem(_Strict):
     branch: str = Field(max_length=96)
     outcome: wire.DecisionName
+    metrics: BranchMetricsIn | None = None
 
 
 class AcksIn(_Strict):
@@ -76,10 +94,41 @@ class AbandonIn(_Strict):
 class ForceAckIn(_Strict):
     branch: str = Field(max_length=96)
     outcome: wire.DecisionName
+    reason: str | None = Field(default=None, min_length=1, max_length=4096,
+                               description="why, for the log and the history")
+
+
+class DescriptorIn(_Strict):
+    """A participant's descriptor; secrets are never sent (see Participant.descriptor)."""
+
+    kind: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)
+    target: str = Field(max_length=1024)
+    options: dict[str, str | int | float | bool | None] = Field(max_length=64)
+
+    @field_validator("options")
+    @classmethod
+    def _bounded(
+        cls, v: dict[str, str | int | float | bool | None]
+    ) -> dict[str, str | int | float | bool | None]:
+        for k, x in v.items():
+            if not 0 < len(k) <= 128:
+                raise ValueError(f"option name {k[:40]!r} must be 1-128 characters")
+            if isinstance(x, str) and len(x) > 4096:
+                raise ValueError(f"option {k!r} is longer than 4096 characters")
+        return v
+
+
+class RegisterIn(_Strict):
+    participants: list[DescriptorIn] = Field(max_length=64)
 
 
 class AbortIn(_Strict):
     reason: str = Field(min_length=1, max_length=4096)
+
+
+class ResolveIn(_Strict):
+    dry_run: bool = Field(default=False, description="only report what would be done")
 
 
 SinkName = Annotated[str, Path(pattern=NAME_PATTERN, description="sink name")]

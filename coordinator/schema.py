@@ -6,8 +6,13 @@ loading or changing a transaction is one statement), and an append-only event hi
 does the same for the sink row. ``meta`` records the schema version, which the store checks
 at start so that an old daemon never writes into a newer layout (or the reverse).
 
-Version 2 (this one) moved the branches from their own table into ``txns.branches``;
-version 1 stores are refused with a clear error (there is no migration: none was deployed).
+Version 2 moved the branches from their own table into ``txns.branches``; version 1
+stores are refused with a clear error (there is no migration: none was deployed).
+Version 3 (this one) adds ``twophase_participants``: each sink's participant descriptors,
+recorded at register, so ``twophase resolve`` can rebuild the participants from the log
+alone. The change is one new table, so a version 2 store is upgraded in place at start
+(the table is created, the version bumped, nothing rewritten); a version 2 daemon refuses
+a version 3 store, so roll every replica forward together.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from sqlalchemy import (
     insert,
     inspect,
     select,
+    update,
 )
 
 from twophase.errors import SchemaMismatch
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
+_UPGRADABLE: Final = {"2"}  # versions upgraded in place (additive changes only)
 
 metadata = MetaData()
 
@@ -98,6 +105,17 @@ events = Table(
     Index("twophase_events_txn", "sink", "lineage", "checkpoint", "attempt"),
 )
 
+participants = Table(
+    "twophase_participants",
+    metadata,
+    Column("sink", String(64), primary_key=True),
+    Column("name", String(64), primary_key=True),
+    # JSON: {"kind", "name", "target", "options"}; non-secret by construction
+    # (twophase.participant.Participant.descriptor); secrets are never stored
+    Column("descriptor", Text, nullable=False),
+    Column("updated", Float, nullable=False),
+)
+
 
 def ensure(conn: Connection, *, create: bool, where: str) -> None:
     """Create the tables in an empty database (if ``create``), or check that the version
@@ -110,6 +128,19 @@ def ensure(conn: Connection, *, create: bool, where: str) -> None:
         return
     row = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).first()
     found = row[0] if row else None
+    if found in _UPGRADABLE and create:
+        # additive: create what is missing, then record the new version
+        metadata.create_all(conn, tables=[participants])
+        conn.execute(
+            update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
+        )
+        return
+    if found in _UPGRADABLE:
+        raise SchemaMismatch(
+            f"store {where} has schema version {found}; a read-only tool does not upgrade "
+            f"it: start this version's coordinator on it once (twophase serve, or any job) "
+            f"to upgrade it in place to version {SCHEMA_VERSION}"
+        )
     if found != str(SCHEMA_VERSION):
         raise SchemaMismatch(
             f"store {where} has schema version {found}, this coordinator "

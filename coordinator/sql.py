@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from sqlalchemy import Connection, and_, bindparam, select
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select
 
 from twophase import protocol as p
 from twophase import wire
@@ -139,7 +139,7 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
     if isinstance(ev, p.Ack):
         return "ack", ev.branch, {"outcome": ev.outcome.value, "epoch": ev.epoch}
     if isinstance(ev, p.ForceAck):
-        return "force_ack", ev.branch, {"outcome": ev.outcome.value}
+        return "force_ack", ev.branch, {"outcome": ev.outcome.value, "reason": ev.reason}
     if isinstance(ev, p.Abandon):
         return "abandon", None, {"reason": ev.reason, "epoch": ev.epoch}
     if isinstance(ev, p.AdminAbort):
@@ -251,6 +251,28 @@ class Rows:
                    "version": version + 1})
         if cur.rowcount != 1:
             raise Conflict(f"lost a compare-and-set on sink {new.name}")
+
+    # participant descriptors (cold: once per register)
+
+    @staticmethod
+    def save_participants(
+        conn: Connection, sink: str, descriptors: Sequence[Mapping[str, Any]], now: float
+    ) -> None:
+        """The sink's descriptors, replacing the previous writer's set."""
+        pt = s.participants
+        conn.execute(delete(pt).where(pt.c.sink == sink))
+        if descriptors:
+            conn.execute(insert(pt), [
+                {"sink": sink, "name": d["name"], "descriptor": json.dumps(dict(d)),
+                 "updated": now}
+                for d in descriptors
+            ])
+
+    @staticmethod
+    def participants(conn: Connection, sink: str) -> list[dict[str, Any]]:
+        pt = s.participants
+        q = select(pt.c.descriptor).where(pt.c.sink == sink).order_by(pt.c.name)
+        return [json.loads(r[0]) for r in conn.execute(q).all()]
 
     # cold reads (SQLAlchemy Core)
 

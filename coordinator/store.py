@@ -148,18 +148,28 @@ class Store:
 
     # ----------------------------------------------------------------- protocol calls
 
-    def register(self, name: str) -> p.SinkRecord:
-        """Hand out the sink's next writer epoch (fences every older writer)."""
-        return self._write(self._register_tx(name))
+    def register(
+        self, name: str, descriptors: Sequence[dict[str, Any]] | None = None
+    ) -> p.SinkRecord:
+        """Hand out the sink's next writer epoch (fences every older writer); with
+        ``descriptors``, record how to rebuild the sink's participants (replacing the
+        previous writer's set; ``None`` keeps it)."""
+        return self._write(self._register_tx(name, descriptors))
 
-    async def register_async(self, name: str) -> p.SinkRecord:
-        return await self._write_async(self._register_tx(name))
+    async def register_async(
+        self, name: str, descriptors: Sequence[dict[str, Any]] | None = None
+    ) -> p.SinkRecord:
+        return await self._write_async(self._register_tx(name, descriptors))
 
-    def _register_tx(self, name: str) -> Tx[p.SinkRecord]:
+    def _register_tx(
+        self, name: str, descriptors: Sequence[dict[str, Any]] | None
+    ) -> Tx[p.SinkRecord]:
         def tx(conn: Connection) -> tuple[p.SinkRecord, list[Change]]:
             old, version = self.rows.load_sink(conn, name)
             new = p.register(old, name)
             self.rows.save_sink(conn, old, version, new)
+            if descriptors is not None:
+                self.rows.save_participants(conn, name, descriptors, self.clock())
             return new, []
 
         return tx
@@ -230,9 +240,12 @@ class Store:
 
         return tx
 
-    def force(self, key: TxnKey, branch: str, outcome: p.Decision) -> p.Transaction:
+    def force(
+        self, key: TxnKey, branch: str, outcome: p.Decision, reason: str | None = None
+    ) -> p.Transaction:
         """Admin: state that a branch is settled (see :class:`twophase.protocol.ForceAck`)."""
-        return self.apply(key, [p.ForceAck(branch=branch, outcome=outcome, now=self.clock())])
+        ev = p.ForceAck(branch=branch, outcome=outcome, now=self.clock(), reason=reason)
+        return self.apply(key, [ev])
 
     # ----------------------------------------------------------------- reads
 
@@ -256,6 +269,15 @@ class Store:
         with self.db.read() as conn:
             rows = self.rows.list_txns(conn, sink, state, limit, alert)
         return [Listed(txn, alert_, updated) for txn, alert_, updated in rows]
+
+    def participants(self, sink: str) -> builtins.list[dict[str, Any]]:
+        """The sink's participant descriptors as recorded at its last register."""
+        with self.db.read() as conn:
+            return self.rows.participants(conn, sink)
+
+    def sinks_overview(self, now: float | None = None) -> builtins.list[dict[str, Any]]:
+        """Per sink: its record, in-doubt count and age, alerts (``wire.SinkSummaryOut``)."""
+        return maintenance.sinks_overview(self, now)
 
     def history(self, key: TxnKey) -> builtins.list[dict[str, Any]]:
         """The event history of one transaction, oldest first."""

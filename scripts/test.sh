@@ -27,6 +27,12 @@ if ! command -v java >/dev/null 2>&1; then
   apt_install openjdk-17-jre-headless
 fi
 java -version 2>&1 | head -1
+# Debian's Chromium for the console's browser test (driven by Playwright for Python with
+# executable_path=/usr/bin/chromium; Playwright's own browser download is never used).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "== installing Debian's chromium (the console's browser test)"
+  apt_install chromium
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating virtual environment $VENV"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Final
@@ -31,6 +31,7 @@ from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
     BranchStatus,
+    Descriptor,
     Handle,
     Participant,
     ParticipantError,
@@ -87,6 +88,17 @@ class StagedFileParticipant(Participant):
 
     def describe(self) -> str:
         return f"files participant {self.name!r} ({self.format} in {self.path})"
+
+    def descriptor(self) -> Descriptor:
+        return {"kind": self.kind, "name": self.name, "target": str(self.path),
+                "options": {"path": str(self.path), "format": self.format}}
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> StagedFileParticipant:
+        o = descriptor["options"]
+        return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"])
 
     # -- names ------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def test_cli_help_and_core_imports_do_not_load_extras() -> None:
 
 
 def test_every_subcommand_has_help() -> None:
-    for cmd in ("serve", "txns", "demo", "resolve"):
+    for cmd in ("serve", "txns", "sinks", "force", "demo", "resolve"):
         out = subprocess.run([sys.executable, "-m", "twophase.cli", cmd, "--help"],
                              capture_output=True, text=True, cwd=ROOT, check=False)
         assert out.returncode == 0, (cmd, out.stderr)

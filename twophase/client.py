@@ -138,10 +138,27 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------- calls
 
-    def register(self, sink: str) -> int:
-        """A new writer epoch for ``sink``; every older writer is fenced from now on."""
-        out = self._request("POST", f"/v1/sinks/{_seg(sink)}/register")
+    def register(
+        self, sink: str, descriptors: Sequence[wire.DescriptorOut] | None = None
+    ) -> int:
+        """A new writer epoch for ``sink``; every older writer is fenced from now on.
+        ``descriptors`` (the participants' :meth:`~twophase.participant.Participant.
+        descriptor`) are recorded so that ``twophase resolve`` can rebuild them."""
+        body = wire.register_body(descriptors) if descriptors is not None else None
+        out = self._request("POST", f"/v1/sinks/{_seg(sink)}/register", body=body)
         return int(wire.decode_sink(out).epoch)
+
+    def sinks(self) -> builtins.list[wire.SinkSummaryOut]:
+        """Every sink with its last committed batch, in-doubt count and age, alerts."""
+        out = self._request("GET", "/v1/sinks")
+        sinks: builtins.list[wire.SinkSummaryOut] = out["sinks"]
+        return sinks
+
+    def participants(self, sink: str) -> builtins.list[wire.DescriptorOut]:
+        """The sink's participant descriptors, as recorded at its last register."""
+        out = self._request("GET", f"/v1/sinks/{_seg(sink)}/participants")
+        return [wire.decode_descriptor(d, f"participants[{i}]")
+                for i, d in enumerate(_list(out, "participants"))]
 
     def begin(
         self,
@@ -187,9 +204,13 @@ class CoordinatorClient:
                 return txn
 
     def ack(
-        self, key: TxnKey, epoch: int, acks: Sequence[tuple[str, protocol.Decision]]
+        self,
+        key: TxnKey,
+        epoch: int,
+        acks: Sequence[tuple[str, protocol.Decision]],
+        metrics: Mapping[str, wire.BranchMetrics] | None = None,
     ) -> protocol.Transaction:
-        body = wire.acks_body(epoch, acks)
+        body = wire.acks_body(epoch, acks, metrics)
         return wire.decode_txn(self._request("POST", self._txn_path(key) + "/acks", body=body))
 
     def abandon(self, key: TxnKey, epoch: int, reason: str) -> protocol.Transaction:
@@ -227,10 +248,10 @@ class CoordinatorClient:
         return txns
 
     def force_ack(
-        self, key: TxnKey, branch: str, outcome: protocol.Decision
+        self, key: TxnKey, branch: str, outcome: protocol.Decision, reason: str | None = None
     ) -> protocol.Transaction:
         path = "/v1/admin" + self._txn_path(key)[3:] + "/force-ack"
-        body = wire.force_ack_body(branch, outcome)
+        body = wire.force_ack_body(branch, outcome, reason)
         return wire.decode_txn(self._request("POST", path, body=body))
 
     def admin_abort(self, key: TxnKey, reason: str) -> protocol.Transaction:
@@ -250,6 +271,13 @@ class CoordinatorClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _list(out: Any, key: str) -> builtins.list[Any]:
+    if not isinstance(out, dict) or not isinstance(out.get(key), list):
+        raise wire.WireError(f"answer: expected an object with a list {key!r}")
+    items: builtins.list[Any] = out[key]
+    return items
 
 
 def _refusal(resp: httpx.Response) -> TwophaseError:

@@ -67,6 +67,13 @@ class BatchReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # max over tasks, seconds
     split: str = ""  # "input" (as Spark read it), "hash", or "none" (empty: no job ran)
+    sink: str = ""
+    txn: str = ""  # sink/lineage/batch/attempt of the deciding attempt ("" for a replay)
+    decision: str = ""  # COMMIT for a committed batch; "" for a replay
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (a streaming listener's event, a log record's fields)."""
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
 class TransactionalSink:
@@ -90,6 +97,7 @@ class TransactionalSink:
         vote_timeout: float = 300.0,
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
+        json_logs: bool = False,
     ) -> None:
         self.name = validate_name("sink name", name)
         if not participants:
@@ -118,7 +126,12 @@ class TransactionalSink:
             # A prepared branch must outlive the vote window (a Kafka transaction times out).
             p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
+        if json_logs:  # one JSON object per line on stderr, as the daemon logs
+            from twophase.logs import setup_logging
+
+            setup_logging("info")
         self.history: list[BatchReport] = []
+        self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
         self._client: CoordinatorClient | None = None
         self._epoch: int | None = None
@@ -132,6 +145,50 @@ class TransactionalSink:
             self._conn = connect(self.coordinator, self.token)
             self._client = self._conn.client()
         return self._client
+
+    @property
+    def console_url(self) -> str | None:
+        """The coordinator's web console (``/ui``), signed in (the token is in the URL's
+        fragment, which browsers never send); ``None`` before the first batch connects."""
+        if self._conn is None:
+            return None
+        from urllib.parse import quote
+
+        if not self._conn.token:
+            return f"{self._conn.url}/ui"
+        return f"{self._conn.url}/ui#token={quote(self._conn.token, safe='')}"
+
+    def report(self, batch_id: int) -> BatchReport | None:
+        """The twophase outcome of micro-batch ``batch_id`` in this driver run (what a
+        ``StreamingQueryListener`` looks up from ``event.progress.batchId``)."""
+        return self._by_batch.get(batch_id)
+
+    def progress_listener(
+        self, callback: Callable[[Any, BatchReport | None], None]
+    ) -> Any:
+        """A ``pyspark.sql.streaming.StreamingQueryListener`` that calls
+        ``callback(progress, report)`` for every query progress, with this sink's report
+        of that batch (``None`` for a batch this sink did not write). Add it with
+        ``spark.streams.addListener(sink.progress_listener(cb))``."""
+        from pyspark.sql.streaming.listener import StreamingQueryListener
+
+        sink = self
+
+        class _Listener(StreamingQueryListener):
+            def onQueryStarted(self, event: Any) -> None:
+                pass
+
+            def onQueryProgress(self, event: Any) -> None:
+                progress = event.progress
+                callback(progress, sink.report(int(progress.batchId)))
+
+            def onQueryIdle(self, event: Any) -> None:
+                pass
+
+            def onQueryTerminated(self, event: Any) -> None:
+                pass
+
+        return _Listener()
 
     def close(self) -> None:
         """Release the coordinator connection (stops an embedded coordinator)."""
@@ -160,7 +217,9 @@ class TransactionalSink:
         lineage = self._lineage(df)
         if self._epoch is None:
             # One writer epoch per driver run: a restarted driver fences the old one.
-            self._epoch = client.register(self.name)
+            # the participants' descriptors let `twophase resolve SINK` rebuild them
+            descriptors = [d for d in (p.descriptor() for p in self.participants) if d]
+            self._epoch = client.register(self.name, descriptors)  # type: ignore[arg-type]
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
         self._check(df)
         failpoints.hit("before_begin")
@@ -183,7 +242,8 @@ class TransactionalSink:
                     self.name, lineage,
                 )
             if res.kind == BeginKind.COMMITTED:
-                self._report(BatchReport(batch_id, "replay", 0), started)
+                self._report(BatchReport(batch_id, "replay", 0, sink=self.name, decision="COMMIT"),
+                             started)
                 return
             txn = res.txn
             assert txn is not None
@@ -327,11 +387,19 @@ class TransactionalSink:
             recovered=sum(int(o["recovered"]) for o in outcomes),
             redone=sum(int(o["redone"]) for o in outcomes),
             phases=phases,
+            sink=self.name,
+            txn="/".join(str(x) for x in txn.key),
+            decision=txn.decision.value if txn.decision is not None else "",
         )
 
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started
         self.history.append(report)
+        self._by_batch[report.batch_id] = report
+        while len(self._by_batch) > 1000:  # a long-running query: keep the recent ones
+            del self._by_batch[next(iter(self._by_batch))]
+        log.info("sink %s: batch %d %s", self.name, report.batch_id, report.outcome,
+                 extra={"twophase_batch": report.as_dict()})
         if self.on_batch is not None:
             self.on_batch(report)
 

@@ -15,6 +15,9 @@ recovery is.
 from __future__ import annotations
 
 import abc
+import importlib
+import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,12 +33,17 @@ __all__ = [
     "EMPTY_BRANCH",
     "BranchRef",
     "BranchStatus",
+    "Descriptor",
     "Handle",
     "Participant",
     "ParticipantError",
     "PrepareRefused",
     "ReadBack",
     "is_empty_branch",
+    "rebuild",
+    "register_kind",
+    "secret_env_name",
+    "secrets_from_env",
 ]
 
 Handle = Mapping[str, str]
@@ -175,3 +183,91 @@ class Participant(abc.ABC):
 
     def describe(self) -> str:
         return f"{self.kind} participant {self.name!r}"
+
+    def descriptor(self) -> Descriptor | None:
+        """How to rebuild this participant without the job: ``{"kind", "name", "target",
+        "options"}`` with non-secret options only (the coordinator stores it at register,
+        and ``twophase resolve`` rebuilds from it with :func:`rebuild`). ``None``: this
+        participant cannot be rebuilt (resolve then needs it named by hand)."""
+        return None
+
+    @classmethod
+    def from_descriptor(cls, descriptor: Descriptor, secrets: Mapping[str, str]) -> Participant:
+        """The inverse of :meth:`descriptor`; ``secrets`` are the values the descriptor
+        left out (a password), from :func:`secrets_from_env` or a file."""
+        raise NotImplementedError(f"{cls.__name__} cannot be rebuilt from a descriptor")
+
+
+Descriptor = dict[str, Any]
+"""``{"kind": str, "name": str, "target": str, "options": {str: scalar}}``
+(``twophase.wire.DescriptorOut``)."""
+
+# kind -> "module:Class", imported only when a descriptor of that kind is rebuilt
+_KINDS: dict[str, str] = {
+    "postgres": "twophase.sinks.postgres:PostgresParticipant",
+    "files": "twophase.sinks.files:StagedFileParticipant",
+    "kafka": "twophase.sinks.kafka:KafkaParticipant",
+}
+SECRET_ENV_PREFIX = "TWOPHASE_SECRET_"  # noqa: S105 - a variable name prefix
+
+
+def register_kind(kind: str, cls: type[Participant]) -> None:
+    """Make descriptors of ``kind`` rebuildable by ``cls.from_descriptor`` in this process
+    (for participants outside twophase; the built-in kinds are known already)."""
+    validate_name("participant kind", kind)
+    _KINDS[kind] = f"{cls.__module__}:{cls.__qualname__}"
+
+
+def secret_env_name(participant: str, key: str) -> str:
+    """``TWOPHASE_SECRET_<PARTICIPANT>_<KEY>``, upper case, other characters as ``_``."""
+    return SECRET_ENV_PREFIX + re.sub(r"[^A-Z0-9]", "_", f"{participant}_{key}".upper())
+
+
+def secrets_from_env(participant: str, keys: Iterable[str]) -> dict[str, str]:
+    """The secrets a descriptor names, from ``TWOPHASE_SECRET_<PARTICIPANT>_<KEY>``."""
+    out = {}
+    for key in keys:
+        value = os.environ.get(secret_env_name(participant, key))
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def rebuild(descriptor: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> Participant:
+    """A participant from its descriptor (as the coordinator recorded it) plus secrets
+    (default: from the environment, see :func:`secrets_from_env`)."""
+    kind, name = descriptor.get("kind"), descriptor.get("name")
+    if not isinstance(kind, str) or not isinstance(name, str):
+        raise InvalidRequest(f"descriptor {dict(descriptor)!r} has no kind or name")
+    path = _KINDS.get(kind)
+    if path is None:
+        raise InvalidRequest(
+            f"participant {name!r} is of kind {kind!r}, which this process cannot rebuild: "
+            "call twophase.participant.register_kind(kind, cls) (or name the participant "
+            "by hand, e.g. twophase resolve --job)"
+        )
+    module, _, qual = path.partition(":")
+    cls = getattr(importlib.import_module(module), qual)
+    if secrets is None:
+        wanted = str(descriptor.get("options", {}).get("secrets") or "")
+        secrets = secrets_from_env(name, [k for k in wanted.split(",") if k])
+    try:
+        part: Participant = cls.from_descriptor(dict(descriptor), secrets)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequest(
+            f"participant {name!r}: its recorded {kind} descriptor is incomplete or "
+            f"malformed ({type(exc).__name__}: {exc}); register the sink again with this "
+            "twophase version, or name the participant by hand"
+        ) from None
+    return part
+
+
+def required_secret(name: str, secrets: Mapping[str, str], key: str) -> str:
+    """A secret the rebuilt participant cannot do without, or a clear error naming where
+    to put it."""
+    if key not in secrets:
+        raise InvalidRequest(
+            f"participant {name!r} needs its secret {key!r}, which the coordinator never "
+            f"stores: set {secret_env_name(name, key)} (or pass it in --secrets FILE.json)"
+        )
+    return secrets[key]

@@ -11,24 +11,66 @@ the data: it is reported, and restarting the query from its checkpoint redoes it
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
-from twophase.errors import TransactionNotFound
-from twophase.participant import BranchRef, BranchStatus, Participant, is_empty_branch
+from twophase.errors import InvalidRequest, TransactionNotFound
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Participant,
+    is_empty_branch,
+    rebuild,
+)
 from twophase.protocol import (
     Decision,
     RecoveryAction,
     State,
+    Transaction,
     TxnKey,
     parse_branch_id,
     recovery_action,
 )
 
-if TYPE_CHECKING:
-    from twophase.client import CoordinatorClient
+__all__ = ["Action", "Decisions", "ResolveReport", "participants_from", "resolve_sink"]
 
-__all__ = ["Action", "ResolveReport", "resolve_sink"]
+REASON = "resolved by operator: writer gone"
+
+
+class Decisions(Protocol):
+    """What resolving needs of the coordinator: the HTTP client
+    (:class:`twophase.client.CoordinatorClient`), or the service's own store."""
+
+    def list(
+        self, sink: str | None = None, state: str | None = None, limit: int = 100
+    ) -> list[Transaction]: ...
+
+    def get(self, key: TxnKey) -> Transaction: ...
+
+    def admin_abort(self, key: TxnKey, reason: str) -> Transaction: ...
+
+    def force_ack(
+        self, key: TxnKey, branch: str, outcome: Decision, reason: str | None = None
+    ) -> Transaction: ...
+
+
+def participants_from(
+    descriptors: Sequence[Mapping[str, Any]],
+    secrets: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[Participant]:
+    """The sink's participants rebuilt from the descriptors its coordinator recorded;
+    ``secrets`` per participant name (default: from the environment)."""
+    if not descriptors:
+        raise InvalidRequest(
+            "the coordinator has no participant descriptors for this sink (it was last "
+            "registered before descriptors were recorded, or its participants have no "
+            "descriptor()): name the participants by hand (--job, --pg-dsn, ...)"
+        )
+    return [
+        rebuild(d, None if secrets is None or d.get("name") not in secrets
+                else secrets[str(d["name"])])
+        for d in descriptors
+    ]
 
 
 @dataclass
@@ -48,6 +90,10 @@ class ResolveReport:
     def ok(self) -> bool:
         return not self.unresolved
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "actions": [asdict(a) for a in self.actions],
+                "unresolved": [asdict(a) for a in self.unresolved]}
+
 
 _WAITING = (State.COMMITTING, State.ABORTING)
 
@@ -57,7 +103,7 @@ def _txn_name(key: TxnKey) -> str:
 
 
 def resolve_sink(
-    client: CoordinatorClient,
+    client: Decisions,
     sink: str,
     participants: Sequence[Participant],
     *,
@@ -70,7 +116,7 @@ def resolve_sink(
     for txn in open_txns:
         if txn.decision is None:
             if not dry_run:
-                txn = client.admin_abort(txn.key, "resolved by operator: writer gone")
+                txn = client.admin_abort(txn.key, REASON)
             report.actions.append(Action(_txn_name(txn.key), "*", "undecided", "abort"))
         decision = txn.effective_decision
         for bid, st in txn.branches.items():
@@ -91,7 +137,7 @@ def resolve_sink(
             report.actions.append(entry)
             waits = decision == Decision.COMMIT or st.vote == Decision.COMMIT
             if st.ack is None and waits and not dry_run and txn.state in _WAITING:
-                client.force_ack(txn.key, bid, decision)
+                client.force_ack(txn.key, bid, decision, REASON)
     # Leftovers the coordinator may not know about (prepared, then the vote was lost).
     for part in participants:
         for ref in part.in_doubt(sink):

@@ -30,7 +30,7 @@ from twophase.participant import (
     is_empty_branch,
 )
 from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
-from twophase.wire import VoteIn
+from twophase.wire import BranchMetrics, VoteIn
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -154,12 +154,14 @@ def _finish_commit(
     """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
     t0 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
+    measured: dict[str, BranchMetrics] = {}
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
         if is_empty_branch(plan.handles.get(bid)):
             acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
             continue
+        tc = time.perf_counter()
         action = recovery_action(Decision.COMMIT, part.status(ref))
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
@@ -170,8 +172,9 @@ def _finish_commit(
             _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
+        measured[bid] = {"commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    client.ack(plan.key, plan.epoch, acks)
+    client.ack(plan.key, plan.epoch, acks, measured)
     out.commit_s = time.perf_counter() - t0
     out.decision = Decision.COMMIT.value
 
@@ -209,7 +212,10 @@ def _run_attempt(
             unexpected = unexpected or res
         else:
             prepared.append((part, ref, res))
-            votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split}))
+            # prepares run together: each branch's time is the partition's prepare time
+            measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
+            votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
+                                metrics=measured))
     if unexpected is not None:
         _vote_and_abort(plan, client, votes, prepared)
         raise unexpected
@@ -223,12 +229,16 @@ def _run_attempt(
     out.wait_s = time.perf_counter() - t1
     t2 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
+    measured_acks: dict[str, BranchMetrics] = {}
     for part, ref, handle in prepared:
+        tc = time.perf_counter()
         _apply(part, ref, handle, decision)
         acks.append((ref.branch_id, decision))
+        measured_acks[ref.branch_id] = {"wait_s": out.wait_s,
+                                        "commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
     if acks:
-        client.ack(plan.key, plan.epoch, acks)
+        client.ack(plan.key, plan.epoch, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
     refused = [v for v in votes if not v.yes]

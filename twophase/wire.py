@@ -28,11 +28,17 @@ __all__ = [
     "BeginBody",
     "BeginKindName",
     "BeginOut",
+    "BranchMetrics",
     "BranchOut",
     "DecisionName",
+    "DescriptorOut",
     "ErrorOut",
     "ForceAckBody",
+    "ParticipantsOut",
+    "RegisterBody",
+    "SinkListOut",
     "SinkOut",
+    "SinkSummaryOut",
     "StateName",
     "TxnListOut",
     "TxnOut",
@@ -47,6 +53,7 @@ __all__ = [
     "decode_begin",
     "decode_branch",
     "decode_branches",
+    "decode_descriptor",
     "decode_sink",
     "decode_txn",
     "encode_begin",
@@ -56,6 +63,7 @@ __all__ = [
     "encode_txn",
     "error_body",
     "force_ack_body",
+    "register_body",
     "votes_body",
 ]
 
@@ -114,6 +122,39 @@ class BeginOut(TypedDict):
 
 class TxnListOut(TypedDict):
     txns: list[TxnOut]
+
+
+class DescriptorOut(TypedDict):
+    """How to rebuild a participant: its kind, name, target and non-secret options
+    (:meth:`twophase.participant.Participant.descriptor`)."""
+
+    kind: str
+    name: str
+    target: str
+    options: dict[str, str | int | float | bool | None]
+
+
+class ParticipantsOut(TypedDict):
+    sink: str
+    participants: list[DescriptorOut]
+
+
+class SinkSummaryOut(TypedDict):
+    """One sink as operators see it (``GET /v1/sinks``)."""
+
+    name: str
+    epoch: int
+    lineage: str | None
+    last_committed: int | None
+    in_doubt: int  # decided, branches not all acknowledged
+    undecided: int  # open or preparing
+    oldest_in_doubt_age: float | None  # seconds since the oldest in-doubt was decided
+    alerts: int
+    participants: list[str]
+
+
+class SinkListOut(TypedDict):
+    sinks: list[SinkSummaryOut]
 
 
 class ErrorOut(TypedDict):
@@ -188,6 +229,17 @@ def encode_begin(r: p.BeginResult) -> BeginOut:
 # what the client sends (the service validates these with strict models and bounds)
 
 
+class BranchMetrics(TypedDict, total=False):
+    """What an executor measured for one branch, sent with its vote (``prepare_s``,
+    ``rows``) and its ack (``wait_s``, ``commit_s``). Optional and only observed: the
+    coordinator exports them as Prometheus histograms, never decides on them."""
+
+    prepare_s: float
+    wait_s: float
+    commit_s: float
+    rows: int
+
+
 @dataclass(frozen=True)
 class VoteIn:
     """One branch's vote: YES with the handle needed to commit it later, or NO with why."""
@@ -196,6 +248,7 @@ class VoteIn:
     yes: bool
     handle: Mapping[str, str] | None = None
     reason: str | None = None
+    metrics: BranchMetrics | None = None
 
 
 class BeginBody(TypedDict):
@@ -212,6 +265,7 @@ class VoteBody(TypedDict):
     yes: bool
     handle: dict[str, str] | None
     reason: str | None
+    metrics: NotRequired[BranchMetrics]
 
 
 class VotesBody(TypedDict):
@@ -222,6 +276,7 @@ class VotesBody(TypedDict):
 class AckBody(TypedDict):
     branch: str
     outcome: DecisionName
+    metrics: NotRequired[BranchMetrics]
 
 
 class AcksBody(TypedDict):
@@ -237,6 +292,11 @@ class AbandonBody(TypedDict):
 class ForceAckBody(TypedDict):
     branch: str
     outcome: DecisionName
+    reason: NotRequired[str]
+
+
+class RegisterBody(TypedDict):
+    participants: list[DescriptorOut]
 
 
 class AbortBody(TypedDict):
@@ -263,28 +323,47 @@ def begin_body(
     }
 
 
+def _vote(v: VoteIn) -> VoteBody:
+    out: VoteBody = {"branch": v.branch, "yes": v.yes,
+                     "handle": dict(v.handle) if v.handle is not None else None,
+                     "reason": v.reason}
+    if v.metrics:
+        out["metrics"] = v.metrics
+    return out
+
+
 def votes_body(epoch: int, votes: Iterable[VoteIn]) -> VotesBody:
-    return {
-        "epoch": epoch,
-        "votes": [
-            {"branch": v.branch, "yes": v.yes,
-             "handle": dict(v.handle) if v.handle is not None else None,
-             "reason": v.reason}
-            for v in votes
-        ],
-    }
+    return {"epoch": epoch, "votes": [_vote(v) for v in votes]}
 
 
-def acks_body(epoch: int, acks: Iterable[tuple[str, p.Decision]]) -> AcksBody:
-    return {"epoch": epoch, "acks": [{"branch": b, "outcome": _outcome(o)} for b, o in acks]}
+def acks_body(
+    epoch: int,
+    acks: Iterable[tuple[str, p.Decision]],
+    metrics: Mapping[str, BranchMetrics] | None = None,
+) -> AcksBody:
+    """``metrics``: per branch id, what the executor measured (optional)."""
+    out: list[AckBody] = []
+    for b, o in acks:
+        ack: AckBody = {"branch": b, "outcome": _outcome(o)}
+        if metrics and metrics.get(b):
+            ack["metrics"] = metrics[b]
+        out.append(ack)
+    return {"epoch": epoch, "acks": out}
+
+
+def register_body(descriptors: Iterable[DescriptorOut]) -> RegisterBody:
+    return {"participants": [dict(d) for d in descriptors]}  # type: ignore[misc]
 
 
 def abandon_body(epoch: int, reason: str) -> AbandonBody:
     return {"epoch": epoch, "reason": reason}
 
 
-def force_ack_body(branch: str, outcome: p.Decision) -> ForceAckBody:
-    return {"branch": branch, "outcome": _outcome(outcome)}
+def force_ack_body(branch: str, outcome: p.Decision, reason: str | None = None) -> ForceAckBody:
+    out: ForceAckBody = {"branch": branch, "outcome": _outcome(outcome)}
+    if reason:
+        out["reason"] = reason
+    return out
 
 
 def abort_body(reason: str) -> AbortBody:
@@ -384,6 +463,19 @@ def decode_sink(d: Mapping[str, Any], where: str = "sink") -> p.SinkRecord:
         lineage=_opt(d, "lineage", str, where),
         last_committed=_opt(d, "last_committed", int, where),
     )
+
+
+def decode_descriptor(d: Mapping[str, Any], where: str = "descriptor") -> DescriptorOut:
+    options = _get(d, "options", dict, where)
+    for k, v in options.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, (str, int, float, bool))):
+            raise WireError(f"{where}.options.{k}: expected a string, number, bool or null")
+    return {
+        "kind": _get(d, "kind", str, where),
+        "name": _get(d, "name", str, where),
+        "target": _get(d, "target", str, where),
+        "options": dict(options),
+    }
 
 
 def decode_begin(d: Mapping[str, Any], where: str = "begin") -> p.BeginResult:

@@ -30,11 +30,13 @@ from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
     BranchStatus,
+    Descriptor,
     Handle,
     Participant,
     ParticipantError,
     PrepareRefused,
     ReadBack,
+    required_secret,
 )
 from twophase.sinks.kafka.admin import check_columns, check_topic
 from twophase.sinks.kafka.config import (
@@ -518,6 +520,48 @@ class KafkaParticipant(Participant):
 
     def describe(self) -> str:
         return f"kafka participant {self.name!r} (topic {self.topic!r})"
+
+    @staticmethod
+    def _secret_key(key: str) -> bool:
+        k = key.lower()
+        return any(w in k for w in ("password", "secret", "sasl.oauthbearer.config", "key.pem"))
+
+    def descriptor(self) -> Descriptor:
+        """Topic and settings; secret settings (passwords, keys) are left out and named in
+        ``secrets``: rebuilt from ``TWOPHASE_SECRET_<NAME>_<KEY>``."""
+        options: dict[str, Any] = {
+            "topic": self.topic, "key": self.key, "value": self.value,
+            "transaction_timeout_ms": self.transaction_timeout_ms,
+            "connect_timeout_s": self.connect_timeout_s, "commit_retry_s": self.commit_retry_s,
+        }
+        secrets = []
+        for k, v in self.config.items():
+            if self._secret_key(k):
+                secrets.append(k)
+            else:
+                options[f"config.{k}"] = v if isinstance(v, (str, int, float, bool)) else str(v)
+        options["secrets"] = ",".join(secrets)
+        return {"kind": self.kind, "name": self.name, "target": f"topic {self.topic}",
+                "options": options}
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> KafkaParticipant:
+        o = descriptor["options"]
+        name = descriptor["name"]
+        config: dict[str, Any] = {
+            k[len("config."):]: v for k, v in o.items() if k.startswith("config.")
+        }
+        for k in str(o.get("secrets") or "").split(","):
+            if k:
+                config[k] = required_secret(name, secrets, k)
+        return cls(
+            str(o["topic"]), config, key=o.get("key"), value=o.get("value"), name=name,
+            transaction_timeout_ms=int(o.get("transaction_timeout_ms", 600_000)),
+            connect_timeout_s=float(o.get("connect_timeout_s", 30.0)),
+            commit_retry_s=float(o.get("commit_retry_s", 120.0)),
+        )
 
 
 class _Refusal(TwophaseError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import suppress
 from typing import Any, Final, TypeVar
 
@@ -25,12 +25,13 @@ import psycopg
 import pyarrow as pa
 from psycopg import errors as pgerr
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from twophase.errors import InvalidRequest
 from twophase.participant import (
     BranchRef,
     BranchStatus,
+    Descriptor,
     Handle,
     Participant,
     ParticipantError,
@@ -141,6 +142,41 @@ class PostgresParticipant(Participant):
 
     def describe(self) -> str:
         return f"postgres participant {self.name!r} ({self.schema}.{self.table} at {self._where})"
+
+    _SECRET_PARAMS: Final = ("password", "sslpassword")
+
+    def descriptor(self) -> Descriptor:
+        """The DSN without its password (libpq's PGPASSWORD or ~/.pgpass, or
+        ``TWOPHASE_SECRET_<NAME>_PASSWORD``, supply it when rebuilt)."""
+        params = conninfo_to_dict(self.dsn)
+        secrets = [k for k in self._SECRET_PARAMS if params.pop(k, None) is not None]
+        return {
+            "kind": self.kind, "name": self.name,
+            "target": f"{self.schema}.{self.table} at {self._where}",
+            "options": {
+                "dsn": make_conninfo(**{k: str(v) for k, v in params.items()}),
+                "schema": self.schema, "table": self.table,
+                "marker_table": self.marker_table, "create": self.create,
+                "connect_timeout": self.connect_timeout, "secrets": ",".join(secrets),
+            },
+        }
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> PostgresParticipant:
+        o = descriptor["options"]
+        params = conninfo_to_dict(str(o["dsn"]))
+        for k in cls._SECRET_PARAMS:
+            if k in secrets:  # else libpq's own PGPASSWORD / ~/.pgpass apply
+                params[k] = secrets[k]
+        return cls(
+            make_conninfo(**{k: str(v) for k, v in params.items()}), str(o["table"]),
+            name=descriptor["name"], schema=str(o["schema"]),
+            create=bool(o.get("create", True)),
+            marker_table=str(o.get("marker_table", "twophase_markers")),
+            connect_timeout=float(o.get("connect_timeout", 10)),
+        )
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(

@@ -1,6 +1,7 @@
 """The ``twophase`` command line.
 
-One module per subcommand (``serve``, ``txns``, ``demo``, ``resolve``, ``chaos``), each
+One module per subcommand (``serve``, ``txns``, ``sinks``, ``force``, ``demo``,
+``resolve``, ``chaos``), each
 with ``register(subparsers)``; a command imports what it needs only when it runs, so
 ``twophase --help`` works without pyspark, psycopg or confluent-kafka installed.
 """
@@ -11,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from twophase import __version__
-from twophase.cli import chaos, demo, resolve, serve, txns
+from twophase.cli import chaos, demo, force, resolve, serve, sinks, txns
 
 DESCRIPTION = """\
 twophase: exactly-once output for PySpark Structured Streaming.
@@ -26,6 +27,9 @@ examples:
   twophase demo                                   run the demo job end to end
   twophase serve --store sqlite:///tp.db --port 7070 --token "$TWOPHASE_TOKEN"
   twophase txns --coordinator http://host:7070 --sink orders --json
+  twophase sinks --coordinator http://host:7070   sinks, in-doubt counts, alerts
+  twophase resolve orders --coordinator http://host:7070 --dry-run
+  open http://host:7070/ui                        the operators' console
 """
 
 
@@ -39,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"twophase {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for command in (serve, txns, demo, resolve, chaos):
+    for command in (serve, txns, sinks, force, demo, resolve, chaos):
         command.register(sub)
     return parser
 

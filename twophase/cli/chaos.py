@@ -78,6 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop killing after this many minutes, then finish and verify")
     p.add_argument("--quiet", action="store_true", help="print only the final report")
+    p.add_argument("--json", action="store_true",
+                   help="print only the JSON report on stdout (as written to --json-out)")
     p.set_defaults(run=_run_chaos)
 
 
@@ -87,7 +89,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
     from twophase.testing.servers import DaemonUnavailable
 
     def say(msg: str) -> None:
-        if not args.quiet:
+        if not args.quiet and not args.json:
             print(msg, flush=True)
 
     if args.victims is None:
@@ -152,6 +154,9 @@ def _run_chaos(args: argparse.Namespace) -> int:
     finally:
         for s in reversed(servers):
             s.stop()
+    if args.json:
+        print(Path(report["json_path"]).read_text(encoding="utf-8"))
+        return 0 if report["ok"] else 1
     print("\n".join(render(report)))
     if args.quiet:
         print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     servers: list[Any] = []
+    conns: list[Any] = []
     try:
         pg_dsn = args.pg_dsn
         if not args.no_postgres and pg_dsn is None:
@@ -113,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
             kafka_topic="demo_orders",
             partitions=args.partitions,
         )
+        # Hold the embedded coordinator for the whole run (the job's sink shares it), so
+        # its console can be opened while the job streams.
+        from twophase.connection import connect
+
+        console_conn = connect(cfg.coordinator)
+        conns.append(console_conn)
+        console.print(f"console (live, signed in): {console_conn.url}/ui#token="
+                      f"{console_conn.token}")
         write_input(cfg.input_dir, args.batches, args.rows_per_batch)
         participants = build_participants(cfg)
         console.print(
@@ -154,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(verdict)
         return 0 if report.ok else 1
     finally:
+        for c in conns:
+            c.close()
         for s in reversed(servers):
             s.stop()
         sys.stdout.flush()

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from typing import Any
 
 EPILOG = """\
 examples:
+  twophase resolve orders --coordinator http://coord:7070 --dry-run
+  twophase resolve orders --coordinator sqlite:///tp.db --secrets secrets.json
   twophase resolve --coordinator sqlite:///tp.db --sink orders \\
       --pg-dsn postgresql://u@db/app --pg-table orders --files-path /data/orders
-  twophase resolve --coordinator http://coord:7070 --sink orders --job job.json --dry-run
+
+By default the participants are rebuilt from the descriptors the coordinator recorded
+when the sink's writer registered (kind, target, non-secret options). Secrets are never
+stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
+TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
+TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
+all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
+--files-*, --kafka-* flags and --job name the participants by hand instead.
 
 Every unfinished transaction of the sink is settled by the recovery rule: a COMMIT
 decision commits what is prepared, anything else aborts it (presumed abort), and
@@ -32,7 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--coordinator", required=True,
                    help="store URL (sqlite:///..., postgresql://...) or daemon URL (http://...)")
     p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
-    p.add_argument("--sink", required=True, help="sink name")
+    p.add_argument("sink_arg", nargs="?", metavar="SINK", help="sink name")
+    p.add_argument("--sink", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--secrets", default=None, metavar="FILE.json",
+                   help="secrets per participant name, for participants rebuilt from the "
+                   "coordinator's descriptors (default: from the environment)")
     p.add_argument("--job", default=None, metavar="CONFIG.json",
                    help="take participants from a twophase.testing.job config file")
     p.add_argument("--pg-dsn", default=None)
@@ -49,7 +62,46 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from twophase.connection import connect
     from twophase.errors import TwophaseError
-    from twophase.resolve import resolve_sink
+    from twophase.resolve import participants_from, resolve_sink
+
+    args.sink = args.sink or args.sink_arg
+    if not args.sink:
+        print("twophase resolve: name the sink (twophase resolve SINK --coordinator URL)",
+              file=sys.stderr)
+        return 2
+    by_hand = args.job or args.pg_dsn or args.files_path or args.kafka_bootstrap
+    try:
+        with connect(args.coordinator, args.token) as conn:
+            client = conn.client()
+            try:
+                if by_hand:
+                    participants = _by_hand(args)
+                else:
+                    secrets = None
+                    if args.secrets:
+                        with open(args.secrets, encoding="utf-8") as fh:
+                            secrets = json.load(fh)
+                    participants = participants_from(client.participants(args.sink), secrets)
+                try:
+                    report = resolve_sink(client, args.sink, participants,
+                                          dry_run=args.dry_run)
+                finally:
+                    for part in participants:
+                        part.close()
+            finally:
+                client.close()
+    except (TwophaseError, ValueError, OSError, ImportError) as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        print(f"twophase resolve: {exc}", file=sys.stderr)
+        return 1
+    _print(args, report)
+    return 0 if report.ok else 1
+
+
+def _by_hand(args: argparse.Namespace) -> list[Any]:
+    """Participants named by flags or a job config (instead of the recorded descriptors)."""
+    from twophase.errors import InvalidRequest
     from twophase.testing.job import JobConfig, build_participants
 
     if args.job:
@@ -61,28 +113,17 @@ def run(args: argparse.Namespace) -> int:
                         files_format=args.files_format, kafka_bootstrap=args.kafka_bootstrap,
                         kafka_topic=args.kafka_topic or args.sink)
     try:
-        participants = build_participants(cfg)
+        return build_participants(cfg)
     except ValueError as exc:
-        print(f"twophase resolve: {exc} (name the sink's participants with --pg-dsn/"
-              "--pg-table, --files-path, --kafka-bootstrap/--kafka-topic or --job)",
-              file=sys.stderr)
-        return 2
-    try:
-        with connect(args.coordinator, args.token) as conn:
-            client = conn.client()
-            try:
-                report = resolve_sink(client, args.sink, participants, dry_run=args.dry_run)
-            finally:
-                client.close()
-    except (TwophaseError, ValueError) as exc:
-        print(f"twophase resolve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        for p in participants:
-            p.close()
+        raise InvalidRequest(
+            f"{exc} (name the sink's participants with --pg-dsn/--pg-table, --files-path, "
+            "--kafka-bootstrap/--kafka-topic or --job)"
+        ) from None
+
+
+def _print(args: argparse.Namespace, report: Any) -> None:
     if args.json:
-        print(json.dumps({"ok": report.ok, "actions": [asdict(a) for a in report.actions],
-                          "unresolved": [asdict(a) for a in report.unresolved]}, indent=2))
+        print(json.dumps(report.as_dict(), indent=2))
     else:
         verb = "would do" if args.dry_run else "did"
         for a in report.actions:
@@ -90,4 +131,3 @@ def run(args: argparse.Namespace) -> int:
         for a in report.unresolved:
             print(f"UNRESOLVED: {a.action}: {a.txn} {a.branch} (status {a.status})")
         print(f"{len(report.actions)} action(s), {len(report.unresolved)} unresolved")
-    return 0 if report.ok else 1

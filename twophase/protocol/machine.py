@@ -102,6 +102,7 @@ class ForceAck:
     branch: str
     outcome: Decision
     now: float
+    reason: str | None = None  # the operator's why, kept in the history
 
 
 Event = Vote | Expire | Abandon | AdminAbort | Ack | ForceAck
