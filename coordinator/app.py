@@ -24,6 +24,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -105,6 +106,10 @@ def create_app(
         version=__version__,
         description="Durable 2PC decision log. See docs/coordinator-api.md.",
         lifespan=_lifespan(svc, auth=bool(token)),
+        # Swagger UI and ReDoc load their scripts from a CDN (blank offline): /docs is a
+        # self-contained page instead (docs/decisions.md, issue 10).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.store = st
     app.state.hub = svc.hub
@@ -202,6 +207,16 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
         metrics.requests.labels(code).inc()
         return _error(status, code, msg)
 
+    @app.exception_handler(DBAPIError)
+    async def _store_down(_r: Request, exc: DBAPIError) -> Response:
+        # the store is unreachable or failing (not a bad request): 503, which clients
+        # retry; the daemon reconnects by itself once the database is back
+        metrics.requests.labels(StoreError.code).inc()
+        why = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
+        log.error("store error", extra={"error": why})
+        return _error(503, StoreError.code, f"the coordinator's store is unreachable or "
+                      f"failing: {why}; retry later (check the database behind --store)")
+
     @app.exception_handler(ValueError)
     async def _value_error(_r: Request, exc: ValueError) -> Response:
         metrics.requests.labels("invalid_request").inc()
@@ -226,6 +241,11 @@ def _ops_routes(svc: _Service) -> APIRouter:
         """Liveness and store reachability (no token needed)."""
         svc.store.sink("__healthz__")
         return {"status": "ok", "version": __version__}
+
+    @r.get("/docs", response_class=Response, include_in_schema=False)
+    def docs(request: Request) -> Response:
+        """Every route, in one page that loads nothing from elsewhere (works offline)."""
+        return Response(_docs_page(request.app), media_type="text/html; charset=utf-8")
 
     @r.get("/metrics", response_class=Response)
     def prometheus() -> Response:
@@ -453,6 +473,28 @@ def _admin_routes(svc: _Service) -> APIRouter:
         return bg.tick()
 
     return r
+
+
+def _docs_page(app: FastAPI) -> str:
+    """The API's routes from its own OpenAPI document, as plain HTML (no scripts)."""
+    from html import escape
+
+    rows = []
+    for path, ops in sorted(app.openapi().get("paths", {}).items()):
+        for method, op in ops.items():
+            rows.append(f"<tr><td><code>{escape(method.upper())}</code></td>"
+                        f"<td><code>{escape(path)}</code></td>"
+                        f"<td>{escape(str(op.get('summary', '')))}</td></tr>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>twophase coordinator API"
+        "</title></head><body><h1>twophase coordinator API</h1>"
+        "<p>The full description is the OpenAPI document at "
+        "<a href='/openapi.json'>/openapi.json</a> (load it into any OpenAPI viewer); "
+        "the reference is docs/coordinator-api.md. Calls other than /healthz, /metrics, "
+        "/openapi.json and /docs need <code>Authorization: Bearer TOKEN</code>.</p>"
+        "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th>"
+        "</tr>" + "".join(rows) + "</table></body></html>"
+    )
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:

@@ -9,9 +9,12 @@ coordinator replicas may share it; the store's compare-and-set makes them agree)
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -19,7 +22,15 @@ from sqlalchemy.exc import DBAPIError
 
 from twophase.errors import InvalidRequest, StoreError
 
-__all__ = ["Conflict", "Database", "normalize_url", "run", "transient"]
+__all__ = [
+    "Conflict",
+    "Database",
+    "lock_sqlite",
+    "normalize_url",
+    "run",
+    "sqlite_path",
+    "transient",
+]
 
 
 def normalize_url(url: str) -> str:
@@ -44,6 +55,62 @@ def normalize_url(url: str) -> str:
     )
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a SQLite store URL (None for any other store)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    return Path(url[len("sqlite:///") :].split("?")[0])
+
+
+def _ensure_parent(path: Path) -> None:
+    """Create the SQLite file's folder, or say which path cannot be used and why: sqlite3
+    itself only answers 'unable to open database file'."""
+    parent = path.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create the folder {parent} for the SQLite store {path.absolute()}: "
+            f"{exc.strerror or exc}; create it (writable by this user) or choose another "
+            "path, e.g. sqlite:////absolute/path/twophase.db"
+        ) from exc
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise StoreError(
+            f"the folder {parent} of the SQLite store {path.absolute()} is not writable by "
+            "this user (SQLite writes its journal next to the file); fix its permissions "
+            "or choose another path"
+        )
+
+
+def lock_sqlite(url: str) -> IO[str] | None:
+    """Hold ``<file>.lock`` for a daemon's lifetime (released when the process dies):
+    SQLite allows one daemon per file, a second one is refused here instead of
+    competing for the database. Returns the open lock file (None for PostgreSQL)."""
+    path = sqlite_path(normalize_url(url))
+    if path is None:
+        return None
+    _ensure_parent(path)
+    lock = Path(f"{path.absolute()}.lock")
+    fh = lock.open("a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise StoreError(
+            f"another coordinator already serves the SQLite store {path.absolute()} "
+            f"(process {holder} holds {lock}); SQLite allows one daemon per file: stop "
+            "that daemon, point this one at another file, or use a PostgreSQL store to run "
+            "several daemons"
+        ) from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
 class Database:
     """A write engine, a read engine and the write lock for one store URL."""
 
@@ -52,6 +119,9 @@ class Database:
         self.is_sqlite = self.url.startswith("sqlite")
         self.write_lock: contextlib.AbstractContextManager[Any]
         if self.is_sqlite:
+            path = sqlite_path(self.url)
+            assert path is not None
+            _ensure_parent(path)
             self.engine = _sqlite_engine(self.url, immediate=True)
             self.read_engine = _sqlite_engine(self.url, immediate=False)
             self.write_lock = threading.Lock()

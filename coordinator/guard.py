@@ -19,7 +19,7 @@ __all__ = ["MAX_BODY", "OPEN_PATHS", "Guard"]
 MAX_BODY: Final = 1 << 20  # 1 MiB
 # reachable without a token: probes, scrapers and the API's own description
 # and the console's sign-in page (/ui: no data in it; /ui/view and every action need it)
-OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
+OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs",
                                "/ui"})
 
 Scope = MutableMapping[str, Any]

@@ -8,13 +8,23 @@ documented with wire's TypedDicts directly (``wire.TxnOut``, ``wire.BeginOut``, 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    field_validator,
+)
 
 from twophase import wire
-from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
+from twophase.names import BRANCH_PATTERN, LINEAGE_PATTERN, NAME_PATTERN, validate_name
+from twophase.wire import MAX_EPOCH, MAX_INT, MAX_TEXT
 
 __all__ = [
     "ERRORS",
@@ -41,11 +51,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+# Every integer is bounded (the store's columns are 64-bit), every string has a pattern
+# or a length, and free text has no NUL (PostgreSQL refuses it): a bad request is a 422,
+# never a 5xx from the database.
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("text must not contain NUL characters (PostgreSQL cannot store "
+                         "them): remove or escape them (twophase.wire.clip_text does)")
+    return value
+
+
+_NO_NUL = AfterValidator(_no_nul)
+_NO_NUL_SCHEMA = {"type": "string", "pattern": r"^[^\x00]*$"}
+# /register adds one to the epoch it stores: a begin may store any epoch up to MAX_EPOCH
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT), _NO_NUL,
+                 WithJsonSchema({**_NO_NUL_SCHEMA, "minLength": 1, "maxLength": MAX_TEXT})]
+HandleKey = Annotated[str, StringConstraints(min_length=1, max_length=128), _NO_NUL,
+                      WithJsonSchema({**_NO_NUL_SCHEMA, "minLength": 1, "maxLength": 128})]
+HandleValue = Annotated[str, StringConstraints(max_length=MAX_TEXT), _NO_NUL,
+                        WithJsonSchema({**_NO_NUL_SCHEMA, "maxLength": MAX_TEXT})]
+
+
+def _branch(value: str) -> str:
+    if not _BRANCH_RE.match(value):
+        raise ValueError(f"invalid branch id {value!r}: use PARTICIPANT/PARTITION, "
+                         "e.g. 'postgres-orders/3' (a participant name, '/', the partition)")
+    return value
+
+
+_BRANCH_RE = re.compile(BRANCH_PATTERN)
+# the named check gives the clear message; the schema still documents the pattern
+Name = Annotated[str, AfterValidator(lambda v: validate_name("participant name", v)),
+                 WithJsonSchema({"type": "string", "pattern": NAME_PATTERN})]
+Branch = Annotated[str, AfterValidator(_branch),
+                   WithJsonSchema({"type": "string", "pattern": BRANCH_PATTERN})]
+
+
 class BeginIn(_Strict):
     lineage: str = Field(pattern=LINEAGE_PATTERN, description="identity of the Spark checkpoint")
-    checkpoint: int = Field(ge=0, description="Spark's micro-batch id (batch_id)")
-    epoch: int = Field(ge=0, description="writer epoch from /register")
-    participants: list[str] = Field(min_length=1, max_length=64)
+    checkpoint: int = Field(ge=0, le=MAX_INT, description="Spark's micro-batch id (batch_id)")
+    epoch: Epoch = Field(description="writer epoch from /register")
+    participants: list[Name] = Field(min_length=1, max_length=64)
     partitions: int = Field(ge=1, le=100_000)
     vote_timeout: float = Field(default=300.0, gt=0, le=7 * 86400)
 
@@ -63,39 +110,38 @@ class BranchMetricsIn(_Strict):
 
 
 class VoteItem(_Strict):
-    branch: str = Field(max_length=96, description="participant/partition")
+    branch: Branch = Field(description="participant/partition")
     yes: bool
-    handle: dict[str, str] | None = None
-    reason: str | None = Field(default=None, max_length=4096)
+    handle: dict[HandleKey, HandleValue] | None = Field(default=None, max_length=32)
+    reason: Text | None = None
     metrics: BranchMetricsIn | None = None
 
 
 class VotesIn(_Strict):
-    epoch: int = Field(ge=0)
-    votes: list[VoteItem] = Field(min_length=1)
+    epoch: Epoch
+    votes: list[VoteItem] = Field(min_length=1, max_length=10_000)
 
 
 class AckItem(_Strict):
-    branch: str = Field(max_length=96)
+    branch: Branch
     outcome: wire.DecisionName
     metrics: BranchMetricsIn | None = None
 
 
 class AcksIn(_Strict):
-    epoch: int = Field(ge=0)
-    acks: list[AckItem] = Field(min_length=1)
+    epoch: Epoch
+    acks: list[AckItem] = Field(min_length=1, max_length=10_000)
 
 
 class AbandonIn(_Strict):
-    epoch: int = Field(ge=0)
-    reason: str = Field(min_length=1, max_length=4096)
+    epoch: Epoch
+    reason: Text
 
 
 class ForceAckIn(_Strict):
-    branch: str = Field(max_length=96)
+    branch: Branch
     outcome: wire.DecisionName
-    reason: str | None = Field(default=None, min_length=1, max_length=4096,
-                               description="why, for the log and the history")
+    reason: Text | None = Field(default=None, description="why, for the log and the history")
 
 
 class DescriptorIn(_Strict):
@@ -103,7 +149,7 @@ class DescriptorIn(_Strict):
 
     kind: str = Field(pattern=NAME_PATTERN)
     name: str = Field(pattern=NAME_PATTERN)
-    target: str = Field(max_length=1024)
+    target: Annotated[str, StringConstraints(max_length=1024), _NO_NUL]
     options: dict[str, str | int | float | bool | None] = Field(max_length=64)
 
     @field_validator("options")
@@ -116,6 +162,10 @@ class DescriptorIn(_Strict):
                 raise ValueError(f"option name {k[:40]!r} must be 1-128 characters")
             if isinstance(x, str) and len(x) > 4096:
                 raise ValueError(f"option {k!r} is longer than 4096 characters")
+            if "\x00" in k or (isinstance(x, str) and "\x00" in x):
+                raise ValueError(f"option {k[:40]!r} contains a NUL character: remove it")
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
+                raise ValueError(f"option {k[:40]!r} is out of the 64-bit range")
         return v
 
 
@@ -124,17 +174,18 @@ class RegisterIn(_Strict):
 
 
 class AbortIn(_Strict):
-    reason: str = Field(min_length=1, max_length=4096)
+    reason: Text
 
 
 class ResolveIn(_Strict):
     dry_run: bool = Field(default=False, description="only report what would be done")
 
 
-SinkName = Annotated[str, Path(pattern=NAME_PATTERN, description="sink name")]
-Lineage = Annotated[str, Path(pattern=LINEAGE_PATTERN)]
-Checkpoint = Annotated[int, Path(ge=0)]
-Attempt = Annotated[int, Path(ge=1)]
+SinkName = Annotated[str, Path(pattern=NAME_PATTERN, description="sink name",
+                               examples=["orders"])]
+Lineage = Annotated[str, Path(pattern=LINEAGE_PATTERN, examples=["lin"])]
+Checkpoint = Annotated[int, Path(ge=0, le=MAX_INT, examples=[0])]
+Attempt = Annotated[int, Path(ge=1, le=MAX_INT, examples=[1])]
 
 # the refusals a route may answer with, for the OpenAPI document
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Final
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Column,
     Connection,
@@ -41,6 +42,11 @@ from twophase.errors import SchemaMismatch
 SCHEMA_VERSION: Final = 3
 _UPGRADABLE: Final = {"2"}  # versions upgraded in place (additive changes only)
 
+# 64-bit everywhere: Spark's batch ids are longs, and the service accepts any integer up to
+# wire.MAX_INT (PostgreSQL INTEGER would overflow at 2**31). SQLite's INTEGER is already
+# 64-bit; its autoincrement needs the exact type name INTEGER, hence the variant.
+_ID = BigInteger().with_variant(Integer, "sqlite")
+
 metadata = MetaData()
 
 meta = Table(
@@ -54,10 +60,10 @@ sinks = Table(
     "twophase_sinks",
     metadata,
     Column("name", String(64), primary_key=True),
-    Column("epoch", Integer, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
     Column("lineage", String(128), nullable=True),
-    Column("last_committed", Integer, nullable=True),
-    Column("version", Integer, nullable=False),
+    Column("last_committed", BigInteger, nullable=True),
+    Column("version", BigInteger, nullable=False),
 )
 
 _TXN_KEY = ("sink", "lineage", "checkpoint", "attempt")
@@ -67,11 +73,11 @@ txns = Table(
     metadata,
     Column("sink", String(64), primary_key=True),
     Column("lineage", String(128), primary_key=True),
-    Column("checkpoint", Integer, primary_key=True, autoincrement=False),
-    Column("attempt", Integer, primary_key=True, autoincrement=False),
-    Column("epoch", Integer, nullable=False),
-    Column("partitions", Integer, nullable=False),
-    Column("branch_count", Integer, nullable=False),
+    Column("checkpoint", BigInteger, primary_key=True, autoincrement=False),
+    Column("attempt", BigInteger, primary_key=True, autoincrement=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("partitions", BigInteger, nullable=False),
+    Column("branch_count", BigInteger, nullable=False),
     # {branch id: {"vote", "handle", "reason", "ack"}} (absent keys are null); the branch
     # ids are "participant/partition" (twophase.protocol.parse_branch_id)
     Column("branches", Text, nullable=False),
@@ -84,7 +90,7 @@ txns = Table(
     Column("updated", Float, nullable=False),
     # operational flag, not protocol state: decided long ago and branches still not acked
     Column("alert", Boolean, nullable=False, default=False),
-    Column("version", Integer, nullable=False),
+    Column("version", BigInteger, nullable=False),
     Index("twophase_txns_state", "state", "deadline"),
     Index("twophase_txns_finished", "finished_at"),
 )
@@ -92,11 +98,11 @@ txns = Table(
 events = Table(
     "twophase_events",
     metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("id", _ID, primary_key=True, autoincrement=True),
     Column("sink", String(64), nullable=False),
     Column("lineage", String(128), nullable=False),
-    Column("checkpoint", Integer, nullable=False),
-    Column("attempt", Integer, nullable=False),
+    Column("checkpoint", BigInteger, nullable=False),
+    Column("attempt", BigInteger, nullable=False),
     Column("at", Float, nullable=False),
     Column("kind", String(16), nullable=False),
     Column("branch", String(96), nullable=True),

@@ -85,8 +85,12 @@ class Store:
         self.writes = GroupCommitWriter(
             self.db, after_commit=self._durable, grouped=group_commit, max_group=max_group
         )
-        with self.db.write() as conn:
-            s.ensure(conn, create=create, where=self.safe_url)
+        try:
+            with self.db.write() as conn:
+                s.ensure(conn, create=create, where=self.safe_url)
+        except BaseException:
+            self.close()  # a store that is not up yet: no writer thread or pool left behind
+            raise
 
     @property
     def safe_url(self) -> str:

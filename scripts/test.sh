@@ -27,6 +27,12 @@ if ! command -v java >/dev/null 2>&1; then
   apt_install openjdk-17-jre-headless
 fi
 java -version 2>&1 | head -1
+# iproute2 (ip, tc) for the network fault tests (they create their own network namespaces;
+# they, and the tmpfs of the ENOSPC test, need root).
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+  echo "== installing iproute2 (ip/tc not found)"
+  apt_install iproute2
+fi
 # Debian's Chromium for the console's browser test (driven by Playwright for Python with
 # executable_path=/usr/bin/chromium; Playwright's own browser download is never used).
 if [ ! -x /usr/bin/chromium ]; then

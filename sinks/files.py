@@ -11,17 +11,22 @@ not by attempt, so a redo of a committed branch finds it and writes nothing.
 
 File names are built only from validated :class:`~twophase.participant.BranchRef` parts;
 nothing a user passes becomes a path component other than ``path`` itself.
+
+``path="s3://bucket/prefix"`` selects the object-store backend: the same class (the
+constructor returns the subclass in :mod:`twophase.sinks.s3`), the same names, handles
+and encodings, with a multipart upload in place of the staged file.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -74,7 +79,26 @@ class StagedFileParticipant(Participant):
     kind = "files"
     durable_prepare = True
 
-    def __init__(self, path: str, format: str = "parquet", *, name: str | None = None) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> StagedFileParticipant:
+        """``path="s3://..."`` builds the object-store backend (same class, a subclass)."""
+        path = args[0] if args else kwargs.get("path")
+        if cls is StagedFileParticipant and isinstance(path, str) and path.startswith("s3://"):
+            from twophase.sinks.s3 import S3StagedFileParticipant
+
+            return super().__new__(S3StagedFileParticipant)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        path: str,
+        format: str = "parquet",
+        *,
+        name: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if storage_options is not None:
+            raise InvalidRequest("storage_options apply to s3:// paths only; a local path "
+                                 "takes none (drop storage_options or use s3://bucket/prefix)")
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise InvalidRequest("path must be a non-empty directory path")
         if "\x00" in str(path):
@@ -98,6 +122,10 @@ class StagedFileParticipant(Participant):
         cls, descriptor: Descriptor, secrets: Mapping[str, str]
     ) -> StagedFileParticipant:
         o = descriptor["options"]
+        if str(o["path"]).startswith("s3://"):  # its storage options and secrets
+            from twophase.sinks.s3 import S3StagedFileParticipant
+
+            return S3StagedFileParticipant.from_descriptor(descriptor, secrets)
         return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"])
 
     # -- names ------------------------------------------------------------------------------
@@ -113,27 +141,33 @@ class StagedFileParticipant(Participant):
                 f"not {self.name!r}"
             )
 
-    def final_path(self, branch: BranchRef) -> Path:
+    def final_name(self, branch: BranchRef) -> str:
+        """The committed file's name (an object key's last part on S3)."""
         self._own(branch)
         # The sink is in the name: two sinks sharing a folder never take each other's
         # files for "already committed" (and so never drop rows).
-        return self.path / (
+        return (
             f"part-{branch.sink}~{branch.lineage}-{branch.batch_id:020d}-"
             f"{branch.participant}-{branch.partition:05d}.{self.ext}"
         )
 
-    def staged_path(self, branch: BranchRef) -> Path:
+    def staged_name(self, branch: BranchRef) -> str:
         # The sink is part of the staged name so in_doubt(sink) can find its leftovers.
-        return self.staging / (
-            f"{branch.sink}~{self.final_path(branch).stem}.attempt-{branch.attempt}.{self.ext}"
-        )
+        stem = self.final_name(branch).removesuffix(f".{self.ext}")
+        return f"{branch.sink}~{stem}.attempt-{branch.attempt}.{self.ext}"
+
+    def final_path(self, branch: BranchRef) -> Path:
+        return self.path / self.final_name(branch)
+
+    def staged_path(self, branch: BranchRef) -> Path:
+        return self.staging / self.staged_name(branch)
 
     def _handle(self, branch: BranchRef, rows: int, state: str) -> dict[str, str]:
         return {
             "kind": self.kind,
             "participant": self.name,
-            "staged": self.staged_path(branch).name,
-            "final": self.final_path(branch).name,
+            "staged": self.staged_name(branch),
+            "final": self.final_name(branch),
             "rows": str(rows),
             "state": state,
         }
@@ -149,6 +183,9 @@ class StagedFileParticipant(Participant):
             probe.unlink()
         except OSError as exc:
             raise ParticipantError(f"{self.describe()}: cannot write there: {exc}") from exc
+        self._check_format(schema)
+
+    def _check_format(self, schema: pa.Schema) -> None:
         if self.format == "jsonl":
             try:
                 empty = pa.RecordBatch.from_pylist([], schema=schema)
@@ -185,21 +222,27 @@ class StagedFileParticipant(Participant):
         return self._handle(branch, rows, "prepared")
 
     def _write(self, tmp: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> int:
-        rows = 0
         with open(tmp, "xb") as raw:
-            if self.format == "parquet":
-                with pq.ParquetWriter(raw, schema) as writer:
-                    for batch in batches:
-                        self._same_schema(batch, schema)
-                        writer.write_batch(batch)
-                        rows += batch.num_rows
-            else:
-                for batch in batches:
-                    self._same_schema(batch, schema)
-                    raw.write(b"".join(line + b"\n" for line in json_rows(batch)))
-                    rows += batch.num_rows
+            rows = self._encode(raw, schema, batches)
             raw.flush()
             os.fsync(raw.fileno())
+        return rows
+
+    def _encode(self, raw: IO[bytes] | io.RawIOBase, schema: pa.Schema,
+                batches: Iterable[pa.RecordBatch]) -> int:
+        """Write the branch's rows to ``raw`` in the format; the row count."""
+        rows = 0
+        if self.format == "parquet":
+            with pq.ParquetWriter(raw, schema) as writer:
+                for batch in batches:
+                    self._same_schema(batch, schema)
+                    writer.write_batch(batch)
+                    rows += batch.num_rows
+        else:
+            for batch in batches:
+                self._same_schema(batch, schema)
+                raw.write(b"".join(line + b"\n" for line in json_rows(batch)))
+                rows += batch.num_rows
         return rows
 
     def _same_schema(self, batch: pa.RecordBatch, schema: pa.Schema) -> None:

@@ -4,6 +4,7 @@
 - ``spark``: one local[2] SparkSession for the whole session.
 - ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
   (``tests/kafka_support.py``).
+- ``s3``, ``s3_bucket``: an S3-API server (moto) on loopback (``tests/s3_support.py``).
 Nothing here depends on a server that was running before the suite.
 """
 
@@ -22,8 +23,8 @@ if str(ROOT) not in sys.path:
 
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
-# tansu_bootstrap / real_kafka_bootstrap fixtures for every test module
-pytest_plugins = ["tests.kafka_support"]
+# tansu_bootstrap / real_kafka_bootstrap and s3 / s3_bucket fixtures for every test module
+pytest_plugins = ["tests.kafka_support", "tests.s3_support"]
 
 
 @pytest.fixture(scope="session")
@@ -43,9 +44,9 @@ def pg_dsn(pg: LocalPostgres) -> str:
 
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # No PYSPARK_PYTHON: the suite meets Spark's interpreter as users do (the sink picks
+    # the driver's in local mode, twophase.preflight).
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     session = (

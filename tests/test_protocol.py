@@ -324,6 +324,35 @@ def test_next_step_finishing_a_commit_is_bounded() -> None:
     assert out.reason.endswith("could not be committed after 4 tries: boom")
 
 
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "pg/0 voted NO: ModuleNotFoundError: No module named 'pyarrow'",
+        "Spark job failed: PythonException: ImportError: cannot import name 'x'",
+        "pg/1 voted NO: InvalidRequest: column 'x' is not a valid name",
+        "Spark job failed: [PYTHON_VERSION_MISMATCH] Python in worker has different version",
+        "Spark job failed: java.io.IOException: Cannot run program \"/nope/python\"",
+    ],
+)
+def test_next_step_gives_up_at_once_on_a_cause_a_retry_cannot_heal(reason: str) -> None:
+    aborted = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0,
+                                    reason=reason))
+    step = _step(aborted, max_attempts=5)
+    assert step.kind == p.StepKind.GIVE_UP and step.aborted == 1 and step.delay == 0
+    assert "not retried" in step.reason and reason in step.reason
+    # the job's error alone (the abort reason says less) is enough too
+    plain = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="x"))
+    assert _step(plain, job_error=reason).kind == p.StepKind.GIVE_UP
+
+
+def test_next_step_retries_what_may_heal() -> None:
+    for reason in ("could not serialize access", "connection refused", "timeout"):
+        assert not p.permanent(reason)
+        aborted = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0,
+                                        reason=reason))
+        assert _step(aborted).kind == p.StepKind.RETRY
+
+
 # --------------------------------------------------------------------------- begin
 
 

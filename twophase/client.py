@@ -12,7 +12,9 @@ an embedded coordinator) is :mod:`twophase.connection`'s job.
 from __future__ import annotations
 
 import builtins
+import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import quote
@@ -35,6 +37,9 @@ __all__ = ["CoordinatorClient"]
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 CA_ENV: Final = "TWOPHASE_CA_CERT"
 POLL_SLICE: Final = 30.0
+FIRST_CONTACT_BUDGET: Final = 5.0  # seconds register() retries a refused/unresolvable URL
+
+log = logging.getLogger("twophase.client")
 
 
 class _Retryable(TwophaseError):
@@ -94,7 +99,10 @@ class CoordinatorClient:
         body: Any = None,
         params: Mapping[str, Any] | None = None,
         read_timeout: float | None = None,
+        connect_budget: float | None = None,
     ) -> Any:
+        """One call, retried through connection failures and 5xx for ``retry_budget``
+        seconds (a failure to connect at all: ``connect_budget`` seconds, when given)."""
         timeout = httpx.USE_CLIENT_DEFAULT
         if read_timeout is not None:
             timeout = httpx.Timeout(read_timeout, connect=min(self.timeout, 10.0))  # type: ignore[assignment]
@@ -110,23 +118,50 @@ class CoordinatorClient:
                 raise _refusal(resp)
             return resp.json()
 
+        started = time.monotonic()
         try:  # the common case: one attempt, no retry machinery to build
             return once()
-        except (httpx.TransportError, _Retryable):
-            pass
+        except (httpx.TransportError, _Retryable) as exc:
+            first = exc
+        cannot_connect = connect_budget is not None and isinstance(first, httpx.ConnectError)
+        budget = min(self.retry_budget, connect_budget or self.retry_budget)
+        log.warning(
+            "coordinator %s: %s %s failed (%s); retrying for up to %gs",
+            self.url, method, path, _cause(first),
+            budget if cannot_connect else self.retry_budget,
+        )
+
+        def stop(state: tenacity.RetryCallState) -> bool:
+            elapsed = time.monotonic() - started
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if isinstance(exc, httpx.ConnectError) and connect_budget is not None:
+                return elapsed >= budget
+            return elapsed >= self.retry_budget
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
             wait=tenacity.wait_exponential(multiplier=0.05, max=2.0)
             + tenacity.wait_random(0, 0.05),
-            stop=tenacity.stop_after_delay(self.retry_budget),
+            stop=stop,
             reraise=True,
         )
         try:
             return retrying(once)
         except (httpx.TransportError, _Retryable) as exc:
+            waited = time.monotonic() - started
+            if isinstance(exc, httpx.ConnectError) and connect_budget is not None:
+                raise CoordinatorUnavailable(
+                    f"coordinator {self.url} unavailable: cannot connect ({method} {path}, "
+                    f"tried for {waited:.0f}s): {_cause(exc)}. Check the coordinator= URL "
+                    "(host and port) and that the coordinator is running "
+                    "(twophase serve --store ...), or use a store URL such as "
+                    "sqlite:///path.db for an embedded coordinator",
+                    code="unavailable",
+                ) from exc
             raise CoordinatorUnavailable(
-                f"coordinator {self.url} unavailable for {self.retry_budget:.0f}s "
-                f"({method} {path}): {exc}",
+                f"coordinator {self.url} unavailable for {waited:.0f}s (retry budget "
+                f"{self.retry_budget:g}s: the sink's retry_budget_s) ({method} {path}): "
+                f"{_cause(exc)}",
                 status=getattr(exc, "status", None),
                 code="unavailable",
             ) from exc
@@ -143,9 +178,11 @@ class CoordinatorClient:
     ) -> int:
         """A new writer epoch for ``sink``; every older writer is fenced from now on.
         ``descriptors`` (the participants' :meth:`~twophase.participant.Participant.
-        descriptor`) are recorded so that ``twophase resolve`` can rebuild them."""
+        descriptor`) are recorded so that ``twophase resolve`` can rebuild them. The
+        first contact: a URL nobody answers at fails within seconds."""
         body = wire.register_body(descriptors) if descriptors is not None else None
-        out = self._request("POST", f"/v1/sinks/{_seg(sink)}/register", body=body)
+        out = self._request("POST", f"/v1/sinks/{_seg(sink)}/register", body=body,
+                            connect_budget=FIRST_CONTACT_BUDGET)
         return int(wire.decode_sink(out).epoch)
 
     def sinks(self) -> builtins.list[wire.SinkSummaryOut]:
@@ -271,6 +308,11 @@ class CoordinatorClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cause(exc: BaseException) -> str:
+    """``ConnectError: [Errno 111] Connection refused`` rather than a bare message."""
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, _Retryable) else str(exc)
 
 
 def _list(out: Any, key: str) -> builtins.list[Any]:

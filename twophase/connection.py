@@ -18,7 +18,7 @@ from typing import Any, Final
 from twophase.client import TOKEN_ENV, CoordinatorClient
 from twophase.errors import InvalidRequest
 
-__all__ = ["EMBEDDED_HOST_ENV", "Connection", "connect"]
+__all__ = ["EMBEDDED_HOST_ENV", "Connection", "check_coordinator", "connect"]
 
 EMBEDDED_HOST_ENV: Final = "TWOPHASE_EMBEDDED_HOST"
 
@@ -37,11 +37,12 @@ class Connection:
         self._client: CoordinatorClient | None = None
         self._lock = threading.Lock()
 
-    def client(self) -> CoordinatorClient:
-        """A shared, thread-safe client for this connection (do not close it yourself)."""
+    def client(self, *, retry_budget: float = 120.0) -> CoordinatorClient:
+        """A shared, thread-safe client for this connection (do not close it yourself);
+        ``retry_budget``: seconds it rides through an unreachable coordinator."""
         with self._lock:
             if self._client is None:
-                self._client = CoordinatorClient(self.url, self.token)
+                self._client = CoordinatorClient(self.url, self.token, retry_budget=retry_budget)
             return self._client
 
     def close(self) -> None:
@@ -110,7 +111,20 @@ def connect(coordinator: str, token: str | None = None) -> Connection:
                 server, users = entry
                 _EMBEDDED[key] = (server, users + 1)
         return Connection(server.url, server.token, server=server, cache_key=key)
-    raise InvalidRequest(
+    raise _not_understood(coordinator)
+
+
+def check_coordinator(coordinator: object) -> str:
+    """``coordinator`` if :func:`connect` understands it, else the error it would raise
+    (checked when a sink is built, long before its first batch connects)."""
+    if not isinstance(coordinator, str) or not coordinator.startswith(
+            ("http://", "https://", *_STORE_PREFIXES)):
+        raise _not_understood(coordinator)
+    return coordinator
+
+
+def _not_understood(coordinator: object) -> InvalidRequest:
+    return InvalidRequest(
         f"coordinator={coordinator!r} is not understood: use 'http://host:port' or "
         "'https://host:port' for a daemon, or a store URL 'sqlite:///path.db' / "
         "'postgresql://user@host:port/db' for an embedded coordinator"

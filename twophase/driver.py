@@ -27,6 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
+from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import EMPTY_BRANCH, Participant, is_empty_branch
@@ -82,6 +83,13 @@ class TransactionalSink:
     ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
     embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
     token from ``token=`` or ``TWOPHASE_TOKEN``).
+
+    Before its first batch the sink checks the executors (``preflight=False`` skips it;
+    :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
+    ride through an unreachable coordinator (a URL nobody answers at fails within
+    seconds at the first call). Logs go to the ``twophase.sink`` logger: INFO per
+    committed batch, WARNING for replayed, recovered, aborted and redone ones;
+    ``on_batch`` gets each :class:`BatchReport`.
     """
 
     def __init__(
@@ -98,6 +106,8 @@ class TransactionalSink:
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
         json_logs: bool = False,
+        retry_budget_s: float = 120.0,
+        preflight: bool = True,
     ) -> None:
         self.name = validate_name("sink name", name)
         if not participants:
@@ -108,12 +118,20 @@ class TransactionalSink:
                 f"participant names must be unique within sink {name!r}, got {names}; "
                 "pass name=... to tell two participants of the same kind apart"
             )
-        if partitions is not None and partitions < 1:
-            raise InvalidRequest(f"partitions must be >= 1, got {partitions}")
-        if max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if len(participants) > MAX_PARTICIPANTS:
+            raise InvalidRequest(
+                f"a TransactionalSink takes at most {MAX_PARTICIPANTS} participants, got "
+                f"{len(participants)}: split the output over several sinks"
+            )
+        _bounded_int("partitions", partitions, 1, MAX_PARTITIONS, optional=True)
+        _bounded_int("max_attempts", max_attempts, 1, 1000)
+        _bounded_float("backoff", backoff, 0.0, 3600.0, "seconds between attempts")
+        _bounded_float("vote_timeout", vote_timeout, 0.001, MAX_VOTE_TIMEOUT,
+                       "seconds the coordinator waits for every vote")
+        if not retry_budget_s > 0:
+            raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
-        self.coordinator = coordinator
+        self.coordinator = check_coordinator(coordinator)
         self.token = token
         self.partitions = partitions
         self.max_attempts = max_attempts
@@ -126,10 +144,15 @@ class TransactionalSink:
             # A prepared branch must outlive the vote window (a Kafka transaction times out).
             p.check_vote_window(vote_timeout)
         self.on_batch = on_batch
+        self.retry_budget_s = float(retry_budget_s)
+        self.preflight = preflight
+        self._preflighted = False
         if json_logs:  # one JSON object per line on stderr, as the daemon logs
             from twophase.logs import setup_logging
 
             setup_logging("info")
+        else:
+            _default_logging()
         self.history: list[BatchReport] = []
         self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
@@ -143,7 +166,7 @@ class TransactionalSink:
             from twophase.connection import connect
 
             self._conn = connect(self.coordinator, self.token)
-            self._client = self._conn.client()
+            self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
     @property
@@ -221,6 +244,17 @@ class TransactionalSink:
             descriptors = [d for d in (p.descriptor() for p in self.participants) if d]
             self._epoch = client.register(self.name, descriptors)  # type: ignore[arg-type]
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
+        if not self._preflighted:
+            # Once per sink start: the executors' interpreter (the driver's own in local
+            # mode), then the probe job that checks it can run our tasks.
+            from twophase.preflight import check_executors, choose_worker_python
+
+            assert self._conn is not None
+            sc = df.sparkSession.sparkContext
+            choose_worker_python(sc)
+            if self.preflight:
+                check_executors(sc, self.name, self.participants, self._conn.url)
+            self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")
         slots = max(1, df.sparkSession.sparkContext.defaultParallelism)
@@ -333,6 +367,7 @@ class TransactionalSink:
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
             split=split,
+            retry_budget=self.retry_budget_s,
         )
 
     def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:
@@ -398,10 +433,62 @@ class TransactionalSink:
         self._by_batch[report.batch_id] = report
         while len(self._by_batch) > 1000:  # a long-running query: keep the recent ones
             del self._by_batch[next(iter(self._by_batch))]
-        log.info("sink %s: batch %d %s", self.name, report.batch_id, report.outcome,
-                 extra={"twophase_batch": report.as_dict()})
+        self._log(report)
         if self.on_batch is not None:
             self.on_batch(report)
+
+    def _log(self, r: BatchReport) -> None:
+        """One INFO line per committed batch; a WARNING when recovery had work to do."""
+        where = f"sink {self.name} batch {r.batch_id}"
+        if r.outcome == "replay":
+            log.warning("%s replayed: already committed by an earlier run, nothing written",
+                        where, extra={"twophase_batch": r.as_dict()})
+            return
+        ms = {k: r.phases.get(k, 0.0) * 1000 for k in ("prepare_s", "wait_s", "commit_s")}
+        log.info(
+            "%s %s: %d rows, %d participants (%s) x %d partitions, attempt %d; "
+            "prepare %.0f ms, wait %.0f ms, commit %.0f ms, total %.0f ms",
+            where, r.outcome, r.rows, len(self.participants),
+            ", ".join(p.name for p in self.participants), r.partitions, r.attempts,
+            ms["prepare_s"], ms["wait_s"], ms["commit_s"], r.seconds * 1000,
+            extra={"twophase_batch": r.as_dict()},  # the report as data, for JSON logs
+        )
+        if r.outcome == "recovered" or r.recovered or r.redone:
+            log.warning(
+                "%s recovered from an earlier run: %s; %d branch(es) of aborted attempts "
+                "rolled back, %d lost branch(es) written again", where,
+                "finished its committed attempt" if r.outcome == "recovered"
+                else f"committed at attempt {r.attempts}", r.recovered, r.redone,
+            )
+
+
+class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr for the ``twophase`` loggers while the application configured no logging of
+    its own (then its handlers get the records and this one stays quiet)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+_SHOWN = ("twophase.sink", "twophase.preflight")  # INFO by default: a line per batch
+
+
+def _default_logging() -> None:
+    """A job that never configured ``logging`` still shows a line per batch and every
+    warning: a stderr handler on the ``twophase`` logger, and INFO for the sink's own
+    loggers unless the application set their level (an embedded coordinator's INFO lines
+    stay off)."""
+    top = logging.getLogger("twophase")
+    if top.handlers:  # ours already, or the application's (e.g. json_logs)
+        return
+    handler = _DefaultHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    top.addHandler(handler)
+    for name in _SHOWN:
+        lg = logging.getLogger(name)
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.INFO)
 
 
 def _arrow_schema(df: DataFrame) -> Any:
@@ -457,9 +544,32 @@ def _input_partitions(df: DataFrame) -> int | None:
 def _short_error(exc: BaseException) -> str:
     """The first meaningful line of a (possibly huge) Spark/Py4J error."""
     text = str(exc)
-    for marker in ("BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
+    for marker in ("ModuleNotFoundError:", "ImportError:", "InvalidRequest:",
+                   "BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
         idx = text.find(marker)
         if idx >= 0:
             line = text[idx:].splitlines()[0]
             return line[:500]
     return (text.splitlines() or [type(exc).__name__])[0][:500]
+
+
+# The coordinator's bounds (coordinator/models.py refuses more): checked here so that a
+# bad argument fails when the sink is built, not at the first batch.
+MAX_PARTICIPANTS = 64
+MAX_PARTITIONS = 100_000
+MAX_VOTE_TIMEOUT = 7 * 86400.0
+
+
+def _bounded_int(what: str, value: object, lo: int, hi: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise InvalidRequest(f"{what} must be an int from {lo} to {hi}, got {value!r}")
+
+
+def _bounded_float(what: str, value: object, lo: float, hi: float, meaning: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # NaN fails too
+        raise InvalidRequest(
+            f"{what} must be a number of {meaning} from {lo:g} to {hi:g}, got {value!r}"
+        )

@@ -19,6 +19,7 @@ __all__ = [
     "BatchFailed",
     "CoordinatorError",
     "CoordinatorUnavailable",
+    "EnvironmentProblem",
     "FailpointHit",
     "IllegalTransition",
     "InvalidRequest",
@@ -132,6 +133,15 @@ class InvalidRequest(TwophaseError, ValueError):
     code = "invalid_request"
     http_status = 422
 
+
+
+class EnvironmentProblem(TwophaseError, RuntimeError):
+    """The executors cannot run the sink's tasks as set up (a module missing or at another
+    version, the coordinator unreachable from them). Found by the preflight job before
+    anything is written; the message names the host, the interpreter and the fix. Never
+    retried: running again meets the same environment."""
+
+    code = "environment_problem"
 
 
 class WireError(TwophaseError, ValueError):

@@ -13,7 +13,13 @@ from typing import Final
 
 from twophase.errors import InvalidRequest
 
-__all__ = ["LINEAGE_PATTERN", "NAME_PATTERN", "validate_lineage", "validate_name"]
+__all__ = [
+    "BRANCH_PATTERN",
+    "LINEAGE_PATTERN",
+    "NAME_PATTERN",
+    "validate_lineage",
+    "validate_name",
+]
 
 NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
 """Sink and participant names."""
@@ -21,6 +27,9 @@ NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
 LINEAGE_PATTERN: Final = r"^[A-Za-z0-9-]{1,64}$"
 """A lineage (Spark's streaming query id, a UUID, or the sink's ``lineage=``). Narrower
 than names: ``_``, ``.`` and ``:`` separate fields in gids and file names."""
+
+BRANCH_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,6}$"
+"""A branch id: ``participant/partition`` (a name, then the partition's index)."""
 
 _NAME_RE: Final = re.compile(NAME_PATTERN)
 _LINEAGE_RE: Final = re.compile(LINEAGE_PATTERN)

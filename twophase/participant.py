@@ -169,6 +169,12 @@ class Participant(abc.ABC):
         prepared branch would not outlive the sink's vote window of ``vote_timeout``
         seconds (a Kafka transaction times out in the broker)."""
 
+    def required_modules(self) -> tuple[str, ...]:
+        """Modules the executors must import to run this participant, beyond the one it
+        is defined in (checked by :mod:`twophase.preflight` before the first batch; name
+        what it imports lazily, e.g. a client library loaded in :meth:`prepare`)."""
+        return ()
+
     def read_back(self, column: str) -> ReadBack:
         """Read ``column`` of everything committed, as a consumer would, plus the prepared
         leftovers; used by the exactly-once verifier (tests, demo, chaos), never by the

@@ -113,6 +113,7 @@ def resolve_sink(
     by_name = {p.name: p for p in participants}
     report = ResolveReport()
     open_txns = [t for t in client.list(sink=sink, limit=limit) if not t.state.finished]
+    seen: set[tuple[TxnKey, str]] = set()  # branches settled above: not again as leftovers
     for txn in open_txns:
         if txn.decision is None:
             if not dry_run:
@@ -130,6 +131,7 @@ def resolve_sink(
             ref = BranchRef(*txn.key, participant_name, partition)
             status = part.status(ref)
             act = _settle(part, ref, status, decision, st.handle, dry_run)
+            seen.add((txn.key, bid))
             entry = Action(_txn_name(txn.key), bid, status.value, act)
             if act == "redo-needed":
                 report.unresolved.append(entry)
@@ -141,6 +143,8 @@ def resolve_sink(
     # Leftovers the coordinator may not know about (prepared, then the vote was lost).
     for part in participants:
         for ref in part.in_doubt(sink):
+            if (ref.key, ref.branch_id) in seen:  # a dry run left it prepared: listed above
+                continue
             try:
                 txn = client.get(ref.key)
                 decision = txn.effective_decision

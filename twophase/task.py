@@ -64,6 +64,7 @@ class BatchPlan:
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
     split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
+    retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -389,7 +390,7 @@ def run_partition(
     them over (see ``_prepare_streaming``); only a finish, which may redo a lost branch
     and must check its row count first, holds them.
     """
-    cl = client or _shared_client(plan.coordinator_url, plan.token)
+    cl = client or _shared_client(plan.coordinator_url, plan.token, plan.retry_budget)
     out = BranchOutcome(partition=partition)
     try:
         _settle_earlier(plan, partition, cl, out)
@@ -405,18 +406,19 @@ def run_partition(
     return out
 
 
-_CLIENTS: dict[tuple[str, str | None], CoordinatorClient] = {}
+_CLIENTS: dict[tuple[str, str | None, float], CoordinatorClient] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _shared_client(url: str, token: str | None) -> CoordinatorClient:
+def _shared_client(url: str, token: str | None, retry_budget: float) -> CoordinatorClient:
     """One client per coordinator in this process: Spark reuses its Python workers across
     tasks and batches, so a task finds the connection pool of the one before it instead
     of building a client and opening connections (the client is thread-safe)."""
     from twophase.client import CoordinatorClient
 
     with _CLIENTS_LOCK:
-        cl = _CLIENTS.get((url, token))
+        cl = _CLIENTS.get((url, token, retry_budget))
         if cl is None:
-            cl = _CLIENTS[(url, token)] = CoordinatorClient(url, token)
+            cl = _CLIENTS[(url, token, retry_budget)] = CoordinatorClient(
+                url, token, retry_budget=retry_budget)
         return cl

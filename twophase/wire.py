@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from typing_extensions import NotRequired, TypedDict
 
@@ -21,6 +21,9 @@ from twophase import protocol as p
 from twophase.errors import WireError
 
 __all__ = [
+    "MAX_EPOCH",
+    "MAX_INT",
+    "MAX_TEXT",
     "AbandonBody",
     "AbortBody",
     "AckBody",
@@ -50,6 +53,7 @@ __all__ = [
     "abort_body",
     "acks_body",
     "begin_body",
+    "clip_text",
     "decode_begin",
     "decode_branch",
     "decode_branches",
@@ -72,6 +76,14 @@ __all__ = [
 StateName = Literal["OPEN", "PREPARING", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED"]
 DecisionName = Literal["COMMIT", "ABORT"]
 BeginKindName = Literal["new", "committed", "in_doubt"]
+
+# Bounds of every request field (the service refuses more; the client never sends more).
+MAX_INT: Final = 2**63 - 1
+"""Largest integer a request may carry: SQLite INTEGER and PostgreSQL BIGINT hold it."""
+MAX_EPOCH: Final = 2**62
+"""Largest writer epoch a request may carry; registering adds one, so it cannot overflow."""
+MAX_TEXT: Final = 4096
+"""Longest free text (a NO vote's or an abandon's reason, a handle value)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,6 +320,16 @@ def _outcome(o: p.Decision | str) -> DecisionName:
     return p.Decision(o).value
 
 
+def clip_text(text: str) -> str:
+    """``text`` as the service accepts it: at most :data:`MAX_TEXT` characters, no NUL
+    (PostgreSQL refuses it in text), no lone surrogate (not UTF-8). A reason built from
+    an exception message can be anything; clipping it keeps the vote from being refused."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > MAX_TEXT:
+        text = text[: MAX_TEXT - 15] + " ...[clipped]"
+    return text
+
+
 def begin_body(
     lineage: str,
     batch_id: int,
@@ -326,7 +348,7 @@ def begin_body(
 def _vote(v: VoteIn) -> VoteBody:
     out: VoteBody = {"branch": v.branch, "yes": v.yes,
                      "handle": dict(v.handle) if v.handle is not None else None,
-                     "reason": v.reason}
+                     "reason": clip_text(v.reason) if v.reason is not None else None}
     if v.metrics:
         out["metrics"] = v.metrics
     return out
@@ -356,7 +378,7 @@ def register_body(descriptors: Iterable[DescriptorOut]) -> RegisterBody:
 
 
 def abandon_body(epoch: int, reason: str) -> AbandonBody:
-    return {"epoch": epoch, "reason": reason}
+    return {"epoch": epoch, "reason": clip_text(reason)}
 
 
 def force_ack_body(branch: str, outcome: p.Decision, reason: str | None = None) -> ForceAckBody:
@@ -367,7 +389,7 @@ def force_ack_body(branch: str, outcome: p.Decision, reason: str | None = None) 
 
 
 def abort_body(reason: str) -> AbortBody:
-    return {"reason": reason}
+    return {"reason": clip_text(reason)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ examples:
   twophase chaos --kafka-tansu                      also write to a private tansu broker
                                                     (reported, not judged: tansu shows
                                                     aborted records to read_committed readers)
+  twophase chaos --files-s3-local                   the files go to a private S3-API server
+                                                    (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
                                                     chaos writes the input into its
@@ -68,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="also write to this Kafka (judged exactly-once: use a real broker)")
     p.add_argument("--kafka-tansu", action="store_true",
                    help="also write to a private tansu broker (figures shown, not judged)")
+    p.add_argument("--files-s3-local", action="store_true",
+                   help="write the staged files to a private S3-API server (moto, from the "
+                   "dev extra) as s3://twophase-chaos/files")
     p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
                    help="run your own job config instead of the demo's")
     p.add_argument("--failpoint-share", type=float, default=0.5,
@@ -86,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _run_chaos(args: argparse.Namespace) -> int:
     from twophase.testing.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
     from twophase.testing.job import JobConfig
-    from twophase.testing.servers import DaemonUnavailable
+    from twophase.testing.servers import ServerUnavailable
 
     def say(msg: str) -> None:
         if not args.quiet and not args.json:
@@ -133,6 +138,16 @@ def _run_chaos(args: argparse.Namespace) -> int:
             broker.start()
             servers.append(broker)
             kafka, judge = broker.bootstrap, False
+        files_path, files_options = None, None
+        if args.files_s3_local and job is None and not args.no_files:
+            from twophase.testing.locals3 import LocalS3
+
+            say("starting a private S3-API server (moto) ...")
+            store = LocalS3()
+            store.start()
+            servers.append(store)
+            files_path = f"s3://{store.create_bucket('twophase-chaos')}/files"
+            files_options = store.storage_options
         if job is None and not (pg_dsn or not args.no_files or kafka):
             print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
                   file=sys.stderr)
@@ -141,14 +156,15 @@ def _run_chaos(args: argparse.Namespace) -> int:
             workdir=workdir, kills=args.kills, seed=args.seed, victims=victims,
             batches=args.batches, rows_per_batch=args.rows_per_batch,
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
-            files=not args.no_files, kafka_bootstrap=kafka, judge_kafka=judge, job=job,
+            files=not args.no_files, files_path=files_path, files_options=files_options,
+            kafka_bootstrap=kafka, judge_kafka=judge, job=job,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
         )
         say(f"chaos in {workdir}: {args.kills} kills of {', '.join(victims)}, seed {args.seed}")
         report = run_chaos(opts)
-    except (ChaosError, DaemonUnavailable) as exc:
+    except (ChaosError, ServerUnavailable) as exc:
         print(f"twophase chaos: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -10,11 +10,14 @@ exactly once in every system.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from twophase.errors import InvalidRequest
 
 EPILOG = """\
 examples:
@@ -26,6 +29,33 @@ examples:
 
 Exit code 0 when every id landed exactly once in every judged system, 1 otherwise.
 """
+
+MARKER = ".twophase-demo"  # marks a work folder this command created (and may empty)
+
+
+class WorkdirRefused(InvalidRequest):
+    """The work folder has content the demo did not create."""
+
+
+def prepare_workdir(path: str | Path) -> Path:
+    """Create the work folder, or empty one that an earlier demo run created (it holds the
+    marker file). Never deletes anything else: a non-empty folder without the marker is
+    refused."""
+    work = Path(path).resolve()
+    if work.exists() and not work.is_dir():
+        raise WorkdirRefused(f"--workdir {work} is a file, not a folder")
+    if work.exists() and any(work.iterdir()):
+        if not (work / MARKER).is_file():
+            raise WorkdirRefused(
+                f"--workdir {work} is not empty and was not created by twophase demo; "
+                "nothing was deleted. Pass a new or empty folder (e.g. --workdir "
+                "twophase-demo-2), or empty this one yourself"
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("created by twophase demo: this folder is emptied at the "
+                               "next run\n")
+    return work
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rows-per-batch", type=int, default=1000, help="rows each (default 1000)")
     p.add_argument("--workdir", default="twophase-demo",
                    help="folder for input, checkpoint, output, coordinator log "
-                   "(default ./twophase-demo; emptied at start)")
+                   "(default ./twophase-demo); created by the demo, and emptied at the "
+                   "next run only if the demo created it (a non-empty folder of yours "
+                   "is refused)")
     p.add_argument("--partitions", type=int, default=None,
                    help="branches per participant per batch (default: Spark's parallelism)")
     p.add_argument("--no-postgres", action="store_true", help="files (and Kafka) only")
@@ -50,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kafka-bootstrap", default=None, metavar="SERVERS",
                    help="add a Kafka topic; 'local' starts a private tansu broker "
                    "(tansu shows aborted records, so Kafka is reported but not judged)")
+    p.add_argument("--coordinator", default=None, metavar="URL",
+                   help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
+                   "instead of the embedded one in WORKDIR/coordinator.db")
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.set_defaults(run=run)
 
@@ -76,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
     from twophase.testing.localpg import LocalPostgres, PostgresUnavailable, find_bindir
     from twophase.testing.verify import verify
 
-    work = Path(args.workdir).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    try:
+        work = prepare_workdir(args.workdir)
+    except WorkdirRefused as exc:
+        console.print(f"twophase demo: {exc}")
+        return 2
     servers: list[Any] = []
     conns: list[Any] = []
     try:
@@ -105,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = JobConfig(
             input_dir=str(work / "input"),
             checkpoint=str(work / "checkpoint"),
-            coordinator=f"sqlite:///{work / 'coordinator.db'}",
+            coordinator=args.coordinator or f"sqlite:///{work / 'coordinator.db'}",
             sink="demo_orders",
             pg_dsn=pg_dsn,
             pg_table="demo_orders",
@@ -142,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{_phase(r, 'commit_s'):>9} {r.seconds * 1000:6.0f}ms"
             )
 
+        # the table above is the demo's per-batch report: keep only the sink's warnings
+        for name in ("twophase.sink", "twophase.preflight"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         started = time.perf_counter()
         run_job(cfg, participants=participants, on_batch=progress)
         elapsed = time.perf_counter() - started

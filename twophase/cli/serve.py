@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+from twophase.errors import StoreError
+
+if TYPE_CHECKING:
+    from twophase.coordinator.store import Store
 
 EPILOG = """\
 examples:
@@ -15,6 +21,17 @@ examples:
 Several daemons may share one PostgreSQL store (no leader: every change is a
 compare-and-set). SQLite allows one daemon per file.
 """
+
+
+def _port(text: str) -> int:
+    """A TCP port, refused by argparse (exit 2, naming the value) when out of range."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535")
+    return port
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--store", required=True, metavar="URL",
                    help="sqlite:///path.db (default kind) or postgresql://user@host:port/db")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7070, help="port (default 7070)")
+    p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
     p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
                    help="bearer token required on every call but /healthz and /metrics "
                    "(default: $TWOPHASE_TOKEN)")
@@ -44,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--alert-after", default="10m",
                    help="flag decided transactions not fully acknowledged after this long "
                    "(default 10m)")
+    p.add_argument("--store-wait", default="120s", metavar="DURATION",
+                   help="at start, wait this long for an unreachable store (e.g. a database "
+                   "container still starting), retrying with a log line; 0 = fail at once "
+                   "(default 120s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request (slower)")
     p.set_defaults(run=run)
@@ -54,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
     from twophase.coordinator.app import create_app
     from twophase.coordinator.background import Settings, parse_duration
+    from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
-    from twophase.coordinator.store import Store
-    from twophase.errors import StoreError
 
     if not args.token and not args.insecure:
         print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN "
@@ -69,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after))
-        store = Store(args.store)
+        wait = parse_duration(args.store_wait)
+        lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
+        store = _open_store(args.store, wait)
+    except _StoreDown as exc:
+        print(f"twophase serve: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, StoreError) as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)
         return 2
@@ -80,3 +105,43 @@ def run(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile, timeout_keep_alive=75,
     )
     return 0
+
+
+class _StoreDown(StoreError):
+    """The store did not answer within --store-wait (exit 1, not a usage error)."""
+
+
+def _open_store(url: str, wait: float) -> Store:
+    """The store, once it answers: a database that is not up yet (connection refused,
+    starting up, DNS of a container not there yet) is retried with a log line each time
+    for up to ``wait`` seconds; a wrong URL, a schema mismatch or bad credentials are
+    not retried (they will not heal)."""
+    import logging
+    import time
+
+    from sqlalchemy.exc import OperationalError
+
+    from twophase.coordinator.store import Store
+
+    log = logging.getLogger("twophase.serve")
+    deadline = time.monotonic() + wait
+    delay = 0.5
+    while True:
+        try:
+            return Store(url)
+        except OperationalError as exc:
+            why = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
+            if "password authentication failed" in why or "does not exist" in why:
+                raise _StoreDown(f"store refused the connection: {why}; check --store") \
+                    from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _StoreDown(
+                    f"store not reachable after waiting {wait:g}s: {why}; start the "
+                    "database or check --store (and --store-wait to wait longer)"
+                ) from None
+            log.warning("store not reachable yet, retrying",
+                        extra={"error": why, "retry_in": round(min(delay, left), 1),
+                               "gives_up_in": round(left, 1)})
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)

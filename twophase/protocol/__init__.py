@@ -53,7 +53,7 @@ from twophase.protocol.records import (
     parse_branch_id,
 )
 from twophase.protocol.recovery import BranchStatus, RecoveryAction, recovery_action
-from twophase.protocol.retry import Step, StepKind, next_step
+from twophase.protocol.retry import Step, StepKind, next_step, permanent
 
 __all__ = [
     "BEGIN_CASES",
@@ -94,6 +94,7 @@ __all__ = [
     "kind_of",
     "next_step",
     "parse_branch_id",
+    "permanent",
     "recovery_action",
     "register",
 ]

@@ -9,13 +9,28 @@ its bounds and backoff) is testable without Spark or a coordinator.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from twophase.protocol.records import Decision, State, Transaction
 
-__all__ = ["Step", "StepKind", "next_step"]
+__all__ = ["Step", "StepKind", "next_step", "permanent"]
 
 MAX_DELAY = 30.0  # seconds: the backoff's cap
+
+# Causes that running the batch again cannot heal: the same interpreter misses the same
+# module, the same configuration is refused again. Matched in the abort reason / job
+# error text, as they arrive from executors (class names survive Spark's wrapping).
+_PERMANENT = re.compile(
+    r"\b(ModuleNotFoundError|ImportError|InvalidRequest|EnvironmentProblem"
+    r"|PYTHON_VERSION_MISMATCH|Cannot run program)\b"
+)
+
+
+def permanent(reason: str) -> bool:
+    """True when ``reason`` (an abort reason or Spark job error) names a cause a retry
+    cannot heal: a missing module, a refused configuration, a wrong interpreter."""
+    return bool(_PERMANENT.search(reason))
 
 
 class StepKind(str, enum.Enum):
@@ -81,6 +96,13 @@ def next_step(
     warning = (
         f"sink {final.sink} batch {final.batch_id} attempt {final.attempt} aborted: {reason}"
     )
+    if permanent(reason) or permanent(job_error):
+        return Step(
+            StepKind.GIVE_UP,
+            reason=f"{where}: attempt {final.attempt} aborted by a cause a retry cannot "
+            f"heal, not retried: {reason}",
+            warning=warning, aborted=aborted, finishing=finishing,
+        )
     if aborted >= max_attempts:
         return Step(
             StepKind.GIVE_UP,

@@ -215,6 +215,8 @@ class ChaosOptions:
     coordinator_mode: str = "embedded"
     pg_dsn: str | None = None
     files: bool = True
+    files_path: str | None = None  # default: a folder in workdir; or s3://bucket/prefix
+    files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     judge_kafka: bool = True
     job: JobConfig | None = None  # a user's job; chaos writes its input
@@ -305,7 +307,8 @@ class _Chaos:
                 sink=f"chaos_{tag}",
                 pg_dsn=o.pg_dsn,
                 pg_table=f"chaos_{tag}",
-                files_path=str(self.work / "files") if o.files else None,
+                files_path=(o.files_path or str(self.work / "files")) if o.files else None,
+                files_options=o.files_options if o.files else None,
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
                 partitions=o.partitions,
@@ -561,7 +564,8 @@ class _Chaos:
             "verify_lines": report.lines(),
             "events": [asdict(ev) for ev in self.events],
             "run_log": self.runs,
-            "job": asdict(self.cfg) | {"token": None},
+            "job": asdict(self.cfg) | {"token": None, "files_options": _redacted(
+                self.cfg.files_options)},
             "workdir": str(self.work),
         }
         path = self.o.json_out or (self.work / "chaos-report.json")
@@ -580,6 +584,14 @@ class _Chaos:
         except Exception as exc:
             return f"unknown ({type(exc).__name__}: {exc})"
         return sum(1 for t in txns if t["state"] in ("OPEN", "PREPARING", "COMMITTING"))
+
+
+def _redacted(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Storage options for the report, secrets blanked (the report is shared, the job
+    config is the user's)."""
+    if options is None:
+        return None
+    return {k: ("***" if "secret" in k or "token" in k else v) for k, v in options.items()}
 
 
 def _summary(values: Sequence[float]) -> dict[str, float | int | None]:

@@ -49,6 +49,7 @@ class JobConfig:
     pg_table: str = "orders"
     files_path: str | None = None
     files_format: str = "parquet"
+    files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     partitions: int | None = None
@@ -123,7 +124,8 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
     if cfg.files_path:
         from twophase.sinks.files import StagedFileParticipant
 
-        parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format))
+        parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
+                                           storage_options=cfg.files_options))
     if cfg.kafka_bootstrap:
         from twophase.sinks.kafka import KafkaParticipant
 
@@ -137,7 +139,6 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
 
 def spark_session(conf: dict[str, str] | None = None) -> SparkSession:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
     from pyspark.sql import SparkSession
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from twophase.testing.servers import LocalServer, ServerUnavailable
+from twophase.testing.servers import LocalServer, ServerUnavailable, netns_prefix
 
 __all__ = ["LocalPostgres", "PostgresUnavailable", "find_bindir"]
 
@@ -50,14 +50,18 @@ class LocalPostgres(LocalServer):
         fsync: bool = True,
         port: int | None = None,
         base_dir: str | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
+        self.host = host
+        self.netns = netns  # run inside this network namespace (`ip netns exec`; root)
         self.max_prepared_transactions = max_prepared_transactions
         self.fsync = fsync
 
     @property
     def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        return f"postgresql://postgres@{self.host}:{self.port}/postgres"
 
     def _user(self) -> str | None:
         return "postgres" if os.geteuid() == 0 else None
@@ -76,7 +80,6 @@ class LocalPostgres(LocalServer):
         if user:
             shutil.chown(self.dir, user)
             shutil.chown(sock, user)
-        log = self.dir / "server.log"
         init = subprocess.run(
             [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
              "-E", "UTF8", "--locale=C", "--no-sync"],
@@ -84,34 +87,72 @@ class LocalPostgres(LocalServer):
         )
         if init.returncode != 0:
             raise PostgresUnavailable(f"initdb failed: {init.stderr.strip() or init.stdout}")
+        if self.host != "127.0.0.1":  # initdb trusts loopback only: add the link's subnet
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write("host all all samenet trust\n")
+        try:
+            self._launch(bindir, user, timeout)
+        except PostgresUnavailable:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, timeout: float = 60.0) -> LocalPostgres:
+        """Start the server again on the same data folder and port, after :meth:`kill`
+        (a crash: PostgreSQL runs crash recovery; prepared transactions survive). Backends
+        orphaned by a SIGKILLed postmaster still hold the shared memory for a moment: the
+        start is retried until they are gone."""
+        bindir = find_bindir()
+        assert bindir is not None and self.dir is not None, "restart() needs a started server"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._launch(bindir, self._user(), max(1.0, deadline - time.monotonic()))
+                return self
+            except PostgresUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _launch(self, bindir: Path, user: str | None, timeout: float) -> None:
+        assert self.dir is not None
+        data = self.dir / "data"
+        sock = self.dir / "sock"
+        log = self.dir / "server.log"
         args = [
             str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
-            "-k", str(sock), "-c", "listen_addresses=127.0.0.1",
+            "-k", str(sock), "-c", f"listen_addresses={self.host}",
             "-c", f"max_prepared_transactions={self.max_prepared_transactions}",
             "-c", "max_connections=200",
             "-c", f"fsync={'on' if self.fsync else 'off'}",
         ]
         if not self.fsync:
             args += ["-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:
             if user:
                 shutil.chown(log, user)
+            if self.netns:  # setns needs root: enter the namespace, then become the user
+                # (setpriv execs: the pid stays the server's, so kill() still SIGKILLs it)
+                args = [*netns_prefix(self.netns),
+                        *(["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups"]
+                          if user else []), *args]
+                user = None
             self.proc = subprocess.Popen(args, user=user, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise PostgresUnavailable(f"postgres exited at start:\n{log.read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                with socket.create_connection((self.host, self.port), timeout=0.5):
                     pass
                 ready = subprocess.run(
-                    [str(bindir / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
+                    [str(bindir / "pg_isready"), "-h", self.host, "-p", str(self.port)],
                     capture_output=True, check=False,
                 )
                 if ready.returncode == 0:
-                    return self
+                    return
             except OSError:
                 pass
             time.sleep(0.1)
-        self.stop()
+        self.kill()  # the folder stays: start() removes it, restart() tries again
         raise PostgresUnavailable(f"postgres did not accept connections within {timeout}s")

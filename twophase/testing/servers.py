@@ -30,6 +30,7 @@ __all__ = [
     "ServerUnavailable",
     "clean_env",
     "free_port",
+    "netns_prefix",
 ]
 
 _S = TypeVar("_S", bound="LocalServer")
@@ -50,6 +51,11 @@ def clean_env(**extra: str) -> dict[str, str]:
            if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
     env.update(extra)
     return env
+
+
+def netns_prefix(netns: str | None) -> list[str]:
+    """The command prefix that runs a server inside network namespace ``netns``."""
+    return ["ip", "netns", "exec", netns] if netns else []
 
 
 def free_port() -> int:
@@ -124,13 +130,16 @@ class LocalDaemon(LocalServer):
     port and store (what a coordinator crash and restart looks like to clients)."""
 
     def __init__(
-        self, store: str, token: str, log: Path | None = None, *, port: int | None = None
+        self, store: str, token: str, log: Path | None = None, *, port: int | None = None,
+        host: str = "127.0.0.1", netns: str | None = None,
     ) -> None:
         super().__init__(port=port)
         self.store = store
         self.token = token
         self.log = log
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.netns = netns  # run inside this network namespace (`ip netns exec`; root)
+        self.url = f"http://{host}:{self.port}"
 
     def start(
         self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60
@@ -146,8 +155,9 @@ class LocalDaemon(LocalServer):
         out: IO[bytes] | int = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "twophase.cli", "serve", "--store", self.store,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                [*netns_prefix(self.netns), sys.executable, "-m", "twophase.cli", "serve",
+                 "--store", self.store, "--host", self.host, "--port", str(self.port),
+                 "--log-level", "warning"],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:

@@ -1,0 +1,253 @@
+"""Before a sink writes anything: can the executors run its tasks?
+
+A sink's tasks run in the executors' Python, which is not the driver's unless someone
+said so: Spark starts ``python3`` from the PATH when neither ``PYSPARK_PYTHON`` nor
+``spark.pyspark.python`` is set. A missing ``pyarrow`` there used to surface after three
+aborted attempts as hundreds of lines of traces. So, once per sink start (cached per
+Spark application, interpreter, coordinator and module set), one cheap Spark job runs a
+probe on ``defaultParallelism`` tasks, spread over the executors; each task imports
+twophase, pyarrow and every participant's modules, compares their versions with the
+driver's, opens a TCP connection to the coordinator, and reports its host name and
+interpreter. The reports are grouped per (host, interpreter), so the error names where
+to look, and :class:`~twophase.errors.EnvironmentProblem` says what is missing and the fix.
+
+The probe is compiled from source in a namespace no module owns, so cloudpickle ships it
+by value: it runs even on an executor where twophase itself cannot be imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from twophase.errors import EnvironmentProblem
+from twophase.participant import Participant
+
+__all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
+           "modules_to_check"]
+
+log = logging.getLogger("twophase.preflight")
+
+BASE_MODULES = ("twophase", "pyarrow")
+CONNECT_TIMEOUT = 5.0  # seconds for the probe's TCP connection to the coordinator
+
+FIX = (
+    "Fix: run the executors with an interpreter that has twophase[spark] and your "
+    "participants' packages installed: set PYSPARK_PYTHON=/path/to/venv/bin/python before "
+    "the SparkSession starts, or .config('spark.pyspark.python', '/path/to/venv/bin/python')"
+    " (this driver runs {driver}). On a cluster, ship a packed virtual environment "
+    "(spark-submit --archives venv.tar.gz#venv --conf spark.pyspark.python=./venv/bin/python)"
+    " and modules of your own with --py-files."
+)
+
+_PROBE_SOURCE = '''
+def make_probe(modules, host, port, url, timeout):
+    def probe(index, rows):
+        import importlib, json, socket, sys
+        out = {"host": socket.gethostname(), "executable": sys.executable,
+               "python": "%d.%d.%d" % sys.version_info[:3], "versions": {},
+               "problems": [], "coordinator": ""}
+        for mod in modules:
+            try:
+                m = importlib.import_module(mod)
+            except BaseException as exc:
+                out["problems"].append("cannot import %s: %s: %s"
+                                       % (mod, type(exc).__name__, exc))
+                continue
+            out["versions"][mod] = str(getattr(m, "__version__", "") or "")
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as exc:
+            out["coordinator"] = "%s: %s" % (type(exc).__name__, exc)
+        yield json.dumps(out)
+    return probe
+'''
+
+
+def _compile_probe() -> Callable[..., Any]:
+    namespace: dict[str, Any] = {"__name__": "twophase_preflight_probe"}  # no such module
+    exec(compile(_PROBE_SOURCE, "<twophase preflight probe>", "exec"), namespace)  # noqa: S102
+    maker: Callable[..., Any] = namespace["make_probe"]
+    return maker
+
+
+@dataclass
+class HostReport:
+    """What the probe found on one host with one interpreter (one or more tasks)."""
+
+    host: str
+    executable: str
+    python: str
+    tasks: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreflightReport:
+    """Per (host, interpreter) findings of one probe job; ``problems`` empty means OK."""
+
+    hosts: list[HostReport]
+    driver_executable: str
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not any(h.problems for h in self.hosts)
+
+    def message(self, sink: str) -> str:
+        lines = [f"sink {sink!r}: the executors cannot run this sink's tasks (checked before "
+                 "anything was written):"]
+        for h in self.hosts:
+            if h.problems:
+                lines.append(f"  on host {h.host}, interpreter {h.executable} "
+                             f"(Python {h.python}, {h.tasks} task(s)):")
+                lines.extend(f"    - {p}" for p in h.problems)
+        lines.append(FIX.format(driver=self.driver_executable))
+        return "\n".join(lines)
+
+
+def modules_to_check(participants: Sequence[Participant]) -> tuple[str, ...]:
+    """twophase, pyarrow, each participant's own module and what it says it needs."""
+    out = list(BASE_MODULES)
+    for p in participants:
+        mod = type(p).__module__
+        names = [] if mod == "__main__" else [mod]  # __main__ code is shipped by value
+        names.extend(p.required_modules())
+        out.extend(n for n in names if n not in out)
+    return tuple(out)
+
+
+def _driver_versions(modules: Iterable[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for mod in modules:
+        try:
+            out[mod] = str(getattr(importlib.import_module(mod), "__version__", "") or "")
+        except ImportError:
+            out[mod] = ""
+    return out
+
+
+def _mismatch(mod: str, driver: str, executor: str) -> str | None:
+    """twophase must be the driver's own version (one protocol); other modules the same
+    major version (data crosses the boundary in their formats)."""
+    if not driver or not executor or driver == executor:
+        return None
+    if mod == "twophase" or mod.startswith("twophase."):
+        return f"{mod} {executor} here but {driver} on the driver: install the same version"
+    if driver.split(".")[0] != executor.split(".")[0]:
+        return (f"{mod} {executor} here but {driver} on the driver: install a "
+                f"{driver.split('.')[0]}.x release")
+    return None
+
+
+def choose_worker_python(sc: Any) -> str:
+    """The interpreter the sink's tasks will run in; in local mode with neither
+    ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, the driver's own (the PATH's
+    ``python3`` is rarely the venv the job was started from). ``spark.pyspark.python``
+    set on the session is honoured too (pip-installed PySpark reads only the variable)."""
+    if os.environ.get("PYSPARK_PYTHON"):
+        return str(sc.pythonExec)
+    conf = sc.getConf().get("spark.pyspark.python", None)
+    if conf:
+        if sc.pythonExec != conf:
+            sc.pythonExec = conf
+            log.info("executors use spark.pyspark.python=%s", conf)
+        return str(conf)
+    if str(sc.master).startswith("local") and sc.pythonExec != sys.executable:
+        sc.pythonExec = sys.executable
+        log.info("local mode and neither PYSPARK_PYTHON nor spark.pyspark.python is set: "
+                 "the executors use the driver's interpreter %s", sys.executable)
+    return str(sc.pythonExec)
+
+
+_CACHE: dict[tuple[Any, ...], PreflightReport] = {}
+
+
+def check_executors(
+    sc: Any, sink: str, participants: Sequence[Participant], coordinator_url: str
+) -> PreflightReport:
+    """Run the probe job (once per application, interpreter, coordinator and module set);
+    raise :class:`EnvironmentProblem` when any executor cannot run the sink's tasks."""
+    choose_worker_python(sc)
+    modules = modules_to_check(participants)
+    key = (sc.applicationId, sc.pythonExec, coordinator_url, modules)
+    report = _CACHE.get(key)
+    if report is None:
+        report = _probe(sc, modules, coordinator_url)
+        if report.ok:
+            _CACHE[key] = report
+            log.info("sink %s: executors checked in %.1fs: %s", sink, report.seconds,
+                     ", ".join(f"{h.host} ({h.executable}, {h.tasks} task(s))"
+                               for h in report.hosts))
+    if not report.ok:
+        raise EnvironmentProblem(report.message(sink))
+    return report
+
+
+def _probe(sc: Any, modules: tuple[str, ...], url: str) -> PreflightReport:
+    import json
+
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    n = max(1, int(sc.defaultParallelism))
+    probe = _compile_probe()(modules, host, port, url, CONNECT_TIMEOUT)
+    started = time.perf_counter()
+    try:
+        rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
+    except Exception as exc:  # the workers did not even start: name what Spark said
+        raise EnvironmentProblem(
+            f"the executors' Python ({sc.pythonExec}) could not run a probe task: "
+            f"{_spark_cause(exc)}\n" + FIX.format(driver=sys.executable)
+        ) from None
+    seconds = time.perf_counter() - started
+    driver = _driver_versions(modules)
+    grouped: dict[tuple[str, str], HostReport] = {}
+    for raw in rows:
+        r = json.loads(raw)
+        h = grouped.setdefault(
+            (r["host"], r["executable"]), HostReport(r["host"], r["executable"], r["python"])
+        )
+        h.tasks += 1
+        h.versions.update(r["versions"])
+        found = list(r["problems"])
+        for mod, version in r["versions"].items():
+            bad = _mismatch(mod, driver.get(mod, ""), version)
+            if bad:
+                found.append(bad)
+        if r["coordinator"]:
+            found.append(_unreachable(url, host, r["coordinator"]))
+        h.problems.extend(p for p in found if p not in h.problems)
+    return PreflightReport(sorted(grouped.values(), key=lambda h: (h.host, h.executable)),
+                           sys.executable, seconds)
+
+
+def _unreachable(url: str, host: str, cause: str) -> str:
+    hint = ("an embedded coordinator listens on 127.0.0.1 unless TWOPHASE_EMBEDDED_HOST "
+            "names an address the executors reach"
+            if host in ("127.0.0.1", "localhost", "::1")
+            else "check the host name, port and firewall between executors and coordinator")
+    return f"cannot reach the coordinator at {url} ({cause}): {hint}"
+
+
+def _spark_cause(exc: BaseException) -> str:
+    """The line of a Spark/Py4J error that says why the Python worker failed."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for marker in ("PYTHON_VERSION_MISMATCH", "Cannot run program", "Error:", "Exception:"):
+        for ln in _skip_py4j(lines):
+            if marker in ln:
+                return ln[:500]
+    return (lines or [type(exc).__name__])[0][:500]
+
+
+def _skip_py4j(lines: list[str]) -> Iterator[str]:
+    return (ln for ln in lines if not ln.startswith(("An error occurred while calling",
+                                                     "py4j.protocol.Py4JJavaError")))
