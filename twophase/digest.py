@@ -18,22 +18,44 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["VERSION", "rows_digest"]
+__all__ = ["VERSION", "RowsDigest", "rows_digest", "same_kind"]
 
 VERSION = "b2s1"
 _MOD = 1 << 128
 
 
-def rows_digest(schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> str:
-    """``b2s1:<rows>:<sum of row hashes, 32 hex digits>`` of ``batches``."""
-    header = repr([(f.name, str(f.type)) for f in schema]).encode()
-    base = hashlib.blake2b(header, digest_size=16)
-    total, rows = 0, 0
-    for batch in batches:
+class RowsDigest:
+    """The digest built up batch by batch, so a task streaming its partition into the
+    participants never holds it whole to compute the digest of its vote."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        header = repr([(f.name, str(f.type)) for f in schema]).encode()
+        self._base = hashlib.blake2b(header, digest_size=16)
+        self._total = 0
+        self.rows = 0
+
+    def update(self, batch: pa.RecordBatch) -> None:
         columns = [c.to_pylist() for c in batch.columns]
         for row in zip(*columns, strict=True):
-            h = base.copy()
+            h = self._base.copy()
             h.update(repr(row).encode("utf-8", "surrogatepass"))
-            total += int.from_bytes(h.digest(), "big")
-        rows += batch.num_rows
-    return f"{VERSION}:{rows}:{total % _MOD:032x}"
+            self._total += int.from_bytes(h.digest(), "big")
+        self.rows += batch.num_rows
+
+    def value(self) -> str:
+        """``b2s1:<rows>:<sum of row hashes, 32 hex digits>``."""
+        return f"{VERSION}:{self.rows}:{self._total % _MOD:032x}"
+
+
+def rows_digest(schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> str:
+    """``b2s1:<rows>:<sum of row hashes, 32 hex digits>`` of ``batches``."""
+    digest = RowsDigest(schema)
+    for batch in batches:
+        digest.update(batch)
+    return digest.value()
+
+
+def same_kind(a: str, b: str) -> bool:
+    """Whether two digests were made the same way (comparable): a vote from another
+    version's algorithm cannot be checked against this one's."""
+    return a.split(":", 1)[0] == b.split(":", 1)[0]

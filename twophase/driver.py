@@ -3,8 +3,11 @@
 Per micro-batch (see ARCHITECTURE.md for the picture):
 
 1. ``begin`` with the coordinator, keyed by (sink, lineage, batch id);
-2. split the batch into P partitions by a stable hash of every column (P is stored with
-   the first attempt, so a replay splits the same rows the same way);
+2. split the batch into P partitions the same way on every replay (P is stored with the
+   first attempt): as Spark read it when the batch's plan is a single source scan with
+   only narrow steps (the split is then fixed by the batch's offsets: no shuffle), else by
+   a stable hash of every column. A batch known to be empty before any job runs is
+   voted and acknowledged by the driver alone (no Spark job);
 3. run one barrier task per partition (``mapInArrow(..., barrier=True)``): all tasks of a
    batch are alive together, so each can hold its prepared branches while it waits for
    the decision; data goes from the executors to the systems, never through the driver;
@@ -15,6 +18,7 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,9 +30,10 @@ from twophase import failpoints
 from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
-from twophase.participant import Participant
+from twophase.participant import EMPTY_BRANCH, Participant, is_empty_branch
 from twophase.protocol import BeginKind, StepKind, next_step
-from twophase.task import BatchPlan, run_partition
+from twophase.task import INPUT_SPLIT, BatchPlan, run_partition, split_of
+from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -62,6 +67,7 @@ class BatchReport:
     redone: int = 0
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # max over tasks, seconds
+    split: str = ""  # "input" (as Spark read it), "hash", or "none" (empty: no job ran)
     sink: str = ""
     txn: str = ""  # sink/lineage/batch/attempt of the deciding attempt ("" for a replay)
     decision: str = ""  # COMMIT for a committed batch; "" for a replay
@@ -143,6 +149,7 @@ class TransactionalSink:
             raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
         self.split_columns, single = _split_rule(self.participants)
+        self.one_branch = single  # participants' keys or complete mode fix the split
         if single:
             if partitions not in (None, 1):
                 whole = [p.describe() for p in participants if p.single_branch()]
@@ -319,7 +326,12 @@ class TransactionalSink:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         lineage = self._lineage(df)
-        partitions = self.partitions or _default_partitions(df)
+        slots = _default_partitions(df)
+        n_in = _input_partitions(df)
+        if n_in is not None and (n_in > slots or self.partitions not in (None, n_in)):
+            n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
+        # n_in == 0: Spark planned no partition at all, the batch has no rows
+        partitions = self.partitions or (1 if n_in == 0 else n_in or slots)
         self._check_cluster(df, partitions)
         client = self._connect(df)
         if self._epoch is None:
@@ -366,10 +378,15 @@ class TransactionalSink:
             assert txn is not None
             # an attempt stored by an earlier run keeps its partition count
             self._check_cluster(df, txn.partitions)
-            plan = self._plan(res.kind, txn, res.recover)
-            outcomes, job_error = self._run_tasks(df, plan)
-            # The coordinator's record, not the job's fate, says what comes next.
-            final = client.get(txn.key)
+            if n_in == 0 and self._settle_empty(client, res.kind, txn, res.recover):
+                final, outcomes, job_error = client.get(txn.key), list[dict[str, Any]](), ""
+                split = "none"
+            else:
+                plan = self._plan(res.kind, txn, res.recover, n_in)
+                split = plan.split
+                outcomes, job_error = self._run_tasks(df, plan)
+                # The coordinator's record, not the job's fate, says what comes next.
+                final = client.get(txn.key)
             rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
                            job_error=job_error)
             step = rule(final, aborted=aborted, finishing=finishing)
@@ -381,7 +398,9 @@ class TransactionalSink:
                 log.warning("%s", step.warning)
             if step.kind == StepKind.RETURN:
                 failpoints.hit("before_return")
-                self._report(self._summary(batch_id, final, outcomes, res.kind), started)
+                report = self._summary(batch_id, final, outcomes, res.kind)
+                report.split = split
+                self._report(report, started)
                 return
             if step.kind == StepKind.GIVE_UP:
                 raise BatchFailed(step.reason)
@@ -397,12 +416,43 @@ class TransactionalSink:
             p.check(schema)
         self._checked_schema = schema
 
+    def _settle_empty(
+        self, client: CoordinatorClient, kind: BeginKind, txn: Transaction,
+        recover: tuple[Transaction, ...],
+    ) -> bool:
+        """A batch with no partitions at all (Spark planned an empty relation): vote and
+        acknowledge every branch from here, one round trip each, no Spark job. Returns
+        False (run the tasks) when earlier attempts or prepared branches need settling."""
+        assert self._epoch is not None
+        if any(t.attempt != txn.attempt for t in recover):
+            return False
+        if kind == BeginKind.IN_DOUBT:
+            if not all(is_empty_branch(st.handle) for st in txn.branches.values()):
+                return False
+            decided = txn
+        else:
+            votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
+                     for b, st in txn.branches.items() if st.vote is None]
+            decided = client.vote(txn.key, self._epoch, votes) if votes else txn
+        if decided.decision is None:
+            return False
+        acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
+        if acks:
+            client.ack(txn.key, self._epoch, acks)
+        return True
+
     def _plan(
-        self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...]
+        self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
+        n_in: int | None,
     ) -> BatchPlan:
         assert self._conn is not None and self._epoch is not None
         handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
         digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
+        # Spark's own split only where it has txn.partitions tasks; a finish redoes lost
+        # branches, so it must split as the votes did (they say how).
+        split = INPUT_SPLIT if n_in == txn.partitions else "hash"
+        if kind == BeginKind.IN_DOUBT and any(split_of(h) != split for h in handles.values()):
+            split = "hash"  # cannot split as voted: a branch needing a redo refuses it
         return BatchPlan(
             key=txn.key,
             epoch=self._epoch,
@@ -416,6 +466,7 @@ class TransactionalSink:
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             decision_timeout=self.vote_timeout + 60.0,
             ca_pem=self._conn.ca_pem,
+            split=split,
             retry_budget=self.retry_budget_s,
         )
 
@@ -428,14 +479,12 @@ class TransactionalSink:
 
             ctx = BarrierTaskContext.get()
             partition = ctx.partitionId()
-            first = None
             it = iter(batches)
-            buffered = []
-            for b in it:
-                first = first or b.schema
-                buffered.append(b)
-            schema = first if first is not None else arrow_schema
-            out = run_partition(plan, partition, schema, buffered)
+            first = next(it, None)
+            if first is None:
+                out = run_partition(plan, partition, arrow_schema, iter(()))
+            else:  # the rows stream on to the participants, never held here
+                out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
             yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
 
         arrow_schema = _arrow_schema(df)
@@ -445,7 +494,12 @@ class TransactionalSink:
              for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))]
         )
         cols = list(self.split_columns or df.columns)
-        split = df.repartition(plan.partitions, *cols) if cols else df.repartition(plan.partitions)
+        if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
+            split = df  # Spark's split is the same on replay: no shuffle
+        elif cols:
+            split = df.repartition(plan.partitions, *cols)
+        else:
+            split = df.repartition(plan.partitions)
         try:
             rows = split.mapInArrow(task, _REPORT_SCHEMA, barrier=True).collect()
         except Exception as exc:  # the job failed: the coordinator's record decides what next
@@ -606,6 +660,48 @@ def _arrow_schema(df: DataFrame) -> Any:
 
     tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
     return to_arrow_schema(df.schema, timezone=tz)
+
+
+# RDDs whose split is fixed by what the batch reads (its files, its offset ranges, its
+# local rows), so a replay of the batch splits it the same way.
+_SOURCES = frozenset({
+    "FileScanRDD", "DataSourceRDD", "KafkaSourceRDD", "ParallelCollectionRDD", "EmptyRDD",
+})
+
+
+def _input_partitions(df: DataFrame) -> int | None:
+    """How many partitions the batch has as Spark made it, when a replay of the batch
+    makes the same split: its RDD lineage is one source RDD and then only one-to-one
+    (narrow, same partition) steps, no shuffle, no union, no coalesce (which a barrier
+    stage would refuse anyway); 0 when the source is known to hold no rows at all. None
+    otherwise, or when it cannot be told (Spark Connect).
+    foreachBatch hands the batch over as an RDD scan, so the RDD, not the plan, is read.
+    Plans the batch; runs no job."""
+    try:
+        rdd = df._jdf.queryExecution().toRdd()
+        stack, sources, empty = [rdd], 0, True
+        while stack:
+            node = stack.pop()
+            deps = node.dependencies()
+            if deps.size() == 0:
+                kind = node.getClass().getSimpleName()
+                if kind not in _SOURCES:
+                    return None
+                sources += 1
+                if kind == "ParallelCollectionRDD":  # local rows: are there any?
+                    empty = empty and all(p.values().isEmpty() for p in node.partitions())
+                elif kind != "EmptyRDD":
+                    empty = False
+            for i in range(deps.size()):
+                dep = deps.apply(i)
+                if dep.getClass().getSimpleName() != "OneToOneDependency":
+                    return None
+                stack.append(dep.rdd())
+        if sources != 1:
+            return None
+        return 0 if empty else int(rdd.getNumPartitions())
+    except Exception:  # no JVM plan to read (Spark Connect): fall back to the hash split
+        return None
 
 
 def _short_error(exc: BaseException) -> str:

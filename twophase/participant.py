@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = [
+    "EMPTY_BRANCH",
     "BranchRef",
     "BranchStatus",
     "Descriptor",
@@ -38,6 +39,7 @@ __all__ = [
     "ParticipantError",
     "PrepareRefused",
     "ReadBack",
+    "is_empty_branch",
     "rebuild",
     "register_kind",
     "secret_env_name",
@@ -48,6 +50,17 @@ Handle = Mapping[str, str]
 """What a YES vote carries: all a later process needs to commit or abort the branch."""
 
 from twophase.protocol.recovery import BranchStatus  # noqa: E402 - the rule owns it
+
+EMPTY_BRANCH: Handle = {"empty": "yes", "rows": "0"}
+"""The handle voted for a branch with no rows. The task votes it without calling the
+participant: nothing is written (no empty file, no empty database transaction, no Kafka
+transaction), so committing or aborting it is nothing, and a recovery that finds this
+handle in the coordinator's record has nothing to redo."""
+
+
+def is_empty_branch(handle: Handle | None) -> bool:
+    """True for a branch voted with :data:`EMPTY_BRANCH` (nothing was prepared)."""
+    return handle is not None and handle.get("empty") == "yes"
 
 
 @dataclass(frozen=True, order=True)

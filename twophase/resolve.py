@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from twophase.errors import InvalidRequest, TransactionNotFound
-from twophase.participant import BranchRef, BranchStatus, Participant, rebuild
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Participant,
+    is_empty_branch,
+    rebuild,
+)
 from twophase.protocol import (
     Decision,
     RecoveryAction,
@@ -164,6 +170,8 @@ def _settle(
     """Apply the recovery rule to one branch; returns the action's name for the report
     (a lost branch under COMMIT cannot be redone here: the data is gone with the job)."""
     h = dict(handle) if handle else None
+    if is_empty_branch(h):  # voted with no rows: nothing was prepared anywhere
+        return "ack" if decision == Decision.COMMIT else "nothing"
     action = recovery_action(decision, status)
     if action == RecoveryAction.COMMIT:
         if not dry_run:

@@ -12,20 +12,24 @@ the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
-from twophase.digest import rows_digest
+from twophase.digest import RowsDigest, rows_digest, same_kind
 from twophase.errors import RedoMismatch
 from twophase.participant import (
+    EMPTY_BRANCH,
     BranchRef,
     Handle,
     Participant,
     ParticipantError,
     PrepareRefused,
+    is_empty_branch,
 )
 from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
 from twophase.wire import BranchMetrics, VoteIn
@@ -35,7 +39,16 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["BatchPlan", "BranchOutcome", "run_partition"]
+__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "run_partition", "split_of"]
+
+INPUT_SPLIT = "input"
+"""The batch's partitions as Spark read them (the other split is "hash", of every column)."""
+
+
+def split_of(handle: Mapping[str, str]) -> str:
+    """How the partition behind a vote was split (votes from before this was recorded
+    were all split by hash)."""
+    return handle.get("split", "hash")
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class BatchPlan:
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     decision_timeout: float = 600.0
     ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
+    split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
 
     def ref(
@@ -105,7 +119,9 @@ def _apply(
 ) -> None:
     """Apply the decision to one branch, between the commit failpoints."""
     failpoints.hit("before_commit", part.name, ref.partition)
-    if decision == Decision.COMMIT:
+    if is_empty_branch(handle):
+        pass  # nothing was prepared, so there is nothing to make visible or discard
+    elif decision == Decision.COMMIT:
         part.commit(ref, handle)
     else:
         part.abort(ref, handle)
@@ -113,13 +129,22 @@ def _apply(
 
 
 def _check_redo(plan: BatchPlan, part: Participant, partition: int, digest: str) -> None:
-    """A redo must write what was voted on: the replayed partition's content digest must
-    equal the one stored with the vote. If it differs (a nondeterministic column or
-    source), refuse rather than land other rows, and say how the operator settles it.
-    A vote without a digest (an older client) is not checked."""
+    """A redo must write what was voted on. The replay must be split as the vote was
+    (else it holds other rows), and the replayed partition's content digest must equal
+    the one stored with the vote. If either differs (changed Spark settings, a
+    nondeterministic column or source), refuse rather than land other rows, and say how
+    the operator settles it. A vote without a digest (an older client) is not checked."""
     bid = branch_id(part.name, partition)
+    handle = plan.handles.get(bid, {})
+    if handle and split_of(handle) != plan.split:
+        raise ParticipantError(
+            f"{part.describe()} partition {partition}: the committed vote's rows were split "
+            f"{split_of(handle)!r} but this replay is split {plan.split!r} (Spark now reads "
+            "the batch into another number of partitions); restart with the settings the "
+            "batch was first run with so the lost branch can be redone exactly"
+        )
     voted = plan.digests.get(bid)
-    if voted is None or voted == digest:
+    if voted is None or voted == digest or not same_kind(voted, digest):
         return
     k = plan.key
     raise RedoMismatch(
@@ -150,6 +175,9 @@ def _finish_commit(
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
+        if is_empty_branch(plan.handles.get(bid)):
+            acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
+            continue
         tc = time.perf_counter()
         action = recovery_action(Decision.COMMIT, part.status(ref))
         if action == RecoveryAction.COMMIT:
@@ -172,38 +200,43 @@ def _run_attempt(
     plan: BatchPlan,
     partition: int,
     schema: pa.Schema,
-    batches: Sequence[pa.RecordBatch],
+    batches: Iterator[pa.RecordBatch],
     client: CoordinatorClient,
     out: BranchOutcome,
 ) -> None:
     t0 = time.perf_counter()
+    digest = RowsDigest(schema)  # stored with the vote: a redo must match it
+    head = _first_rows(batches, out)
+    if out.rows:
+        results = _prepare_streaming(plan, partition, schema, head, batches, out, digest)
+    else:  # an empty partition writes nothing anywhere: its vote says so
+        results = []
+        for part in plan.participants:
+            failpoints.hit("before_prepare", part.name, partition)
+            results.append(EMPTY_BRANCH)
+            failpoints.hit("after_prepare", part.name, partition)
     prepared: list[tuple[Participant, BranchRef, Handle]] = []
     votes: list[VoteIn] = []
-    digest = rows_digest(schema, batches)  # stored with the vote: a redo must match it
-    try:
-        for part in plan.participants:
-            ref = plan.ref(part, partition)
-            bid = branch_id(part.name, partition)
-            failpoints.hit("before_prepare", part.name, partition)
-            tp = time.perf_counter()
-            try:
-                handle = part.prepare(ref, schema, batches)
-            except PrepareRefused as exc:
-                votes.append(VoteIn(branch=bid, yes=False, reason=str(exc)))
-                break  # one NO decides ABORT: preparing the rest would be wasted work
-            prepared.append((part, ref, handle))
-            failpoints.hit("after_prepare", part.name, partition)
-            measured: BranchMetrics = {"prepare_s": time.perf_counter() - tp, "rows": out.rows}
-            votes.append(VoteIn(branch=bid, yes=True, handle=dict(handle), metrics=measured,
-                                digest=digest))
-    except Exception as exc:
-        # An unexpected failure while preparing: vote NO with the cause so the batch
-        # aborts now instead of at the vote deadline, undo what this task prepared,
-        # and fail the task so the driver sees the error.
-        bid = branch_id(part.name, partition)
-        votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(exc).__name__}: {exc}"))
+    unexpected: Exception | None = None
+    for part, res in zip(plan.participants, results, strict=True):
+        ref, bid = plan.ref(part, partition), branch_id(part.name, partition)
+        if isinstance(res, PrepareRefused):
+            votes.append(VoteIn(branch=bid, yes=False, reason=str(res)))
+        elif isinstance(res, Exception):
+            # An unexpected failure while preparing: vote NO with the cause so the batch
+            # aborts now instead of at the vote deadline, undo what this task prepared,
+            # and fail the task so the driver sees the error.
+            votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(res).__name__}: {res}"))
+            unexpected = unexpected or res
+        else:
+            prepared.append((part, ref, res))
+            # prepares run together: each branch's time is the partition's prepare time
+            measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
+            votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
+                                metrics=measured, digest=digest.value()))
+    if unexpected is not None:
         _vote_and_abort(plan, client, votes, prepared)
-        raise
+        raise unexpected
     out.prepare_s = time.perf_counter() - t0
     answer = client.vote(plan.key, plan.epoch, votes)
     failpoints.hit("after_vote", None, partition)
@@ -231,6 +264,112 @@ def _run_attempt(
         out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
 
 
+_QUEUE_DEPTH: Final = 2  # Arrow batches waiting per participant: bounds a task's memory
+_END: Final = object()
+
+
+class _ReadFailed(ParticipantError):
+    """Spark's rows stopped midway (the task is failing): every prepare undoes itself."""
+
+
+def _first_rows(batches: Iterator[pa.RecordBatch], out: BranchOutcome) -> list[pa.RecordBatch]:
+    """Read up to the first batch with rows (counted), so an empty partition is known
+    before any participant is called."""
+    head: list[pa.RecordBatch] = []
+    for b in batches:
+        head.append(b)
+        out.rows += b.num_rows
+        if b.num_rows:
+            break
+    return head
+
+
+def _prepare_streaming(
+    plan: BatchPlan,
+    partition: int,
+    schema: pa.Schema,
+    head: list[pa.RecordBatch],
+    rest: Iterator[pa.RecordBatch],
+    out: BranchOutcome,
+    digest: RowsDigest,
+) -> list[Handle | Exception]:
+    """Prepare every participant's branch while Spark's rows arrive, the partition never
+    held whole: one thread per participant reads a short queue that this thread fills
+    from Spark's iterator (one participant: no thread, its prepare reads Spark directly).
+    Returns each participant's handle, or the exception its prepare raised. A prepare
+    that returns before reading everything (already committed) is fed no more."""
+    parts = plan.participants
+
+    def prepare(part: Participant, source: Iterator[pa.RecordBatch]) -> Handle:
+        failpoints.hit("before_prepare", part.name, partition)
+        handle = part.prepare(plan.ref(part, partition), schema, source)
+        failpoints.hit("after_prepare", part.name, partition)
+        return handle
+
+    def counted() -> Iterator[pa.RecordBatch]:
+        for b in head:
+            digest.update(b)
+            yield b
+        for b in rest:
+            out.rows += b.num_rows
+            digest.update(b)
+            yield b
+
+    if len(parts) == 1:
+        source = counted()
+        try:
+            result: Handle | Exception = prepare(parts[0], source)
+        except Exception as exc:
+            result = exc
+        for _ in source:  # what a prepare did not read still counts in the report
+            pass
+        return [result]
+
+    queues = [queue.Queue[Any](maxsize=_QUEUE_DEPTH) for _ in parts]
+    done = [threading.Event() for _ in parts]
+    results: list[Handle | Exception] = [_ReadFailed("prepare did not finish")] * len(parts)
+
+    def read(q: queue.Queue[Any]) -> Iterator[pa.RecordBatch]:
+        while (b := q.get()) is not _END:
+            if isinstance(b, BaseException):
+                raise _ReadFailed(f"the partition's rows could not be read: {b}") from b
+            yield b
+
+    def work(i: int) -> None:
+        try:
+            results[i] = prepare(parts[i], read(queues[i]))
+        except Exception as exc:
+            results[i] = exc
+        finally:
+            done[i].set()
+
+    def put(item: Any) -> None:
+        for q, finished in zip(queues, done, strict=True):
+            while not finished.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True,
+                                name=f"twophase-prepare-{p.name}") for i, p in enumerate(parts)]
+    for t in threads:
+        t.start()
+    try:
+        for b in counted():
+            put(b)
+    except BaseException as exc:
+        put(exc)  # every prepare raises and undoes its partial work
+        for t in threads:
+            t.join()
+        raise
+    put(_END)
+    for t in threads:
+        t.join()
+    return results
+
+
 def _vote_and_abort(
     plan: BatchPlan,
     client: CoordinatorClient,
@@ -241,7 +380,8 @@ def _vote_and_abort(
         client.vote(plan.key, plan.epoch, votes)
     finally:
         for part, ref, handle in prepared:
-            part.abort(ref, handle)
+            if not is_empty_branch(handle):
+                part.abort(ref, handle)
 
 
 def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
@@ -267,26 +407,43 @@ def run_partition(
 ) -> BranchOutcome:
     """Run this partition's branches of one attempt to the end (see module docstring).
 
-    The partition's rows are held in memory as Arrow batches: every participant reads
-    them, and a redo may need them again.
+    A new attempt streams the partition's rows into every participant as Spark hands
+    them over (see ``_prepare_streaming``); only a finish, which may redo a lost branch
+    and must check its row count first, holds them.
     """
-    from twophase.client import CoordinatorClient, pinned
-
-    own_client = client is None
-    cl = client or CoordinatorClient(plan.coordinator_url, plan.token,
-                                     verify=pinned(plan.ca_pem),
-                                     retry_budget=plan.retry_budget)
-    rows = list(batches)
-    out = BranchOutcome(partition=partition, rows=sum(b.num_rows for b in rows))
+    cl = client or _shared_client(plan.coordinator_url, plan.token, plan.retry_budget,
+                                  plan.ca_pem)
+    out = BranchOutcome(partition=partition)
     try:
         _settle_earlier(plan, partition, cl, out)
         if plan.mode == "finish":
+            rows = list(batches)  # a redo is rare and must know the count first
+            out.rows = sum(b.num_rows for b in rows)
             _finish_commit(plan, partition, schema, rows, cl, out)
         else:
-            _run_attempt(plan, partition, schema, rows, cl, out)
+            _run_attempt(plan, partition, schema, iter(batches), cl, out)
     finally:
         for part in plan.participants:
             part.close()
-        if own_client:
-            cl.close()
     return out
+
+
+_CLIENTS: dict[tuple[str, str | None, float, str | None], CoordinatorClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _shared_client(
+    url: str, token: str | None, retry_budget: float, ca_pem: str | None
+) -> CoordinatorClient:
+    """One client per coordinator in this process: Spark reuses its Python workers across
+    tasks and batches, so a task finds the connection pool of the one before it instead
+    of building a client and opening connections (the client is thread-safe)."""
+    from twophase.client import CoordinatorClient, pinned
+
+    key = (url, token, retry_budget, ca_pem)
+    with _CLIENTS_LOCK:
+        cl = _CLIENTS.get(key)
+        if cl is None:
+            cl = _CLIENTS[key] = CoordinatorClient(
+                url, token, verify=pinned(ca_pem), retry_budget=retry_budget)
+        return cl
