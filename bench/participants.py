@@ -15,6 +15,10 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
 - postgres: ``PostgresParticipant.prepare + commit`` (BEGIN, COPY, marker INSERT,
   PREPARE TRANSACTION, COMMIT PREPARED) against raw psycopg ``BEGIN; COPY ... FROM STDIN
   (FORMAT csv) with pyarrow-built CSV; COMMIT`` on an open connection;
+- upsert: ``PostgresParticipant(mode="upsert")`` prepare + commit (COPY into a staging
+  table, ``INSERT ... ON CONFLICT DO UPDATE``, marker, PREPARE, COMMIT PREPARED) against a
+  plain psycopg ``executemany`` of ``INSERT ... ON CONFLICT DO UPDATE`` of the same rows in
+  one transaction (``--only upsert``); half the keys already exist;
 - copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
   pyarrow CSV chunks, both raw, same transaction shape;
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
@@ -180,6 +184,71 @@ def bench_copy_methods(dsn: str, sizes: Iterable[int], repeats: int) -> list[Res
     return out
 
 
+def _prefilled(conn: psycopg.Connection[Any], batch: pa.RecordBatch) -> str:
+    """A keyed table already holding the first half of the batch's ids (old values), so
+    the upsert updates half the rows and inserts the other half."""
+    name = f"bench_up_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL(
+        "CREATE TABLE {} (id bigint PRIMARY KEY, label text, amount double precision, "
+        "qty integer, ts timestamptz)").format(sql.Identifier(name)))
+    conn.execute(sql.SQL(
+        "INSERT INTO {} (id, label, amount, qty, ts) SELECT i, 'old', 0, 0, now() "
+        "FROM generate_series(0, %s) AS i").format(sql.Identifier(name)),
+        (batch.num_rows // 2 - 1,))
+    return name
+
+
+def _pg_upsert_participant_run(dsn: str, conn: psycopg.Connection[Any],
+                               batch: pa.RecordBatch) -> float:
+    """PostgresParticipant(mode='upsert'): COPY into a staging table, INSERT ... ON
+    CONFLICT DO UPDATE, marker, PREPARE TRANSACTION, COMMIT PREPARED."""
+    p = PostgresParticipant(dsn, _prefilled(conn, batch), marker_table="bench_markers",
+                            mode="upsert", key="id")
+    p.check(batch.schema)
+    b = BranchRef("bench", uuid.uuid4().hex[:16], 0, 0, p.name, 0)
+    p._conn_ok()
+    t0 = time.perf_counter()
+    p.commit(b, p.prepare(b, batch.schema, [batch]))
+    dt = time.perf_counter() - t0
+    p.close()
+    return dt
+
+
+def _pg_upsert_executemany_run(conn: psycopg.Connection[Any], batch: pa.RecordBatch) -> float:
+    """Plain psycopg: BEGIN; executemany(INSERT ... VALUES ... ON CONFLICT (id) DO UPDATE)
+    over the rows as Python tuples (psycopg pipelines it); COMMIT."""
+    table = sql.Identifier(_prefilled(conn, batch))
+    names = batch.schema.names
+    stmt = sql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (id) DO UPDATE SET {}").format(
+        table, sql.SQL(", ").join(map(sql.Identifier, names)),
+        sql.SQL(", ").join(sql.Placeholder() * len(names)),
+        sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+                           for c in names if c != "id"),
+    )
+    t0 = time.perf_counter()
+    columns = [c.to_pylist() for c in batch.columns]
+    with conn.transaction(), conn.cursor() as cur:
+        cur.executemany(stmt, list(zip(*columns, strict=True)))
+    return time.perf_counter() - t0
+
+
+def bench_upsert(dsn: str, sizes: Iterable[int], repeats: int) -> list[Result]:
+    """The upsert mode (COPY-based, prepared) against plain executemany, same rows."""
+    out: list[Result] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET TIME ZONE 'UTC'")
+        for n in sizes:
+            batch = make_batch(n)
+            tp, tr = _alternate(
+                max(1, repeats // 2), partial(_pg_upsert_participant_run, dsn, conn, batch),
+                partial(_pg_upsert_executemany_run, conn, batch),
+            )
+            out.append(Result("upsert: copy+on conflict vs executemany", n,
+                              _median_rps(n, tp), _median_rps(n, tr)))
+            _drop_bench_tables(conn)
+    return out
+
+
 def _drop_bench_tables(conn: psycopg.Connection[Any]) -> None:
     for (name,) in conn.execute(
         "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
@@ -271,11 +340,13 @@ def print_results(results: list[Result]) -> None:
     print(f"{'section':<40} {'rows':>8} {'participant r/s':>16} {'raw r/s':>12} {'ratio':>7}")
     for r in results:
         ratio = r.participant_rps / r.raw_rps
-        informative = "write_row" in r.section or "without" in r.section
+        informative = any(w in r.section for w in ("write_row", "without", "executemany"))
         flag = "" if ratio >= 0.90 or informative else "  < 0.90"
         print(f"{r.section:<40} {r.rows:>8} {r.participant_rps:>16,.0f} {r.raw_rps:>12,.0f} "
               f"{ratio:>7.2f}{flag}")
     print("(copy row: 'participant' = pyarrow CSV COPY, 'raw' = psycopg write_row per row)")
+    print("(upsert row: 'participant' = mode='upsert' prepare+commit, 'raw' = psycopg "
+          "executemany INSERT ... ON CONFLICT in one transaction; half the keys exist)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,20 +356,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", help="an existing server (needs max_prepared_transactions > 0)")
     ap.add_argument("--dir", help="folder for the file benchmarks (default: a temp folder)")
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
-    ap.add_argument("--only", choices=["postgres", "copy", "files", "kafka"], nargs="*")
+    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka"],
+                    nargs="*")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "files", "kafka"])
+    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka"])
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
         dsn = args.dsn
-        if dsn is None and want & {"postgres", "copy"}:
+        if dsn is None and want & {"postgres", "copy", "upsert"}:
             server = LocalPostgres(max_prepared_transactions=20, fsync=not args.no_fsync).start()
             dsn = server.dsn
         if "postgres" in want:
             results += bench_postgres(dsn, args.sizes, args.repeats)
         if "copy" in want:
             results += bench_copy_methods(dsn, args.sizes, args.repeats)
+        if "upsert" in want:
+            results += bench_upsert(dsn, args.sizes, args.repeats)
         if "files" in want:
             with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
                 results += bench_files(Path(tmp), args.sizes, args.repeats)

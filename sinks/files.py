@@ -43,6 +43,7 @@ from twophase.participant import (
     PrepareRefused,
     ReadBack,
 )
+from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
 __all__ = ["STAGING_DIR", "StagedFileParticipant"]
 
@@ -95,6 +96,8 @@ class StagedFileParticipant(Participant):
         *,
         name: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        mode: str = "append",
+        on_schema_change: str = "fail",
     ) -> None:
         if storage_options is not None:
             raise InvalidRequest("storage_options apply to s3:// paths only; a local path "
@@ -105,6 +108,22 @@ class StagedFileParticipant(Participant):
             raise InvalidRequest("path must not contain NUL characters")
         if format not in _FORMATS:
             raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
+        if mode != "append":
+            raise InvalidRequest(
+                f"a files participant only appends (mode='append'), got mode={mode!r}: a "
+                "folder cannot be replaced atomically with other files being read. For "
+                "outputMode('update') or ('complete') each batch's rows land as their own "
+                "files (named by batch id), so the folder holds every batch's output; "
+                "keep the latest per key when reading, or use a PostgreSQL participant "
+                "with mode='upsert' or 'complete'"
+            )
+        if on_schema_change not in POLICIES:
+            raise InvalidRequest(
+                f"on_schema_change must be one of {', '.join(POLICIES)}; "
+                f"got {on_schema_change!r}"
+            )
+        self.mode = mode
+        self.on_schema_change = on_schema_change
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.format = format
         self.ext = _FORMATS[format]
@@ -115,7 +134,8 @@ class StagedFileParticipant(Participant):
 
     def descriptor(self) -> Descriptor:
         return {"kind": self.kind, "name": self.name, "target": str(self.path),
-                "options": {"path": str(self.path), "format": self.format}}
+                "options": {"path": str(self.path), "format": self.format,
+                            "on_schema_change": self.on_schema_change}}
 
     @classmethod
     def from_descriptor(
@@ -126,7 +146,8 @@ class StagedFileParticipant(Participant):
             from twophase.sinks.s3 import S3StagedFileParticipant
 
             return S3StagedFileParticipant.from_descriptor(descriptor, secrets)
-        return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"])
+        return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"],
+                   on_schema_change=str(o.get("on_schema_change", "fail")))
 
     # -- names ------------------------------------------------------------------------------
 
@@ -184,6 +205,7 @@ class StagedFileParticipant(Participant):
         except OSError as exc:
             raise ParticipantError(f"{self.describe()}: cannot write there: {exc}") from exc
         self._check_format(schema)
+        self._check_folder_schema(schema)
 
     def _check_format(self, schema: pa.Schema) -> None:
         if self.format == "jsonl":
@@ -192,6 +214,30 @@ class StagedFileParticipant(Participant):
                 list(json_rows(empty))
             except (ValueError, pa.ArrowException) as exc:
                 raise ParticipantError(f"{self.describe()}: {exc}") from exc
+
+    def _check_folder_schema(self, schema: pa.Schema) -> None:
+        """``on_schema_change``: the batch against the committed files (local folders)."""
+        try:
+            held = held_schema(self._visible_files(), self.format)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise ParticipantError(
+                f"{self.describe()}: cannot read the schema of the files already there: {exc}"
+            ) from exc
+        problems = folder_misfits(held, schema, self.on_schema_change)
+        if problems:
+            raise ParticipantError(
+                f"{self.describe()}: the batch does not fit the files already in the "
+                "folder: " + "; ".join(problems)
+            )
+
+    def _visible_files(self) -> list[Path]:
+        """Committed files of this format in ``path``, as a dataset reader lists them."""
+        if not self.path.exists():
+            return []
+        return sorted(
+            f for f in self.path.iterdir()
+            if f.is_file() and not f.name.startswith(("_", ".")) and f.suffix == f".{self.ext}"
+        )
 
     # -- the branch -------------------------------------------------------------------------
 

@@ -148,6 +148,19 @@ class TransactionalSink:
         if not retry_budget_s > 0:
             raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
+        self.split_columns, single = _split_rule(self.participants)
+        self.one_branch = single  # participants' keys or complete mode fix the split
+        if single:
+            if partitions not in (None, 1):
+                whole = [p.describe() for p in participants if p.single_branch()]
+                why = (", ".join(whole) + " writes each batch as one branch" if whole else
+                       "the participants' key columns (partition_columns) share no column, "
+                       "so only one branch keeps every key in one place")
+                raise InvalidRequest(
+                    f"sink {name!r}: partitions={partitions} but {why}; leave partitions "
+                    "unset (or 1)"
+                )
+            partitions = 1
         self.coordinator = check_coordinator(coordinator)
         self.token = token
         self.partitions = partitions
@@ -357,6 +370,7 @@ class TransactionalSink:
                     self.name, lineage,
                 )
             if res.kind == BeginKind.COMMITTED:
+                _run_through(df)
                 self._report(BatchReport(batch_id, "replay", 0, sink=self.name, decision="COMMIT"),
                              started)
                 return
@@ -479,8 +493,8 @@ class TransactionalSink:
               else pa.int64())
              for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))]
         )
-        cols = df.columns
-        if plan.split == INPUT_SPLIT:
+        cols = list(self.split_columns or df.columns)
+        if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
             split = df  # Spark's split is the same on replay: no shuffle
         elif cols:
             split = df.repartition(plan.partitions, *cols)
@@ -575,6 +589,33 @@ def _default_logging() -> None:
         lg = logging.getLogger(name)
         if lg.level == logging.NOTSET:
             lg.setLevel(logging.INFO)
+
+
+def _split_rule(participants: Sequence[Participant]) -> tuple[tuple[str, ...], bool]:
+    """How every batch is split: (hash columns, one partition only).
+
+    No column asked for: hash by every column (stable, so a replay splits alike).
+    Participants asking for key columns get the columns all of them share (the first
+    one's order): equal keys of each then meet in one branch. Nothing shared, or a
+    participant that needs the whole batch, means a single partition."""
+    single = any(p.single_branch() for p in participants)
+    asks = [tuple(c) for p in participants if (c := p.partition_columns()) is not None]
+    if single or not asks:
+        return (), single
+    shared = [c for c in asks[0] if all(c in a for a in asks[1:])]
+    return tuple(shared), not shared
+
+
+def _run_through(df: DataFrame) -> None:
+    """Evaluate a replayed batch without writing it anywhere.
+
+    A stateful query (``groupBy().count()``, dedup, stream joins) commits its state
+    stores for a batch only when the batch's plan runs, and Spark (4.1+) fails the query
+    when ``foreachBatch`` returns without every state partition committed
+    (STATE_STORE_COMMIT_VALIDATION_FAILED). So a batch the coordinator already shows
+    committed still runs through Spark's ``noop`` sink; its rows go nowhere. This costs one
+    pass over the batch, only on a replay after a crash."""
+    df.write.format("noop").mode("overwrite").save()
 
 
 def _spark_connect_client() -> bool:

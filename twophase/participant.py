@@ -167,6 +167,18 @@ class Participant(abc.ABC):
     def in_doubt(self, sink: str) -> list[BranchRef]:
         """Prepared leftovers of ``sink`` that can be found by name."""
 
+    def partition_columns(self) -> tuple[str, ...] | None:
+        """Columns whose equal values must land in one branch (an upsert key: two
+        branches writing one key would race for its row and block each other while
+        prepared), or None when any split of the batch will do. The driver hashes each
+        batch by the columns every participant asks for (their intersection)."""
+        return None
+
+    def single_branch(self) -> bool:
+        """True when the whole batch must be one branch (e.g. a PostgreSQL table replaced
+        in ``complete`` mode: one transaction deletes the old rows and writes the new)."""
+        return False
+
     def check_vote_window(self, vote_timeout: float) -> None:  # noqa: B027 - optional hook
         """Driver side, when the sink is built: refuse (``ValueError``) a participant whose
         prepared branch would not outlive the sink's vote window of ``vote_timeout``

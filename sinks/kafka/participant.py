@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,7 @@ class KafkaParticipant(Participant):
         topic: str,
         config: Mapping[str, str],
         *,
-        key: str | None = None,
+        key: str | Sequence[str] | None = None,
         value: str | None = None,
         name: str | None = None,
         transaction_timeout_ms: int = 600_000,
@@ -90,10 +91,22 @@ class KafkaParticipant(Participant):
                 )
         super().__init__(name)
         self.config = validate_config(config)
-        for label, col in (("key", key), ("value", value)):
-            if col is not None and (not isinstance(col, str) or not col):
-                raise InvalidRequest(f"{label} must be a column name, got {col!r}")
-        self.key = key
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidRequest(f"value must be a column name, got {value!r}")
+        keys: tuple[str, ...] = (
+            (key,) if isinstance(key, str)
+            else tuple(key) if isinstance(key, (list, tuple)) else ()
+        )
+        if key is not None and (
+            not keys or not all(isinstance(c, str) and c for c in keys)
+            or len(set(keys)) != len(keys)
+        ):
+            raise InvalidRequest(
+                f"key must be a column name or a list of distinct column names, got {key!r}"
+            )
+        self.keys = keys
+        """Key columns: one column's value is the key as is; several make a JSON object."""
+        self.key = keys[0] if len(keys) == 1 else None
         self.value = value
         if (
             not isinstance(transaction_timeout_ms, int)
@@ -225,6 +238,30 @@ class KafkaParticipant(Participant):
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)
+        missing = [c for c in self.keys if c not in schema.names]
+        if missing:
+            raise ParticipantError(
+                f"{self.describe()}: key column(s) {missing} are not in the schema "
+                f"{schema.names}"
+            )
+        if len(self.keys) > 1:
+            try:
+                list(json_rows(pa.RecordBatch.from_pylist(
+                    [], schema=pa.schema([schema.field(c) for c in self.keys]))))
+            except (ValueError, pa.ArrowException) as exc:
+                raise ParticipantError(f"{self.describe()}: key columns: {exc}") from exc
+
+    @staticmethod
+    def headers(branch: BranchRef) -> list[tuple[str, bytes]]:
+        """Headers of every message of a branch: where it came from, so a consumer can
+        trace a message to its batch or drop a batch it has already seen (a branch's
+        messages become visible together, once per (sink, lineage, batch, partition))."""
+        return [
+            ("twophase.sink", branch.sink.encode()),
+            ("twophase.lineage", branch.lineage.encode()),
+            ("twophase.batch", str(branch.batch_id).encode()),
+            ("twophase.partition", str(branch.partition).encode()),
+        ]
 
     def check_vote_window(self, vote_timeout: float) -> None:
         """A transaction must outlive the vote window, or the broker aborts it while the
@@ -311,7 +348,8 @@ class KafkaParticipant(Participant):
         try:
             producer.begin_transaction()
             step = "produce"
-            rows = self._produce_all(producer, schema, batches, on_delivery, errors)
+            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
+                                     self.headers(branch))
             step = "send the marker offset"
             producer.send_offsets_to_transaction(
                 [TopicPartition(self.topic, 0, branch.batch_id + 1)],
@@ -347,9 +385,10 @@ class KafkaParticipant(Participant):
         batches: Iterable[pa.RecordBatch],
         on_delivery: Callable[[Any, Any], None],
         errors: list[Any],
+        headers: list[tuple[str, bytes]],
     ) -> int:
         limit = self.max_message_bytes()
-        room = limit - RECORD_OVERHEAD_BYTES
+        room = limit - RECORD_OVERHEAD_BYTES - sum(len(k) + len(v) for k, v in headers)
         produce, poll, topic = producer.produce, producer.poll, self.topic
         rows = 0
         for batch in batches:
@@ -363,16 +402,16 @@ class KafkaParticipant(Participant):
                     raise _Refusal(
                         f"row {rows} is {size} bytes (key+value), over the message size limit "
                         f"of {limit} bytes less {RECORD_OVERHEAD_BYTES} bytes of record "
-                        "overhead (message.max.bytes of the producer / max.message.bytes of "
-                        "the topic)"
+                        "overhead and the twophase headers (message.max.bytes of the "
+                        "producer / max.message.bytes of the topic)"
                     )
                 try:
-                    produce(topic, v, k, on_delivery=on_delivery)
+                    produce(topic, v, k, on_delivery=on_delivery, headers=headers)
                 except BufferError:
                     while True:  # the local queue is full: serve delivery reports, retry
                         poll(0.05)
                         try:
-                            produce(topic, v, k, on_delivery=on_delivery)
+                            produce(topic, v, k, on_delivery=on_delivery, headers=headers)
                             break
                         except BufferError:
                             continue
@@ -393,6 +432,8 @@ class KafkaParticipant(Participant):
             keys: Iterable[bytes | None] = [
                 _to_bytes(k) for k in batch.column(self.key).to_pylist()
             ]
+        elif self.keys:
+            keys = list(json_rows(batch.select(list(self.keys))))
         else:
             keys = itertools.repeat(None, n)
         return zip(keys, values, strict=True)
@@ -536,6 +577,7 @@ class KafkaParticipant(Participant):
         ``secrets``: rebuilt from ``TWOPHASE_SECRET_<NAME>_<KEY>``."""
         options: dict[str, Any] = {
             "topic": self.topic, "key": self.key, "value": self.value,
+            "keys": json.dumps(list(self.keys)) if len(self.keys) > 1 else None,
             "transaction_timeout_ms": self.transaction_timeout_ms,
             "connect_timeout_s": self.connect_timeout_s, "commit_retry_s": self.commit_retry_s,
         }
@@ -562,7 +604,9 @@ class KafkaParticipant(Participant):
             if k:
                 config[k] = required_secret(name, secrets, k)
         return cls(
-            str(o["topic"]), config, key=o.get("key"), value=o.get("value"), name=name,
+            str(o["topic"]), config,
+            key=json.loads(str(o["keys"])) if o.get("keys") else o.get("key"),
+            value=o.get("value"), name=name,
             transaction_timeout_ms=int(o.get("transaction_timeout_ms", 600_000)),
             connect_timeout_s=float(o.get("connect_timeout_s", 30.0)),
             commit_retry_s=float(o.get("commit_retry_s", 120.0)),

@@ -14,10 +14,11 @@ Each prepared transaction is named by a gid built from the branch (see :mod:`.gi
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, Final, TypeVar
 
@@ -46,6 +47,17 @@ from twophase.sinks.postgres.arrow import (
     table_misfits,
 )
 from twophase.sinks.postgres.gid import GID_ROOT, gid_for, gid_prefix, parse_gid
+from twophase.sinks.postgres.modes import (
+    MODES,
+    SCHEMA_POLICIES,
+    batch_key_problems,
+    delete_sql,
+    is_bool,
+    normalize_key,
+    stage_name,
+    stage_sql,
+    upsert_sql,
+)
 
 __all__ = ["PostgresParticipant"]
 
@@ -108,8 +120,37 @@ class PostgresParticipant(Participant):
         create: bool = True,
         marker_table: str = "twophase_markers",
         connect_timeout: float = 10,
+        mode: str = "append",
+        key: str | Sequence[str] | None = None,
+        delete_when: str | None = None,
+        on_schema_change: str = "fail",
     ) -> None:
         self.table = _identifier("table name", table)
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if on_schema_change not in SCHEMA_POLICIES:
+            raise InvalidRequest(
+                f"on_schema_change must be one of {', '.join(SCHEMA_POLICIES)}; "
+                f"got {on_schema_change!r}"
+            )
+        self.mode = mode
+        self.key = normalize_key(key)
+        self.on_schema_change = on_schema_change
+        if mode == "upsert" and not self.key:
+            raise InvalidRequest(
+                "mode='upsert' needs key=: the column(s) that identify a row, e.g. "
+                "key='customer' for groupBy('customer').count()"
+            )
+        if delete_when is not None:
+            if mode != "upsert":
+                raise InvalidRequest(
+                    f"delete_when is only used by mode='upsert' (got mode={mode!r})"
+                )
+            if not isinstance(delete_when, str) or not delete_when:
+                raise InvalidRequest(f"delete_when must be a column name, got {delete_when!r}")
+            if delete_when in self.key:
+                raise InvalidRequest(f"delete_when column {delete_when!r} is also a key column")
+        self.delete_when = delete_when
         self.schema = _identifier("schema name", schema)
         self.marker_table = _identifier("marker table name", marker_table)
         super().__init__(name if name is not None else f"postgres-{table}")
@@ -141,7 +182,9 @@ class PostgresParticipant(Participant):
         self.__dict__.update(state)
 
     def describe(self) -> str:
-        return f"postgres participant {self.name!r} ({self.schema}.{self.table} at {self._where})"
+        mode = "" if self.mode == "append" else f", {self.mode}"
+        return (f"postgres participant {self.name!r} ({self.schema}.{self.table} at "
+                f"{self._where}{mode})")
 
     _SECRET_PARAMS: Final = ("password", "sslpassword")
 
@@ -158,6 +201,8 @@ class PostgresParticipant(Participant):
                 "schema": self.schema, "table": self.table,
                 "marker_table": self.marker_table, "create": self.create,
                 "connect_timeout": self.connect_timeout, "secrets": ",".join(secrets),
+                "mode": self.mode, "key": json.dumps(list(self.key)) if self.key else None,
+                "delete_when": self.delete_when, "on_schema_change": self.on_schema_change,
             },
         }
 
@@ -176,6 +221,10 @@ class PostgresParticipant(Participant):
             create=bool(o.get("create", True)),
             marker_table=str(o.get("marker_table", "twophase_markers")),
             connect_timeout=float(o.get("connect_timeout", 10)),
+            mode=str(o.get("mode", "append")),
+            key=json.loads(str(o["key"])) if o.get("key") else None,
+            delete_when=str(o["delete_when"]) if o.get("delete_when") else None,
+            on_schema_change=str(o.get("on_schema_change", "fail")),
         )
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -248,8 +297,41 @@ class PostgresParticipant(Participant):
 
     # -- driver-side check ------------------------------------------------------------------
 
+    def partition_columns(self) -> tuple[str, ...] | None:
+        """Upsert: rows of one key must reach one branch (see the base class)."""
+        return self.key if self.mode == "upsert" else None
+
+    def single_branch(self) -> bool:
+        """Complete mode: one branch deletes the old rows and writes the new ones."""
+        return self.mode == "complete"
+
+    def _table_schema(self, schema: pa.Schema) -> pa.Schema:
+        """The columns stored in the table: the data without the delete flag."""
+        if self.delete_when is None:
+            return schema
+        return schema.remove(schema.get_field_index(self.delete_when))
+
     def check(self, schema: pa.Schema) -> None:
         """Server settings, marker table, and the data table (created or compared)."""
+        problems = []
+        for col in self.key:
+            if col not in schema.names:
+                problems.append(f"key column {col!r} is not in the data (columns: {schema.names})")
+        if self.delete_when is not None:
+            if self.delete_when not in schema.names:
+                problems.append(
+                    f"delete_when column {self.delete_when!r} is not in the data "
+                    f"(columns: {schema.names})"
+                )
+            elif not is_bool(schema.field(self.delete_when)):
+                problems.append(
+                    f"delete_when column {self.delete_when!r} is "
+                    f"{schema.field(self.delete_when).type}, not boolean: true deletes the "
+                    "row with that key, false or null upserts it"
+                )
+        if problems:
+            raise ParticipantError(f"{self.describe()}: " + "; ".join(problems))
+        schema = self._table_schema(schema)
         for field in schema:
             try:
                 pg_type_for(field)
@@ -277,12 +359,65 @@ class PostgresParticipant(Participant):
                 )
             self._create_table(conn, schema)
             return
-        problems = table_misfits(schema, columns)
+        have = {c.name for c in columns}
+        new = [f for f in schema if f.name not in have]
+        fitting = schema
+        if self.on_schema_change == "add_columns":
+            fitting = pa.schema([f for f in schema if f.name in have])
+        problems = table_misfits(fitting, columns)
+        if new and self.on_schema_change == "fail":
+            problems.append(
+                "to add new columns to the table as they appear, pass "
+                "on_schema_change='add_columns'"
+            )
+        if self.mode == "upsert" and not self._has_unique_index(conn, self.key):
+            problems.append(
+                f"no primary key or unique index on the key ({', '.join(self.key)}), which "
+                "INSERT ... ON CONFLICT needs; create one, e.g. CREATE UNIQUE INDEX ON "
+                f"{self.schema}.{self.table} ({', '.join(self.key)})"
+            )
         if problems:
             raise ParticipantError(
                 f"{self.describe()}: table {self.schema}.{self.table} does not fit the data: "
                 + "; ".join(problems)
             )
+        if new:
+            self._add_columns(conn, new)
+
+    def _has_unique_index(self, conn: psycopg.Connection[Any], key: Sequence[str]) -> bool:
+        """Is there a unique, non-partial index on exactly the key's columns?"""
+        rows = conn.execute(
+            """
+            SELECT array_agg(a.attname::text ORDER BY a.attname)
+            FROM pg_index i
+            JOIN pg_class c ON c.oid = i.indrelid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+            WHERE n.nspname = %s AND c.relname = %s AND i.indisunique
+              AND i.indpred IS NULL AND i.indexprs IS NULL
+            GROUP BY i.indexrelid
+            """,
+            (self.schema, self.table),
+        ).fetchall()
+        want = sorted(key)
+        return any(list(r[0]) == want for r in rows)
+
+    def _add_columns(self, conn: psycopg.Connection[Any], fields: list[pa.Field]) -> None:
+        """``on_schema_change='add_columns'``: new nullable columns, in one transaction.
+
+        Run here, on the driver before the batch's branches, not inside each prepared
+        branch: ``ADD COLUMN`` takes an ACCESS EXCLUSIVE lock, which a prepared branch
+        would hold until the decision, blocking every reader and the batch's other
+        branches (see docs/decisions.md). A nullable column without a default is a
+        catalog-only change: existing rows read NULL."""
+        with conn.transaction():
+            for f in fields:
+                conn.execute(
+                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                        self._table_sql(), sql.Identifier(f.name),
+                        sql.SQL(pg_type_for(f)),  # from a fixed vocabulary
+                    )
+                )
 
     def _columns(self, conn: psycopg.Connection[Any]) -> list[ExistingColumn]:
         rows = conn.execute(
@@ -308,6 +443,9 @@ class PostgresParticipant(Participant):
             )
             for f in schema
         ]
+        if self.key:
+            cols.append(sql.SQL("PRIMARY KEY ({})").format(
+                sql.SQL(", ").join(sql.Identifier(c) for c in self.key)))
         stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
             self._table_sql(), sql.SQL(", ").join(cols)
         )
@@ -406,6 +544,17 @@ class PostgresParticipant(Participant):
                 f"{branch.batch_id} is still prepared by an earlier attempt "
                 f"({', '.join(others)}); resolve it first (twophase resolve)"
             )
+        data = list(batches)
+        if self.key and self.mode != "append":
+            problems = batch_key_problems(data, self.key)
+            if problems:
+                raise PrepareRefused(
+                    f"{self.describe()}: batch {branch.batch_id} refused before writing: "
+                    + "; ".join(problems) + ". In mode=" + repr(self.mode) + " each key "
+                    "must appear once per batch (which duplicate should win is not "
+                    "defined); deduplicate before the sink, e.g. dropDuplicates(key) or a "
+                    "groupBy(key) aggregation"
+                )
         conn = self._conn_ok()
         rows = 0
         stage = "begin"
@@ -414,7 +563,7 @@ class PostgresParticipant(Participant):
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
                 sql.Literal(f"{self.LOCK_TIMEOUT_MS}ms")))
             stage = "copy"
-            rows = self._copy(conn, schema, iter(batches))
+            rows = self._write_rows(conn, gid, schema, data)
             stage = "marker"
             conn.execute(
                 sql.SQL(
@@ -464,11 +613,40 @@ class PostgresParticipant(Participant):
         except psycopg.Error:
             self._drop_conn()
 
+    def _write_rows(
+        self,
+        conn: psycopg.Connection[Any],
+        gid: str,
+        schema: pa.Schema,
+        batches: list[pa.RecordBatch],
+    ) -> int:
+        """The mode's statements, inside the open transaction; returns the rows sent."""
+        table = self._table_sql()
+        if self.mode == "append":
+            return self._copy(conn, table, schema, iter(batches))
+        if self.mode == "complete":
+            conn.execute(sql.SQL("DELETE FROM {}").format(table))
+            return self._copy(conn, table, schema, iter(batches))
+        stage = sql.SQL("{}.{}").format(sql.Identifier(self.schema),
+                                        sql.Identifier(stage_name(gid)))
+        columns = self._table_schema(schema).names
+        conn.execute(stage_sql(table, stage, columns, self.delete_when))
+        rows = self._copy(conn, stage, schema, iter(batches))
+        if self.delete_when is not None:
+            conn.execute(delete_sql(table, stage, self.key, self.delete_when))
+        conn.execute(upsert_sql(table, stage, columns, self.key, self.delete_when))
+        conn.execute(sql.SQL("DROP TABLE {}").format(stage))
+        return rows
+
     def _copy(
-        self, conn: psycopg.Connection[Any], schema: pa.Schema, batches: Iterator[pa.RecordBatch]
+        self,
+        conn: psycopg.Connection[Any],
+        target: sql.Composable,
+        schema: pa.Schema,
+        batches: Iterator[pa.RecordBatch],
     ) -> int:
         stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
-            self._table_sql(), sql.SQL(", ").join(sql.Identifier(n) for n in schema.names)
+            target, sql.SQL(", ").join(sql.Identifier(n) for n in schema.names)
         )
         rows = 0
         with conn.cursor() as cur, cur.copy(stmt) as copy:

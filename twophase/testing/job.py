@@ -1,5 +1,9 @@
 """The reference streaming job: generated events -> TransactionalSink -> every system.
 
+With ``aggregate="update"`` or ``"complete"`` the job writes ``groupBy("customer").count()``
+in that output mode instead of the events (pair it with ``pg_mode="upsert"``,
+``pg_key=["customer"]``, or ``pg_mode="complete"``).
+
 ``twophase demo`` runs it in-process; ``twophase chaos`` and the crash tests run it as a
 separate driver process (``python -m twophase.testing.job CONFIG.json``) so that it can be
 SIGKILLed and restarted from its checkpoint. Input is a folder of Parquet files, one
@@ -28,6 +32,7 @@ __all__ = [
     "EVENT_DDL",
     "JobConfig",
     "build_participants",
+    "expected_counts",
     "expected_ids",
     "place_batch",
     "run",
@@ -47,12 +52,16 @@ class JobConfig:
     token: str | None = None
     pg_dsn: str | None = None
     pg_table: str = "orders"
+    pg_mode: str = "append"  # PostgresParticipant mode: append, upsert or complete
+    pg_key: list[str] | None = None
+    pg_on_schema_change: str = "fail"
     files_path: str | None = None
     files_format: str = "parquet"
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     partitions: int | None = None
+    aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
     vote_timeout: float = 120.0
     spark_conf: dict[str, str] = field(default_factory=dict)
@@ -115,12 +124,24 @@ def expected_ids(batches: int, rows_per_batch: int) -> list[int]:
     return list(range(batches * rows_per_batch))
 
 
+def expected_counts(batches: int, rows_per_batch: int) -> dict[str, int]:
+    """``groupBy("customer").count()`` over every input row of ``write_input``."""
+    counts: dict[str, int] = {}
+    for i in expected_ids(batches, rows_per_batch):
+        name = f"customer-{i % 97}"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def build_participants(cfg: JobConfig) -> list[Participant]:
     parts: list[Participant] = []
     if cfg.pg_dsn:
         from twophase.sinks.postgres import PostgresParticipant
 
-        parts.append(PostgresParticipant(dsn=cfg.pg_dsn, table=cfg.pg_table))
+        parts.append(PostgresParticipant(
+            dsn=cfg.pg_dsn, table=cfg.pg_table, mode=cfg.pg_mode, key=cfg.pg_key,
+            on_schema_change=cfg.pg_on_schema_change,
+        ))
     if cfg.files_path:
         from twophase.sinks.files import StagedFileParticipant
 
@@ -179,11 +200,15 @@ def run(
         on_batch=on_batch,
     )
     try:
-        query = (
-            spark.readStream.schema(EVENT_DDL)
-            .option("maxFilesPerTrigger", 1)
+        stream = spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1) \
             .parquet(cfg.input_dir)
-            .writeStream.foreachBatch(sink)
+        output_mode = "append"
+        if cfg.aggregate is not None:
+            if cfg.aggregate not in ("update", "complete"):
+                raise ValueError(f"aggregate must be 'update' or 'complete', got {cfg.aggregate!r}")
+            stream, output_mode = stream.groupBy("customer").count(), cfg.aggregate
+        query = (
+            stream.writeStream.outputMode(output_mode).foreachBatch(sink)
             .option("checkpointLocation", cfg.checkpoint)
             .trigger(availableNow=True)
             .start()
