@@ -74,6 +74,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_mode(mode: str, on_schema_change: str) -> None:
+    """The output mode and schema-change policy a files participant (local folder or
+    object storage) accepts."""
+    if mode != "append":
+        raise InvalidRequest(
+            f"a files participant only appends (mode='append'), got mode={mode!r}: a "
+            "folder cannot be replaced atomically with other files being read. For "
+            "outputMode('update') or ('complete') each batch's rows land as their own "
+            "files (named by batch id), so the folder holds every batch's output; "
+            "keep the latest per key when reading, or use a PostgreSQL participant "
+            "with mode='upsert' or 'complete'"
+        )
+    if on_schema_change not in POLICIES:
+        raise InvalidRequest(
+            f"on_schema_change must be one of {', '.join(POLICIES)}; "
+            f"got {on_schema_change!r}"
+        )
+
+
 class StagedFileParticipant(Participant):
     """Rows of each branch become one Parquet or JSON-lines file in ``path``."""
 
@@ -108,20 +127,7 @@ class StagedFileParticipant(Participant):
             raise InvalidRequest("path must not contain NUL characters")
         if format not in _FORMATS:
             raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
-        if mode != "append":
-            raise InvalidRequest(
-                f"a files participant only appends (mode='append'), got mode={mode!r}: a "
-                "folder cannot be replaced atomically with other files being read. For "
-                "outputMode('update') or ('complete') each batch's rows land as their own "
-                "files (named by batch id), so the folder holds every batch's output; "
-                "keep the latest per key when reading, or use a PostgreSQL participant "
-                "with mode='upsert' or 'complete'"
-            )
-        if on_schema_change not in POLICIES:
-            raise InvalidRequest(
-                f"on_schema_change must be one of {', '.join(POLICIES)}; "
-                f"got {on_schema_change!r}"
-            )
+        _check_mode(mode, on_schema_change)
         self.mode = mode
         self.on_schema_change = on_schema_change
         self.path = Path(os.path.abspath(os.fspath(path)))

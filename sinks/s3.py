@@ -42,7 +42,13 @@ from twophase.participant import (
     ReadBack,
     required_secret,
 )
-from twophase.sinks.files import _STAGED_RE, STAGING_DIR, StagedFileParticipant, _sanitize
+from twophase.sinks.files import (
+    _STAGED_RE,
+    STAGING_DIR,
+    StagedFileParticipant,
+    _check_mode,
+    _sanitize,
+)
 
 __all__ = ["BRANCH_META", "PART_SIZE", "S3StagedFileParticipant", "parse_s3_url"]
 
@@ -188,7 +194,17 @@ class S3StagedFileParticipant(StagedFileParticipant):
         *,
         name: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        mode: str = "append",
+        on_schema_change: str = "fail",
     ) -> None:
+        _check_mode(mode, on_schema_change)
+        if on_schema_change != "fail":
+            raise InvalidRequest(
+                f"on_schema_change={on_schema_change!r} is not supported on object storage "
+                "yet (the committed objects' schemas are not read back): keep the default "
+                "'fail' and write a changed schema under a new prefix"
+            )
+        self.mode, self.on_schema_change = mode, on_schema_change
         if format not in ("parquet", "jsonl"):
             raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
         self.bucket, self.prefix = parse_s3_url(path)

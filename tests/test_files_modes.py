@@ -83,3 +83,15 @@ def test_descriptor_carries_the_schema_policy(tmp_path: Path) -> None:
     p = StagedFileParticipant(str(tmp_path), on_schema_change="add_columns")
     assert StagedFileParticipant.from_descriptor(p.descriptor(), {}).on_schema_change == \
         "add_columns"
+
+
+def test_object_storage_takes_the_same_mode_and_refuses_what_it_cannot_check() -> None:
+    # Built without contacting any server: the refusals come at construction.
+    opts = {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}
+    p = StagedFileParticipant("s3://bucket/prefix", storage_options=opts, mode="append")
+    assert p.mode == "append" and p.on_schema_change == "fail"
+    with pytest.raises(InvalidRequest, match="only appends"):
+        StagedFileParticipant("s3://bucket/prefix", storage_options=opts, mode="complete")
+    with pytest.raises(InvalidRequest, match="not supported on object storage"):
+        StagedFileParticipant("s3://bucket/prefix", storage_options=opts,
+                              on_schema_change="add_columns")
