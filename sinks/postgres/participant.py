@@ -544,8 +544,9 @@ class PostgresParticipant(Participant):
                 f"{branch.batch_id} is still prepared by an earlier attempt "
                 f"({', '.join(others)}); resolve it first (twophase resolve)"
             )
-        data = list(batches)
+        data: Iterable[pa.RecordBatch] = batches  # streamed into COPY, never held whole
         if self.key and self.mode != "append":
+            data = list(batches)  # every key of the batch is checked before writing
             problems = batch_key_problems(data, self.key)
             if problems:
                 raise PrepareRefused(
@@ -618,7 +619,7 @@ class PostgresParticipant(Participant):
         conn: psycopg.Connection[Any],
         gid: str,
         schema: pa.Schema,
-        batches: list[pa.RecordBatch],
+        batches: Iterable[pa.RecordBatch],
     ) -> int:
         """The mode's statements, inside the open transaction; returns the rows sent."""
         table = self._table_sql()
