@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from twophase.sinks.kafka.config import TEST_BROKER_CLUSTER_ID
 from twophase.testing.servers import LocalServer, ServerUnavailable
 
 __all__ = ["ENV_BIN", "MEMORY", "KafkaUnavailable", "LocalTansu", "find_tansu"]
@@ -108,7 +109,7 @@ class LocalTansu(LocalServer):
             "--listener-url", url,
             "--advertised-listener-url", url,
             "--storage-engine", self.storage,
-            "--cluster-id", "twophase",
+            "--cluster-id", TEST_BROKER_CLUSTER_ID,
         ]
         # Keep the broker's own env-configured settings (and any AWS ones) from leaking in.
         env = {k: v for k, v in os.environ.items() if k not in (
