@@ -3,15 +3,23 @@
 Each round is what one micro-batch costs the coordinator: begin, the branch votes (one call
 with every vote, or one call per branch with --per-branch, like real executor tasks),
 await the decision, acknowledge every branch. N client threads (spread over --procs
-processes) run rounds on their own sinks against a ``twophase serve`` daemon. Rounds are
-run twice: with the await call, and without it when the (last) vote's answer already
-carries the decision (3 requests instead of 4). The daemon's CPU time per round is shown:
-on this 2-core machine the daemon (one Python process) and the load generator share the
-cores, so CPU per round is the figure that sets the ceiling.
+processes) run rounds on their own sinks against a coordinator daemon. Rounds are run
+twice: with the await call, and without it when the (last) vote's answer already carries
+the decision (3 requests instead of 4). The daemon's CPU time per round is shown: on this
+2-core machine the daemon (one Python process) and the load generator share the cores, so
+CPU per round is the figure that sets the ceiling.
+
+The daemon runs as ``twophase serve`` does (same app, same uvicorn settings), in two
+variants side by side (``--paths``): ``hot``, the default app, where the per-batch
+endpoints skip FastAPI's routing (coordinator/hotpath.py), and ``fastapi``, the same app
+with ``hot_path=False``. Each variant gets a fresh daemon; ``--paths hot,fastapi,hot``
+alternates them.
 
 It also measures the parts separately, to show where the time goes:
 - ``store``: the same rounds straight on the Store, no HTTP (one thread);
-- ``http``: bare requests per second on an endpoint that does no store write.
+- ``http``: bare requests per second on an endpoint that does no store write;
+- ``asgi``: (``--hello``) requests per second of a bare ASGI app answering ``{}`` on the
+  same uvicorn settings: the ceiling of the HTTP stack and of this load generator.
 
     python bench/coordinator.py                       # SQLite and PostgreSQL, 16 x 4
     python bench/coordinator.py --stores sqlite --clients 32 --branches 4 --seconds 20
@@ -49,18 +57,41 @@ from twophase.wire import VoteIn  # noqa: E402
 TOKEN = "bench-token"
 
 
-def start_daemon(store: str) -> tuple[subprocess.Popen[bytes], str]:
+def daemon(store: str, port: int, variant: str) -> None:
+    """What ``twophase serve --log-level warning`` runs (cli/serve.py), for one variant;
+    ``hello`` is a bare ASGI app instead."""
+    import uvicorn
+
+    from twophase.coordinator.app import create_app
+    from twophase.coordinator.logs import setup_logging
+
+    setup_logging("warning")
+    app: object
+    if variant == "hello":
+        async def hello(scope, receive, send):  # type: ignore[no-untyped-def]
+            if scope["type"] != "http":
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"{}"})
+        app = hello
+    else:
+        app = create_app(Store(store), TOKEN, hot_path=variant == "hot")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",  # type: ignore[arg-type]
+                access_log=False, timeout_keep_alive=75)
+
+
+def start_daemon(store: str, variant: str = "hot") -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, "TWOPHASE_TOKEN": TOKEN}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "twophase.cli", "serve", "--store", store, "--port", str(port),
-         "--log-level", "warning"],
-        env=env, cwd=ROOT,
+        [sys.executable, str(Path(__file__).resolve()), "--daemon", store, str(port), variant],
+        cwd=ROOT,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200 or variant == "hello":
                 return proc, url
         except httpx.TransportError:
             time.sleep(0.1)
@@ -183,7 +214,8 @@ def store_only(url: str, branches: int, seconds: float, profile: bool) -> dict[s
     return {"tx_per_s": n / dt, "ms_per_tx": 1000 * dt / max(n, 1)}
 
 
-def http_only(url: str, seconds: float, threads: int = 8) -> float:
+def http_only(url: str, seconds: float, threads: int = 8,
+              path: str = "/v1/sinks/none-such") -> float:
     count = [0]
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
@@ -192,7 +224,7 @@ def http_only(url: str, seconds: float, threads: int = 8) -> float:
         c = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"})
         n = 0
         while time.monotonic() < stop_at:
-            c.get(f"{url}/v1/sinks/none-such")  # 404 after one indexed read
+            c.get(f"{url}{path}")  # default: a 404 after one indexed read
             n += 1
         with lock:
             count[0] += n
@@ -215,10 +247,34 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--per-branch", action="store_true",
                     help="one vote call and one ack call per branch (like executor tasks)")
+    ap.add_argument("--paths", default="fastapi,hot",
+                    help="daemon variants, in this order: hot (the default app) and/or "
+                    "fastapi (hot_path=False)")
+    ap.add_argument("--no-await-only", action="store_true",
+                    help="only the rounds without the await call")
+    ap.add_argument("--hello", action="store_true",
+                    help="also measure a bare ASGI app (the HTTP stack's ceiling)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--daemon", nargs=3, metavar=("STORE", "PORT", "VARIANT"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.daemon:
+        daemon(args.daemon[0], int(args.daemon[1]), args.daemon[2])
+        return
+    load = os.getloadavg()
     print(f"cores={os.cpu_count()} clients={args.clients} branches={args.branches} "
-          f"per_branch={args.per_branch} seconds={args.seconds}")
+          f"per_branch={args.per_branch} seconds={args.seconds} "
+          f"load={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}")
+    if args.hello:
+        proc, hurl = start_daemon("", "hello")
+        try:
+            time.sleep(0.5)
+            hello = http_only(hurl, min(args.seconds, 5.0), path="/")
+        finally:
+            proc.terminate()
+            proc.wait(20)
+        print(f"bare ASGI hello-world: {hello:7.1f} requests/s (GET, 8 threads; the HTTP "
+              "stack and this load generator, nothing else)")
     pg: LocalPostgres | None = None
     tmp = tempfile.mkdtemp(prefix="tp-bench-")
     try:
@@ -230,26 +286,28 @@ def main() -> None:
                     pg = LocalPostgres(fsync=True).start()  # durable, like production
                 url = pg.dsn
             so = store_only(url, args.branches, min(args.seconds, 5.0), args.profile)
-            proc, durl = start_daemon(url)
-            try:
-                bare = http_only(durl, min(args.seconds, 5.0))
-                rounds = [
-                    (skip, http_round(durl, args.clients, args.branches, args.procs,
-                                      args.per_branch, args.seconds, skip, proc.pid))
-                    for skip in (False, True)
-                ]
-            finally:
-                proc.terminate()
-                proc.wait(20)
-            for skip, r in rounds:
-                how = "no await " if skip else "with await"
-                print(f"{kind:10s} HTTP rounds ({how}): {r['tx_per_s']:7.1f} tx/s  "
-                      f"p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  "
-                      f"CPU/tx daemon {r['server_cpu_ms']:5.2f} ms, clients "
-                      f"{r['client_cpu_ms']:5.2f} ms  ({r['tx']} tx)")
             print(f"{kind:10s} store only: {so['tx_per_s']:7.1f} tx/s  "
                   f"({so['ms_per_tx']:.2f} ms per round, 3 write transactions, one thread)")
-            print(f"{kind:10s} bare HTTP : {bare:7.1f} requests/s (GET, one read, 8 threads)")
+            for variant in args.paths.split(","):
+                proc, durl = start_daemon(url, variant)
+                try:
+                    bare = http_only(durl, min(args.seconds, 5.0))
+                    rounds = [
+                        (skip, http_round(durl, args.clients, args.branches, args.procs,
+                                          args.per_branch, args.seconds, skip, proc.pid))
+                        for skip in ((True,) if args.no_await_only else (False, True))
+                    ]
+                finally:
+                    proc.terminate()
+                    proc.wait(20)
+                for skip, r in rounds:
+                    how = "no await " if skip else "with await"
+                    print(f"{kind:10s} {variant:7s} rounds ({how}): {r['tx_per_s']:7.1f} tx/s  "
+                          f"p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  "
+                          f"CPU/tx daemon {r['server_cpu_ms']:5.2f} ms, clients "
+                          f"{r['client_cpu_ms']:5.2f} ms  ({r['tx']} tx)")
+                print(f"{kind:10s} {variant:7s} bare HTTP: {bare:7.1f} requests/s "
+                      "(GET 404, one read, 8 threads)")
     finally:
         if pg is not None:
             pg.stop()
