@@ -33,6 +33,7 @@ import cProfile
 import multiprocessing as mp
 import os
 import pstats
+import queue
 import statistics
 import subprocess
 import sys
@@ -151,12 +152,42 @@ def client_proc(url: str, threads: int, branches: int, per_branch: bool, seconds
     out.put(lat)
 
 
+def hello_proc(url: str, threads: int, branches: int, per_branch: bool, seconds: float,
+               skip_await: bool, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Rounds of 4 (3 with ``skip_await``) small JSON POSTs to the bare ASGI app: what a
+    round costs the HTTP stack and this load generator when the coordinator does nothing."""
+    lat: list[float] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+    body = {"epoch": 1, "votes": [{"branch": f"p{i}/0", "yes": True, "handle": {"h": "x"}}
+                                  for i in range(branches)]}
+
+    def run() -> None:
+        c = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"})
+        mine = []
+        while time.monotonic() < stop_at:
+            t0 = time.perf_counter()
+            for _ in range(3 if skip_await else 4):
+                c.post(f"{url}/", json=body).raise_for_status()
+            mine.append(time.perf_counter() - t0)
+        with lock:
+            lat.extend(mine)
+        c.close()
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out.put(lat)
+
+
 def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bool,
                seconds: float, skip_await: bool = False,
-               server_pid: int | None = None) -> dict[str, float]:
+               server_pid: int | None = None, target: object = None) -> dict[str, float]:
     q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
     per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    ps = [mp.Process(target=client_proc,
+    ps = [mp.Process(target=target or client_proc,  # type: ignore[arg-type]
                      args=(url, n, branches, per_branch, seconds, skip_await, q))
           for n in per if n]
     cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
@@ -166,7 +197,13 @@ def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bo
         pr.start()
     lat: list[float] = []
     for _ in ps:
-        lat.extend(q.get())
+        try:  # a client process that died puts nothing: fail instead of waiting forever
+            lat.extend(q.get(timeout=seconds + 120))
+        except queue.Empty:
+            for pr in ps:
+                pr.kill()
+            raise RuntimeError("a client process did not report (see its error above)") \
+                from None
     for pr in ps:
         pr.join()
     wall = time.perf_counter() - t0
@@ -270,11 +307,20 @@ def main() -> None:
         try:
             time.sleep(0.5)
             hello = http_only(hurl, min(args.seconds, 5.0), path="/")
+            hello_rounds = [
+                (skip, http_round(hurl, args.clients, args.branches, args.procs, False,
+                                  args.seconds, skip, proc.pid, hello_proc))
+                for skip in ((True,) if args.no_await_only else (False, True))
+            ]
         finally:
             proc.terminate()
             proc.wait(20)
-        print(f"bare ASGI hello-world: {hello:7.1f} requests/s (GET, 8 threads; the HTTP "
-              "stack and this load generator, nothing else)")
+        for skip, r in hello_rounds:
+            print(f"bare ASGI  rounds of {3 if skip else 4} POSTs: {r['tx_per_s']:7.1f} "
+                  f"rounds/s  p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  CPU/round "
+                  f"server {r['server_cpu_ms']:5.2f} ms, clients {r['client_cpu_ms']:5.2f} ms")
+        print(f"bare ASGI  hello-world: {hello:7.1f} requests/s (GET, 8 threads); the "
+              "ceiling of uvicorn + this load generator, no coordinator work")
     pg: LocalPostgres | None = None
     tmp = tempfile.mkdtemp(prefix="tp-bench-")
     try:
