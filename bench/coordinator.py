@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -79,7 +80,7 @@ def daemon(store: str, port: int, variant: str) -> None:
         app = hello
     else:
         app = create_app(Store(store), TOKEN, hot_path=variant == "hot")
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",  # type: ignore[arg-type]
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, timeout_keep_alive=75)
 
 
@@ -110,6 +111,7 @@ def client_proc(url: str, threads: int, branches: int, per_branch: bool, seconds
                 skip_await: bool, out: mp.Queue) -> None:  # type: ignore[type-arg]
     lat: list[float] = []
     lock = threading.Lock()
+    cpu0 = time.process_time()  # this process's CPU from here: its start-up not counted
     stop_at = time.monotonic() + seconds
     participants = [f"p{i}" for i in range(branches)]
 
@@ -149,7 +151,7 @@ def client_proc(url: str, threads: int, branches: int, per_branch: bool, seconds
         t.start()
     for t in ts:
         t.join()
-    out.put(lat)
+    out.put((lat, time.process_time() - cpu0))
 
 
 def hello_proc(url: str, threads: int, branches: int, per_branch: bool, seconds: float,
@@ -158,6 +160,7 @@ def hello_proc(url: str, threads: int, branches: int, per_branch: bool, seconds:
     round costs the HTTP stack and this load generator when the coordinator does nothing."""
     lat: list[float] = []
     lock = threading.Lock()
+    cpu0 = time.process_time()  # this process's CPU from here: its start-up not counted
     stop_at = time.monotonic() + seconds
     body = {"epoch": 1, "votes": [{"branch": f"p{i}/0", "yes": True, "handle": {"h": "x"}}
                                   for i in range(branches)]}
@@ -179,26 +182,32 @@ def hello_proc(url: str, threads: int, branches: int, per_branch: bool, seconds:
         t.start()
     for t in ts:
         t.join()
-    out.put(lat)
+    out.put((lat, time.process_time() - cpu0))
 
 
 def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bool,
                seconds: float, skip_await: bool = False,
-               server_pid: int | None = None, target: object = None) -> dict[str, float]:
-    q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+               server_pid: int | None = None,
+               target: Callable[..., None] | None = None) -> dict[str, float]:
+    # spawned, not forked: a fork while this process has threads (http_only's clients)
+    # can copy a held OpenSSL lock and hang the child in httpx.Client()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    ps = [mp.Process(target=target or client_proc,  # type: ignore[arg-type]
+    ps = [ctx.Process(target=target or client_proc,  # type: ignore[attr-defined,unused-ignore]
                      args=(url, n, branches, per_branch, seconds, skip_await, q))
           for n in per if n]
     cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
-    kids0 = os.times()
+    client_cpu = 0.0
     t0 = time.perf_counter()
     for pr in ps:
         pr.start()
     lat: list[float] = []
     for _ in ps:
         try:  # a client process that died puts nothing: fail instead of waiting forever
-            lat.extend(q.get(timeout=seconds + 120))
+            got, cpu = q.get(timeout=seconds + 120)
+            lat.extend(got)
+            client_cpu += cpu
         except queue.Empty:
             for pr in ps:
                 pr.kill()
@@ -208,9 +217,6 @@ def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bo
         pr.join()
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(server_pid) - cpu0 if server_pid else 0.0
-    kids1 = os.times()
-    client_cpu = (kids1.children_user + kids1.children_system
-                  - kids0.children_user - kids0.children_system)
     lat.sort()
     return {
         "server_cpu_ms": 1000 * cpu / max(len(lat), 1),
@@ -221,6 +227,80 @@ def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bo
         "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else 0.0,
         "wall_s": wall,
     }
+
+
+def asgi_direct(url: str, branches: int, rounds: int, repeats: int) -> dict[str, float]:
+    """CPU per round of the app itself, both variants in this process, no sockets and no
+    concurrency: each round's 4 requests are handed to the ASGI app one after the other.
+    Alternating the variants ``repeats`` times, the median CPU ms per round of each: a
+    figure the machine's other load moves far less than the HTTP rounds'."""
+    import asyncio
+    import json
+
+    from twophase.coordinator.app import create_app
+
+    st = Store(url)
+    apps = {v: create_app(st, TOKEN, hot_path=v == "hot", background=False)
+            for v in ("fastapi", "hot")}
+    auth = (b"authorization", f"Bearer {TOKEN}".encode())
+
+    async def call(app: object, method: str, path: str, body: object = None,
+                   query: bytes = b"") -> object:
+        raw = json.dumps(body).encode() if body is not None else b""
+        headers = [auth, (b"content-type", b"application/json"),
+                   (b"content-length", str(len(raw)).encode())]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": query, "root_path": "", "headers": headers,
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        out: list[bytes] = []
+        status = [0]
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(msg: dict[str, object]) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = int(msg["status"])  # type: ignore[call-overload]
+            else:
+                out.append(msg.get("body", b""))  # type: ignore[arg-type]
+
+        await app(scope, receive, send)  # type: ignore[operator]
+        assert status[0] == 200, (path, status[0], b"".join(out))
+        return json.loads(b"".join(out))
+
+    async def run(app: object, n: int) -> float:
+        sink = f"d{uuid.uuid4().hex[:10]}"
+        epoch = st.register(sink).epoch
+        parts = [f"p{i}" for i in range(branches)]
+        t0 = time.process_time()
+        for ckpt in range(n):
+            res = await call(app, "POST", f"/v1/sinks/{sink}/begin", {
+                "lineage": "lin", "checkpoint": ckpt, "epoch": epoch,
+                "participants": parts, "partitions": 1})
+            txn = res["txn"]  # type: ignore[index]
+            path = f"/v1/txns/{sink}/lin/{ckpt}/{txn['attempt']}"
+            bids = list(txn["branches"])
+            await call(app, "POST", f"{path}/votes", {"epoch": epoch, "votes": [
+                {"branch": b, "yes": True, "handle": {"h": b}} for b in bids]})
+            await call(app, "GET", f"{path}/decision", query=b"timeout=30.000&until=decided")
+            await call(app, "POST", f"{path}/acks", {"epoch": epoch, "acks": [
+                {"branch": b, "outcome": "COMMIT"} for b in bids]})
+        return 1000 * (time.process_time() - t0) / n
+
+    async def main() -> dict[str, float]:
+        got: dict[str, list[float]] = {"fastapi": [], "hot": []}
+        for app in apps.values():
+            await run(app, 20)  # warm-up (FastAPI builds its routing state lazily)
+        for _ in range(repeats):
+            for v, app in apps.items():
+                got[v].append(await run(app, rounds))
+        return {v: statistics.median(xs) for v, xs in got.items()}
+
+    try:
+        return asyncio.run(main())
+    finally:
+        st.close()
 
 
 def store_only(url: str, branches: int, seconds: float, profile: bool) -> dict[str, float]:
@@ -334,6 +414,10 @@ def main() -> None:
             so = store_only(url, args.branches, min(args.seconds, 5.0), args.profile)
             print(f"{kind:10s} store only: {so['tx_per_s']:7.1f} tx/s  "
                   f"({so['ms_per_tx']:.2f} ms per round, 3 write transactions, one thread)")
+            direct = asgi_direct(url, args.branches, 200, 5)
+            print(f"{kind:10s} app alone (ASGI calls, no sockets, 4 requests a round, median "
+                  f"of 5 x 200 rounds): CPU/round fastapi {direct['fastapi']:5.2f} ms, hot "
+                  f"{direct['hot']:5.2f} ms ({direct['hot'] / direct['fastapi']:.2f}x)")
             for variant in args.paths.split(","):
                 proc, durl = start_daemon(url, variant)
                 try:
