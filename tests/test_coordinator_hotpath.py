@@ -119,6 +119,9 @@ CASES: list[tuple[str, Call, bool]] = [
     ("begin, text/plain", _post("/v1/sinks/s1/begin", content=b"{}",
                                 headers={"content-type": "text/plain"}), False),
     ("begin, GET", _get("/v1/sinks/s1/begin"), False),
+    ("begin, JSON nested too deep to parse", _post(
+        "/v1/sinks/s1/begin", content=b"[" * 100_000 + b"]" * 100_000,
+        headers={"content-type": "application/json"}), False),
     ("decision, undecided, timeout 0", _get(f"{TXN}/decision", params={"timeout": "0"}), True),
     ("decision, bad timeout", _get(f"{TXN}/decision", params={"timeout": "soon"}), False),
     ("decision, timeout too long", _get(f"{TXN}/decision", params={"timeout": "61"}), False),
