@@ -16,11 +16,16 @@ with ``hot_path=False``. Each variant gets a fresh daemon; ``--paths hot,fastapi
 alternates them.
 
 It also measures the parts separately, to show where the time goes:
-- ``store``: the same rounds straight on the Store, no HTTP (one thread);
-- ``http``: bare requests per second on an endpoint that does no store write;
-- ``asgi``: (``--hello``) requests per second of a bare ASGI app answering ``{}`` on the
-  same uvicorn settings: the ceiling of the HTTP stack and of this load generator.
+- ``store only``: the same rounds straight on the Store, no HTTP (one thread);
+- ``app alone``: CPU per round of the app itself, both variants alternating in this
+  process, requests handed to the ASGI app one by one (no sockets): the change's figure
+  that the machine's other load moves least;
+- ``bare HTTP``: requests per second on an endpoint that does no store write;
+- ``bare ASGI`` (``--hello``): rounds of small JSON POSTs and GETs per second against a
+  bare ASGI app on the same uvicorn settings: the ceiling of the HTTP stack and of this
+  load generator.
 
+    python bench/coordinator.py --paths fastapi,hot,fastapi,hot --hello   # the doc's figures
     python bench/coordinator.py                       # SQLite and PostgreSQL, 16 x 4
     python bench/coordinator.py --stores sqlite --clients 32 --branches 4 --seconds 20
     python bench/coordinator.py --profile             # cProfile of the store-only loop
