@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import pstats
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
@@ -446,6 +447,7 @@ def main() -> None:
     finally:
         if pg is not None:
             pg.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
