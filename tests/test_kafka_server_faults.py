@@ -13,8 +13,9 @@ without a hand. Then Kafka is judged from its partition logs (COMMIT/ABORT marke
 replayed with Kafka's rule): 0 duplicates, 0 missing, 0 open transactions; PostgreSQL
 exactly once with nothing prepared.
 
-The committed-offset markers are not asserted here: tansu can leave a committed
-transaction's offset commit deferred for good (a race between two EndTxn on the same
+Every committed Kafka branch must also read COMMITTED through ``voted_status`` (its
+committed-offset marker, or the log from the voted offsets): tansu can leave a committed
+transaction's offset commit unapplied for good (a race between two EndTxn on the same
 partitions, root cause in docs/chaos.md "tansu restarted mid-batch"); it shows in the
 ``after_commit`` case, where the last batch's markers stay one behind.
 """
@@ -36,6 +37,8 @@ import pytest
 
 from twophase import failpoints
 from twophase.errors import ParticipantError
+from twophase.participant import BranchRef, BranchStatus
+from twophase.protocol import parse_branch_id
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.localkafka import KafkaUnavailable, LocalTansu, find_tansu
@@ -124,6 +127,35 @@ def test_bundled_tansu_has_no_sql_engine(url: str) -> None:
         LocalTansu(storage=url)
 
 
+def _kafka_branches_committed(cfg: JobConfig) -> int:
+    """Every Kafka branch of every COMMITTED transaction reads COMMITTED through
+    ``voted_status`` (what recovery and ``twophase resolve`` ask); returns the count."""
+    from twophase.coordinator.store import Store
+
+    kafka = next(p for p in build_participants(cfg) if isinstance(p, KafkaParticipant))
+    store = Store(cfg.coordinator, create=False)
+    checked = 0
+    try:
+        for row in store.list(sink=cfg.sink, limit=100000):
+            txn = row.txn
+            if txn.state.value != "COMMITTED":
+                continue
+            for bid, st in txn.branches.items():
+                name, partition = parse_branch_id(bid)
+                if name != kafka.name:
+                    continue
+                ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt, name,
+                                partition)
+                voted = dict(st.handle) if st.handle else None
+                assert kafka.voted_status(ref, voted) == BranchStatus.COMMITTED, \
+                    (bid, txn.key)
+                checked += 1
+    finally:
+        store.close()
+        kafka.close()
+    return checked
+
+
 # The step at which the Kafka task of partition 0 is held while the broker dies:
 # - after_prepare: its transaction is produced and open, the vote not sent;
 # - before_commit: the COMMIT decision is known, the Kafka transaction still open;
@@ -183,5 +215,6 @@ def _judge(cfg: JobConfig, pg_dsn: str) -> None:
     kafka = next(s for s in report.systems if s.kind == "kafka")
     assert "judged from the partition logs" in kafka.note, kafka.note
     assert _prepared(pg_dsn) == []
+    assert _kafka_branches_committed(cfg) >= 2 * BATCHES
     for p in parts:
         p.close()
