@@ -11,6 +11,14 @@ How a branch maps onto Kafka (see ``docs/kafka.md``):
 - Prepare is **not durable**: librdkafka cannot resume another instance's transaction, so
   only the process that prepared can commit. Elsewhere the branch is *redone* (prepare
   again and commit at once under the existing COMMIT decision).
+- Producers are **reused** by the next batch in the same process (Spark reuses its Python
+  workers): once a producer's transaction is committed or aborted it waits in a small
+  per-process cache keyed by its transactional.id, and the next prepare of that id
+  begins a transaction on it instead of creating a producer and running
+  ``init_transactions``. A cached producer is not re-fenced; if another process
+  initialised the id meanwhile, the cached one is fenced and its first broker call (the
+  marker offset, sent before any row) fails: it is dropped and the prepare starts over
+  once with a new, initialised producer, before a single row was produced.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +62,58 @@ from twophase.sinks.kafka.log import judge_log, read_log
 from twophase.sinks.kafka.readback import read_topic
 
 __all__ = ["KafkaParticipant"]
+
+
+class _ProducerCache:
+    """Idle transactional producers of this process, keyed by (settings, transactional.id).
+
+    Only a producer whose last transaction was committed or aborted (or that never began
+    one) is put here; taking one removes it, so two prepares never share a producer. At
+    most ``limit`` are kept (the least recently used is closed). A forked child does not
+    use its parent's producers (librdkafka's threads do not survive a fork)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # inherited through fork: unusable, never closed here
+            self._idle, self._pid = OrderedDict(), os.getpid()
+
+    def take(self, key: tuple[str, str]) -> Any:
+        with self._lock:
+            self._own()
+            return self._idle.pop(key, None)
+
+    def put(self, key: tuple[str, str], producer: Any) -> None:
+        """Keep an idle producer; one it replaces or pushes out is dropped (released, not
+        ``close()``d: close aborts an open transaction with no time limit and blocks on a
+        fenced producer; an idle one has nothing to flush)."""
+        with self._lock:
+            self._own()
+            self._idle.pop(key, None)
+            self._idle[key] = producer
+            while len(self._idle) > self.limit:
+                self._idle.popitem(last=False)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        self.take(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._own()
+            return len(self._idle)
+
+
+PRODUCERS = _ProducerCache()
+"""This process's idle producers (see the module docstring)."""
+
+
+class _Stale(TwophaseError):
+    """Internal: a cached producer failed before any row was produced (fenced by another
+    process's init of its transactional.id, or otherwise broken): start over with a new one."""
 
 
 @dataclass
@@ -275,6 +337,14 @@ class KafkaParticipant(Participant):
             )
 
     # -- prepare -------------------------------------------------------------------------
+    def _cache_key(self, branch: BranchRef) -> tuple[str, str]:
+        tid = self.transactional_id(branch)
+        return json.dumps(self.producer_config(tid), sort_keys=True, default=str), tid
+
+    def _release(self, branch: BranchRef, producer: Any) -> None:
+        """A producer with no open transaction goes back to the cache for the next batch."""
+        PRODUCERS.put(self._cache_key(branch), producer)
+
     def _new_producer(self, branch: BranchRef) -> Any:
         """A producer for the branch's transactional.id, initialised: zombies are fenced."""
         from confluent_kafka import Producer
@@ -308,15 +378,27 @@ class KafkaParticipant(Participant):
             # Prepared twice in one process: undo the first one before starting again.
             self._abort_own(stale.producer)
             stale.producer.close()
-        producer = self._new_producer(branch)
+        cached = PRODUCERS.take(self._cache_key(branch))
+        producer = cached if cached is not None else self._new_producer(branch)
         group = self.marker_group(branch)
         consumer = self._marker_consumer(group)
-        keep = False
+        keep = idle = False
         try:
             if self._committed_marker(consumer, branch) >= branch.batch_id + 1:
                 # Idempotent redo: this checkpoint's rows are already committed.
+                idle = True  # no transaction was begun: the producer serves the next batch
                 return self._handle(branch, 0, already=True)
-            rows = self._write(producer, consumer, branch, schema, batches)
+            try:
+                rows = self._write(producer, consumer, branch, schema, batches,
+                                   reused=cached is not None)
+            except _Stale:
+                # The cached producer was fenced (or broke) before any row was produced:
+                # drop it and start over once with a new, initialised producer.
+                # Not close()d (it would wait forever on the fenced transaction): released;
+                # the new producer's init aborts whatever it had begun.
+                producer = None
+                producer = self._new_producer(branch)
+                rows = self._write(producer, consumer, branch, schema, batches)
             handle = self._handle(branch, rows, already=False)
             with self._lock:
                 self._prepared[branch] = _Prepared(branch, producer, handle)
@@ -324,7 +406,11 @@ class KafkaParticipant(Participant):
             return handle
         finally:
             consumer.close()
-            if not keep:
+            if producer is None:
+                pass
+            elif idle:
+                self._release(branch, producer)
+            elif not keep:
                 producer.close()
 
     def _write(
@@ -334,7 +420,12 @@ class KafkaParticipant(Participant):
         branch: BranchRef,
         schema: pa.Schema,
         batches: Iterable[pa.RecordBatch],
+        *,
+        reused: bool = False,
     ) -> int:
+        """One transaction: the marker offset first (the first broker call of the
+        transaction, so a fenced cached producer fails before any row is read: raises
+        ``_Stale`` when ``reused``), then the rows, then flush."""
         from confluent_kafka import TopicPartition
 
         errors: list[Any] = []
@@ -347,15 +438,24 @@ class KafkaParticipant(Participant):
         rows = 0
         try:
             producer.begin_transaction()
-            step = "produce"
-            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
-                                     self.headers(branch))
             step = "send the marker offset"
             producer.send_offsets_to_transaction(
                 [TopicPartition(self.topic, 0, branch.batch_id + 1)],
                 consumer.consumer_group_metadata(),
                 self.connect_timeout_s,
             )
+        except Exception as exc:
+            if reused:  # no abort: a fenced producer's abort waits out connect_timeout_s
+                raise _Stale(f"cannot {step}: {describe_error(exc)}") from exc
+            self._abort_own(producer)
+            raise PrepareRefused(
+                f"{self.describe()}: branch {branch.branch_id} of batch "
+                f"{branch.batch_id} refused: cannot {step}: {describe_error(exc)}"
+            ) from exc
+        try:
+            step = "produce"
+            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
+                                     self.headers(branch))
             step = "flush"
             left = producer.flush(self.connect_timeout_s)
             if errors:
@@ -490,6 +590,7 @@ class KafkaParticipant(Participant):
                 ) from exc
         with self._lock:
             self._prepared.pop(branch, None)
+        self._release(branch, producer)  # committed: healthy, serves the next batch
 
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         """Abort in-process; otherwise fence the transactional.id (aborts a zombie's open
@@ -501,8 +602,10 @@ class KafkaParticipant(Participant):
         if prepared is not None and prepared.producer is not None:
             try:
                 prepared.producer.abort_transaction(self.connect_timeout_s)
+                self._release(branch, prepared.producer)  # aborted: serves the next batch
                 return
             except Exception as exc:
+                prepared.producer.close()
                 err = kafka_error(exc)
                 if err is not None and err.fatal():
                     # Fenced: a newer producer of this transactional.id already aborted our
@@ -515,11 +618,12 @@ class KafkaParticipant(Participant):
                     ) from exc
         if handle is not None and handle.get("already_committed") == "yes":
             return
+        PRODUCERS.drop(self._cache_key(branch))  # about to be fenced by the init below
         try:
             producer = self._new_producer(branch)
         except PrepareRefused as exc:
             raise ParticipantError(str(exc)) from exc
-        producer.close()
+        self._release(branch, producer)  # freshly initialised: serves the next batch
 
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
