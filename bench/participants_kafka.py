@@ -85,12 +85,13 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
                             reuse: bool) -> list[float]:
     """``n`` consecutive batches of one branch (same topic, sink, partition: the same
     transactional.id) in this process, as a reused Spark worker runs them; each batch is
-    a new unpickled participant (a new task). ``reuse=False`` empties the producer cache
-    before each batch: a new producer and ``init_transactions`` every batch, as before
-    producers were reused. Returns the seconds of each batch after the first."""
+    a new unpickled participant (a new task). ``reuse=False`` empties the producer and
+    marker-consumer caches before each batch: a new producer with ``init_transactions``
+    and a new marker consumer every batch, as before they were reused. Returns the
+    seconds of each batch after the first."""
     import pickle
 
-    from twophase.sinks.kafka.participant import PRODUCERS
+    from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
 
     topic = _new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap})
@@ -101,6 +102,7 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
         b = BranchRef("bench", lineage, i, 1, own.name, 0)
         if not reuse:
             PRODUCERS.drop(own._cache_key(b))
+            MARKER_CONSUMERS.drop(own._marker_key(own.marker_group(b)))
         t = time.perf_counter()
         own.commit(b, own.prepare(b, batch.schema, [batch]))
         own.close()
@@ -116,7 +118,7 @@ def bench_reuse(sizes: list[int], bootstrap: str | None, batches: int = 9) -> No
     broker = LocalTansu().start() if bootstrap is None else None
     try:
         servers = broker.bootstrap if broker is not None else str(bootstrap)
-        print(f"{'rows/batch':>10} {'new producer per batch':>24} {'producer reused':>16} "
+        print(f"{'rows/batch':>10} {'new clients per batch':>24} {'clients reused':>16} "
               f"{'saved':>8}")
         for n in sizes:
             batch = make_batch(n)

@@ -64,8 +64,8 @@ from twophase.sinks.kafka.readback import read_topic
 __all__ = ["KafkaParticipant"]
 
 
-class _ProducerCache:
-    """Idle transactional producers of this process, keyed by (settings, transactional.id).
+class _IdleClients:
+    """Idle Kafka clients of this process, keyed by (settings, transactional.id or group).
 
     Only a producer whose last transaction was committed or aborted (or that never began
     one) is put here; taking one removes it, so two prepares never share a producer. At
@@ -107,8 +107,11 @@ class _ProducerCache:
             return len(self._idle)
 
 
-PRODUCERS = _ProducerCache()
+PRODUCERS = _IdleClients()
 """This process's idle producers (see the module docstring)."""
+MARKER_CONSUMERS = _IdleClients()
+"""This process's idle marker-group consumers: ``committed()`` asks the group coordinator
+every time, so a cached consumer reads fresh offsets without reconnecting."""
 
 
 class _Stale(TwophaseError):
@@ -240,9 +243,7 @@ class KafkaParticipant(Participant):
             limit = min(limit, self.broker_max_message_bytes)
         return limit
 
-    def _marker_consumer(self, group: str) -> Any:
-        from confluent_kafka import Consumer
-
+    def _marker_config(self, group: str) -> dict[str, object]:
         cfg = self._common_config()
         cfg.update(
             {
@@ -251,7 +252,25 @@ class KafkaParticipant(Participant):
                 "isolation.level": "read_committed",
             }
         )
-        return Consumer(cfg)
+        return cfg
+
+    def _marker_consumer(self, group: str) -> Any:
+        """The marker group's consumer: this process's idle one if a batch before left
+        it (no subscription, only ``committed()`` and its group metadata are used), else
+        a new one. Give it back with ``_marker_done``."""
+        from confluent_kafka import Consumer
+
+        cached = MARKER_CONSUMERS.take(self._marker_key(group))
+        return cached if cached is not None else Consumer(self._marker_config(group))
+
+    def _marker_key(self, group: str) -> tuple[str, str]:
+        return json.dumps(self._marker_config(group), sort_keys=True, default=str), group
+
+    def _marker_done(self, group: str, consumer: Any, healthy: bool = True) -> None:
+        if healthy:
+            MARKER_CONSUMERS.put(self._marker_key(group), consumer)
+        else:
+            consumer.close()
 
     def _committed_marker(self, consumer: Any, branch: BranchRef) -> int:
         """The marker group's committed offset on (topic, 0); -1 when none."""
@@ -383,8 +402,11 @@ class KafkaParticipant(Participant):
         group = self.marker_group(branch)
         consumer = self._marker_consumer(group)
         keep = idle = False
+        consumer_ok = False
         try:
-            if self._committed_marker(consumer, branch) >= branch.batch_id + 1:
+            marker = self._committed_marker(consumer, branch)
+            consumer_ok = True
+            if marker >= branch.batch_id + 1:
                 # Idempotent redo: this checkpoint's rows are already committed.
                 idle = True  # no transaction was begun: the producer serves the next batch
                 return self._handle(branch, 0, already=True)
@@ -405,7 +427,7 @@ class KafkaParticipant(Participant):
             keep = True
             return handle
         finally:
-            consumer.close()
+            self._marker_done(group, consumer, consumer_ok)
             if producer is None:
                 pass
             elif idle:
@@ -628,11 +650,14 @@ class KafkaParticipant(Participant):
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
         self._check_branch(branch)
-        consumer = self._marker_consumer(self.marker_group(branch))
+        group = self.marker_group(branch)
+        consumer = self._marker_consumer(group)
+        ok = False
         try:
             committed = self._committed_marker(consumer, branch)
+            ok = True
         finally:
-            consumer.close()
+            self._marker_done(group, consumer, ok)
         if committed >= branch.batch_id + 1:
             return BranchStatus.COMMITTED
         with self._lock:
