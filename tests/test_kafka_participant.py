@@ -288,3 +288,61 @@ def test_check_transaction_timeout_over_broker_max(tansu_bootstrap: str) -> None
                        match=r"transaction_timeout_ms=900001 exceeds the broker's "
                              r"transaction.max.timeout.ms=900000"):
         p.check(SCHEMA)
+
+
+def _branch_in_log(p: KafkaParticipant, b: BranchRef) -> tuple[int, int, int]:
+    from twophase.sinks.kafka.log import read_branch
+
+    seen = read_branch(p.config, p.topic, dict(p.headers(b)), {})
+    return seen.committed, seen.aborted, seen.open
+
+
+def test_redo_reads_the_log_when_the_marker_lags(tansu_bootstrap: str) -> None:
+    """The duplicate the log judge found (docs/kafka.md): tansu applies a committed
+    transaction's offset commit (our marker) only once every other transaction open on the
+    same partition has ended. Branch 1 of the batch is prepared and open (its task is about
+    to be killed); branch 0 commits; its marker still reads absent, so a redo that trusted
+    the marker alone wrote branch 0 twice. The redo reads the log and writes nothing."""
+    p = make(tansu_bootstrap)
+    lineage = uuid.uuid4().hex[:16]
+    b0 = branch(p, batch_id=3, partition=0, lineage=lineage)
+    b1 = branch(p, batch_id=3, partition=1, lineage=lineage)
+    h1 = p.prepare(b1, SCHEMA, [batch(100, 20)])  # open: its task will die
+    h0 = p.prepare(b0, SCHEMA, [batch(0, 30)])
+    assert h0["offsets"].startswith("0:")  # where the vote wrote: the redo reads from there
+    p.commit(b0, h0)
+    # The lag itself (tansu); on Kafka the marker is visible with the COMMIT marker.
+    assert committed_offset(tansu_bootstrap, p.marker_group(b0), p.topic) == -1
+    q: KafkaParticipant = pickle.loads(pickle.dumps(p))  # the retried task's process
+    assert q.status(b0) is BranchStatus.ABSENT  # so the finish redoes it
+    redone = q.redo(b0, SCHEMA, [batch(0, 30)], h0)
+    assert redone["already_committed"] == "yes" and redone["rows"] == "0"
+    q.commit(b0, redone)
+    assert _branch_in_log(q, b0) == (30, 0, 0)  # once, nothing open
+    # Without the vote's offsets (an older handle) the log is read from its start.
+    assert q.redo(b0, SCHEMA, [batch(0, 30)], {})["already_committed"] == "yes"
+    # The neighbour's redo fences its dead producer, writes and commits: once too.
+    h1r = q.redo(b1, SCHEMA, [batch(100, 20)], h1)
+    assert h1r["already_committed"] == "no" and h1r["rows"] == "20"
+    q.commit(b1, h1r)
+    assert _branch_in_log(q, b1) == (20, 20, 0)  # the dead attempt's 20 aborted
+    assert q.status(b0) is BranchStatus.COMMITTED  # the lag is over
+    t0 = time.monotonic()
+    p.close()  # holds b1's fenced producer: closing it must not hang (tansu drops its abort)
+    assert time.monotonic() - t0 < 3 * p.connect_timeout_s
+    q.close()
+
+
+def test_redo_of_a_branch_aborted_in_the_log_writes_it(tansu_bootstrap: str) -> None:
+    """The other side: the voted transaction was aborted (fenced), so the log shows its
+    records aborted, not committed, and the redo writes them, once."""
+    p = make(tansu_bootstrap)
+    b = branch(p, batch_id=1)
+    voted = p.prepare(b, SCHEMA, [batch(0, 15)])
+    p.abort(b, voted)
+    q: KafkaParticipant = pickle.loads(pickle.dumps(p))
+    h = q.redo(b, SCHEMA, [batch(0, 15)], voted)
+    assert h["already_committed"] == "no" and h["rows"] == "15"
+    q.commit(b, h)
+    assert _branch_in_log(q, b) == (15, 15, 0)
+    q.close()

@@ -151,6 +151,23 @@ class Participant(abc.ABC):
         after undoing its own partial work.
         """
 
+    def redo(
+        self,
+        branch: BranchRef,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        voted: Handle | None,
+    ) -> Handle:
+        """Write a lost branch again under a COMMIT decision (only a participant whose
+        prepare is not durable loses one); ``voted`` is the handle it voted YES with.
+
+        Like :meth:`prepare`, but the participant must first make sure the branch was
+        not committed after all (its marker, or whatever evidence ``voted`` points to):
+        a redo of a committed branch writes it twice. The default is :meth:`prepare`,
+        whose marker check is that guard.
+        """
+        return self.prepare(branch, schema, batches)
+
     @abc.abstractmethod
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         """Make the prepared branch visible. Already committed is success."""

@@ -208,7 +208,8 @@ def _finish_commit(
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
             _check_redo(plan, part, partition, schema, batches)
-            _apply(part, ref, part.prepare(ref, schema, batches), Decision.COMMIT)
+            voted = plan.handles.get(bid)
+            _apply(part, ref, part.redo(ref, schema, batches, voted), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
         measured[bid] = {"commit_s": time.perf_counter() - tc}

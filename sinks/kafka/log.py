@@ -16,7 +16,12 @@ Record batches are decoded with kafka-python's maintained record module (format 
 control batches, every compression codec it supports). The Fetch itself is a plain
 Fetch v4 request (``read_uncommitted``, so control batches come back) on a plaintext
 connection to each partition's leader; the partition leaders come from a
-confluent-kafka metadata request. Not part of the protocol: only the verifier uses it.
+confluent-kafka metadata request.
+
+Two users: the verifier (:func:`read_log`, :func:`judge_log`) and the Kafka participant's
+redo (:func:`read_branch`), which asks the log whether a branch's records were committed
+before writing them again: the committed-offset marker alone is not enough on a broker
+that applies a transaction's offset commit late (tansu, see ``docs/kafka.md``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from twophase.errors import ParticipantError
 from twophase.participant import ReadBack
 
 __all__ = [
-    "LogBatch", "PartitionLog", "TopicLog", "decode_batches", "fetch_partition", "judge_log",
-    "read_log", "replay",
+    "BranchInLog", "LogBatch", "PartitionLog", "TopicLog", "count_tagged", "decode_batches",
+    "fetch_partition", "judge_log", "read_branch", "read_log", "replay",
 ]
 
 _FETCH = 1
@@ -56,6 +61,7 @@ class LogBatch:
     values: tuple[bytes | None, ...] = ()  # data batch: the record values
     commit: bool = False  # control batch: COMMIT (True) or ABORT (False)
     next_offset: int = 0  # the offset after this batch
+    tag: tuple[tuple[str, bytes], ...] = ()  # data batch: its first record's headers
 
 
 @dataclass
@@ -74,6 +80,7 @@ class PartitionLog:
 class TopicLog:
     topic: str
     partitions: list[PartitionLog]
+    cluster_id: str | None = None  # the broker's, as its metadata reports it
 
     @property
     def committed(self) -> list[bytes | None]:
@@ -146,7 +153,8 @@ def decode_batches(data: bytes) -> list[LogBatch]:
             out.append(LogBatch(batch.base_offset, batch.producer_id, batch.producer_epoch,
                                 batch.is_transactional, False,
                                 values=tuple(r.value for r in items),
-                                next_offset=batch.next_offset))
+                                next_offset=batch.next_offset,
+                                tag=tuple(items[0].headers) if items else ()))
     return out
 
 
@@ -222,14 +230,15 @@ def _fetch_once(
 
 
 def fetch_partition(
-    host: str, port: int, topic: str, partition: int, *, timeout: float = 30.0
+    host: str, port: int, topic: str, partition: int, *, timeout: float = 30.0,
+    start: int = 0,
 ) -> tuple[int, list[LogBatch]]:
-    """Every record batch of one partition from offset 0 to the high watermark read at
+    """Every record batch of one partition from ``start`` to the high watermark read at
     the first Fetch (later appends are left out: the verifier reads a settled topic)."""
     batches: list[LogBatch] = []
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
-        correlation, offset = 1, 0
+        correlation, offset = 1, start
         end, data = _fetch_once(sock, correlation, topic, partition, offset)
         while offset < end:
             got = [b for b in decode_batches(data) if b.next_offset > offset]
@@ -252,8 +261,8 @@ def fetch_partition(
 
 def _leaders(
     config: Mapping[str, object], topic: str, timeout: float
-) -> dict[int, tuple[str, int]]:
-    """partition -> (host, port) of its leader, from a metadata request."""
+) -> tuple[dict[int, tuple[str, int]], str | None]:
+    """(partition -> (host, port) of its leader, the cluster id), from a metadata request."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
@@ -271,7 +280,7 @@ def _leaders(
                         break
                     out[pid] = (str(broker.host), int(broker.port))
                 else:
-                    return out
+                    return out, md.cluster_id
         except KafkaException:
             pass
         if time.monotonic() > deadline:
@@ -283,7 +292,7 @@ def read_log(config: Mapping[str, object], topic: str, *, timeout: float = 120.0
     """Every partition of ``topic`` fetched to its high watermark and replayed."""
     from twophase.sinks.kafka.config import common_config
 
-    leaders = _leaders(common_config(config), topic, timeout)
+    leaders, cluster_id = _leaders(common_config(config), topic, timeout)
     parts = []
     for pid in sorted(leaders):
         host, port = leaders[pid]
@@ -295,7 +304,82 @@ def read_log(config: Mapping[str, object], topic: str, *, timeout: float = 120.0
                 "(the log reader speaks plaintext Kafka only)"
             ) from exc
         parts.append(replay(pid, batches, hwm))
-    return TopicLog(topic, parts)
+    return TopicLog(topic, parts, cluster_id)
+
+
+@dataclass(frozen=True)
+class BranchInLog:
+    """How many of one branch's records (found by their headers) the log shows committed,
+    aborted, and still in an open transaction."""
+
+    committed: int = 0
+    aborted: int = 0
+    open: int = 0
+
+
+def count_tagged(batches: Iterable[LogBatch], tag: Mapping[str, bytes]) -> BranchInLog:
+    """Kafka's rule (as in :func:`replay`) over the data batches whose first record
+    carries every header of ``tag``: a batch holds one producer's records, and every
+    record of a branch carries the same headers, so the first record tags the batch."""
+    want = set(tag.items())
+    pending: dict[int, int] = {}
+    committed = aborted = 0
+    for b in batches:
+        if b.control:
+            n = pending.pop(b.producer_id, 0)
+            if b.commit:
+                committed += n
+            else:
+                aborted += n
+        elif want <= set(b.tag):
+            if b.transactional:
+                pending[b.producer_id] = pending.get(b.producer_id, 0) + len(b.values)
+            else:
+                committed += len(b.values)
+    return BranchInLog(committed, aborted, sum(pending.values()))
+
+
+def read_branch(
+    config: Mapping[str, object],
+    topic: str,
+    tag: Mapping[str, bytes],
+    start: Mapping[int, int],
+    *,
+    timeout: float = 60.0,
+) -> BranchInLog:
+    """The records tagged ``tag`` in every partition of ``topic``, read from ``start``
+    (partition -> offset; partitions not named are read from their first offset)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from twophase.sinks.kafka.config import common_config
+
+    cfg = common_config(config)
+    leaders, _ = _leaders(cfg, topic, timeout)
+    low: dict[int, int] = {}
+    missing = [pid for pid in leaders if pid not in start]
+    if missing:  # the log may no longer begin at offset 0 (retention)
+        consumer = Consumer({**cfg, "group.id": "twophase-log-reader"})
+        try:
+            for pid in missing:
+                first, _ = consumer.get_watermark_offsets(
+                    TopicPartition(topic, pid), timeout=timeout, cached=False)
+                low[pid] = max(int(first), 0)
+        finally:
+            consumer.close()
+    total = BranchInLog()
+    for pid in sorted(leaders):
+        host, port = leaders[pid]
+        try:
+            _, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
+                                         start=start.get(pid, low.get(pid, 0)))
+        except OSError as exc:
+            raise ParticipantError(
+                f"cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc}"
+            ) from exc
+        got = count_tagged(batches, tag)
+        total = BranchInLog(total.committed + got.committed, total.aborted + got.aborted,
+                            total.open + got.open)
+    return total
 
 
 def _column(value: bytes | None, column: str) -> Any:

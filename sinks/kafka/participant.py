@@ -18,12 +18,14 @@ How a branch maps onto Kafka (see ``docs/kafka.md``):
   ``init_transactions``. A cached producer is not re-fenced; if another process
   initialised the id meanwhile, the cached one is fenced and its first broker call (the
   marker offset, sent before any row) fails: it is dropped and the prepare starts over
-  once with a new, initialised producer, before a single row was produced.
+  once with a new, initialised producer, before a single row was produced. A redo never
+  reuses: it must fence every older producer before it reads the log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -53,13 +55,15 @@ from twophase.sinks.kafka.admin import check_columns, check_topic
 from twophase.sinks.kafka.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RECORD_OVERHEAD_BYTES,
+    TEST_BROKER_CLUSTER_ID,
     common_config,
     validate_config,
     validate_topic,
 )
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
-from twophase.sinks.kafka.log import judge_log, read_log
+from twophase.sinks.kafka.log import judge_log, read_branch, read_log
 from twophase.sinks.kafka.readback import read_topic
+from twophase.wire import MAX_TEXT
 
 __all__ = ["KafkaParticipant"]
 
@@ -292,8 +296,10 @@ class KafkaParticipant(Participant):
             )
         return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
 
-    def _handle(self, branch: BranchRef, rows: int, already: bool) -> dict[str, str]:
-        return {
+    def _handle(
+        self, branch: BranchRef, rows: int, already: bool, offsets: Mapping[int, int] = {}
+    ) -> dict[str, str]:
+        handle = {
             "transactional_id": self.transactional_id(branch),
             "marker_group": self.marker_group(branch),
             "marker_offset": str(branch.batch_id + 1),
@@ -301,6 +307,10 @@ class KafkaParticipant(Participant):
             "rows": str(rows),
             "already_committed": "yes" if already else "no",
         }
+        text = ",".join(f"{p}:{o}" for p, o in sorted(offsets.items()))
+        if text and len(text) <= MAX_TEXT:  # else a redo reads those partitions whole
+            handle["offsets"] = text  # where a redo's log check starts
+        return handle
 
     # -- check ---------------------------------------------------------------------------
     def check(self, schema: pa.Schema) -> None:
@@ -390,38 +400,63 @@ class KafkaParticipant(Participant):
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
     ) -> Handle:
         """Write the rows and the marker in one open transaction, flushed, not committed."""
+        return self._prepare(branch, schema, batches, None)
+
+    def redo(
+        self,
+        branch: BranchRef,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        voted: Handle | None,
+    ) -> Handle:
+        """Prepare again under a COMMIT decision, unless the branch was committed after
+        all: the marker says so, or (the marker may lag, see :meth:`_committed_in_log`)
+        the partition logs hold the branch's records committed."""
+        return self._prepare(branch, schema, batches, voted if voted is not None else {})
+
+    def _prepare(
+        self,
+        branch: BranchRef,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        voted: Handle | None,
+    ) -> Handle:
         self._check_branch(branch)
         with self._lock:
             stale = self._prepared.pop(branch, None)
         if stale is not None and stale.producer is not None:
             # Prepared twice in one process: undo the first one before starting again.
-            self._abort_own(stale.producer)
-            stale.producer.close()
+            self._discard(stale.producer)
+        # A new attempt begins on this process's idle producer of the id if there is one;
+        # a redo always starts a new one: it fences every older producer of the branch
+        # before the marker and the log are read.
         cached = PRODUCERS.take(self._cache_key(branch))
+        if voted is not None:
+            cached = None  # dropped: the init below fences it anyway
         producer = cached if cached is not None else self._new_producer(branch)
         group = self.marker_group(branch)
         consumer = self._marker_consumer(group)
-        keep = idle = False
-        consumer_ok = False
+        keep = idle = consumer_ok = False
         try:
             marker = self._committed_marker(consumer, branch)
             consumer_ok = True
-            if marker >= branch.batch_id + 1:
+            if marker >= branch.batch_id + 1 or (
+                voted is not None and self._committed_in_log(branch, voted)
+            ):
                 # Idempotent redo: this checkpoint's rows are already committed.
                 idle = True  # no transaction was begun: the producer serves the next batch
                 return self._handle(branch, 0, already=True)
             try:
-                rows = self._write(producer, consumer, branch, schema, batches,
-                                   reused=cached is not None)
+                rows, offsets = self._write(producer, consumer, branch, schema, batches,
+                                            reused=cached is not None)
             except _Stale:
                 # The cached producer was fenced (or broke) before any row was produced:
-                # drop it and start over once with a new, initialised producer.
-                # Not close()d (it would wait forever on the fenced transaction): released;
-                # the new producer's init aborts whatever it had begun.
-                producer = None
+                # drop it (not closed, not aborted: both wait on a fenced producer; the new
+                # producer's init aborts whatever it had begun) and start over once.
+                producer = cached = None
                 producer = self._new_producer(branch)
-                rows = self._write(producer, consumer, branch, schema, batches)
-            handle = self._handle(branch, rows, already=False)
+                rows, offsets = self._write(producer, consumer, branch, schema, batches)
+            handle = self._handle(branch, rows, already=False, offsets=offsets)
             with self._lock:
                 self._prepared[branch] = _Prepared(branch, producer, handle)
             keep = True
@@ -433,7 +468,52 @@ class KafkaParticipant(Participant):
             elif idle:
                 self._release(branch, producer)
             elif not keep:
-                producer.close()
+                self._discard(producer)
+
+    def log_readable(self) -> bool:
+        """The partition-log reader speaks plaintext Kafka only."""
+        return str(self.config.get("security.protocol", "plaintext")).lower() == "plaintext"
+
+    def _committed_in_log(self, branch: BranchRef, voted: Handle) -> bool:
+        """Whether the partition logs show this branch's records committed (by the
+        voted transaction or an earlier redo), read after fencing.
+
+        Why: the marker is a transactional offset commit, which Kafka applies with the
+        transaction's COMMIT; tansu applies it only once every other transaction open
+        on the same partitions has ended, so a committed branch can read as absent
+        while a neighbour's transaction is open (the duplicate of docs/kafka.md). The
+        log is the ground truth: a branch is committed when its records are. The read
+        starts at the voted offsets (a redo writes after them) and at the log start of
+        the partitions the vote did not write to. Records still open after the fence
+        are an older producer's ``EndTxn`` in flight: wait for its marker, then refuse
+        rather than guess. Plaintext only: on TLS/SASL the marker alone is trusted.
+        """
+        if not self.log_readable():
+            return False
+        start = _parse_offsets(voted.get("offsets", ""))
+        tag = dict(self.headers(branch))
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                seen = read_branch(self.config, self.topic, tag, start,
+                                   timeout=self.connect_timeout_s)
+            except ParticipantError as exc:
+                raise ParticipantError(
+                    f"{self.describe()}: cannot read the log to check branch "
+                    f"{branch.branch_id} of batch {branch.batch_id} before redoing it: {exc}"
+                ) from exc
+            if seen.committed:
+                return True
+            if not seen.open:
+                return False
+            if time.monotonic() > deadline:
+                raise ParticipantError(
+                    f"{self.describe()}: {seen.open} records of branch {branch.branch_id} "
+                    f"of batch {branch.batch_id} are still in an open transaction "
+                    f"{self.connect_timeout_s:g}s after their producer was fenced; not "
+                    "redoing it (it may yet commit): retry the batch"
+                )
+            time.sleep(0.2)
 
     def _write(
         self,
@@ -444,17 +524,23 @@ class KafkaParticipant(Participant):
         batches: Iterable[pa.RecordBatch],
         *,
         reused: bool = False,
-    ) -> int:
-        """One transaction: the marker offset first (the first broker call of the
-        transaction, so a fenced cached producer fails before any row is read: raises
-        ``_Stale`` when ``reused``), then the rows, then flush."""
+    ) -> tuple[int, dict[int, int]]:
+        """(rows, the first offset written in each Kafka partition). One transaction: the
+        marker offset first (the transaction's first broker call, so a fenced cached
+        producer fails before any row is read: raises ``_Stale`` when ``reused``), then
+        the rows, then flush."""
         from confluent_kafka import TopicPartition
 
         errors: list[Any] = []
+        first: dict[int, int] = {}
 
-        def on_delivery(err: Any, _msg: Any) -> None:
+        def on_delivery(err: Any, msg: Any) -> None:
             if err is not None:
                 errors.append(err)
+            else:
+                p, o = msg.partition(), msg.offset()
+                if o is not None and o >= 0 and (p not in first or o < first[p]):
+                    first[p] = o
 
         step = "begin the transaction"
         rows = 0
@@ -498,7 +584,7 @@ class KafkaParticipant(Participant):
                 f"{self.describe()}: branch {branch.branch_id} of batch "
                 f"{branch.batch_id} refused: cannot {step}: {describe_error(exc)}"
             ) from exc
-        return rows
+        return rows, first
 
     def _produce_all(
         self,
@@ -566,6 +652,23 @@ class KafkaParticipant(Participant):
         with contextlib.suppress(Exception):  # best effort: the refusal carries the cause
             producer.abort_transaction(self.connect_timeout_s)
 
+    def _discard(self, producer: Any) -> None:
+        """Close a producer without hanging. ``Producer.close()`` aborts an open
+        transaction first and waits for that abort without a bound, forever on a broker
+        that drops a fenced producer's requests (tansu). So abort within
+        ``connect_timeout_s`` first; only a producer left with no transaction is closed,
+        any other is just dropped (librdkafka's destructor does not wait; the broker, or
+        the next ``init_transactions`` of the transactional.id, aborts what it held)."""
+        from confluent_kafka import KafkaError
+
+        try:
+            producer.abort_transaction(self.connect_timeout_s)
+        except Exception as exc:
+            err = kafka_error(exc)
+            if err is None or err.code() != KafkaError._STATE:  # _STATE: no transaction
+                return
+        producer.close()
+
     # -- commit / abort ------------------------------------------------------------------
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         """``commit_transaction`` by the producer that prepared; ambiguous errors retried."""
@@ -573,6 +676,8 @@ class KafkaParticipant(Participant):
         with self._lock:
             prepared = self._prepared.get(branch)
         if prepared is None or prepared.producer is None:
+            if handle is not None and handle.get("already_committed") == "yes":
+                return  # a redo found it committed: nothing was written
             if self.status(branch) is BranchStatus.COMMITTED:
                 return
             raise ParticipantError(
@@ -627,7 +732,6 @@ class KafkaParticipant(Participant):
                 self._release(branch, prepared.producer)  # aborted: serves the next batch
                 return
             except Exception as exc:
-                prepared.producer.close()
                 err = kafka_error(exc)
                 if err is not None and err.fatal():
                     # Fenced: a newer producer of this transactional.id already aborted our
@@ -678,9 +782,15 @@ class KafkaParticipant(Participant):
     def read_back(self, column: str) -> ReadBack:
         """The topic's committed rows rebuilt from its partition logs (COMMIT/ABORT
         markers, :mod:`~twophase.sinks.kafka.log`), cross-checked with a
-        ``read_committed`` consumer when nothing is left open (see :func:`judge_log`)."""
+        ``read_committed`` consumer when nothing is left open (see :func:`judge_log`),
+        except on the test brokers' tansu, whose ``read_committed`` view is not Kafka's."""
         log = read_log(self.config, self.topic)
         consumer: list[Any] | None = None
+        if log.cluster_id == TEST_BROKER_CLUSTER_ID:
+            back = judge_log(log, column, None, value_column=self.value)
+            return dataclasses.replace(back, note=back.note + (
+                "; no read_committed cross-check on tansu (its read_committed view is "
+                "not Kafka's: docs/kafka.md)"))
         if not log.open_transactions:
             consumer = read_topic(self.config, self.topic, column, value_column=self.value)
         return judge_log(log, column, consumer, value_column=self.value)
@@ -691,7 +801,7 @@ class KafkaParticipant(Participant):
             prepared, self._prepared = list(self._prepared.values()), {}
         for p in prepared:
             if p.producer is not None:
-                p.producer.close()
+                self._discard(p.producer)
 
     def describe(self) -> str:
         return f"kafka participant {self.name!r} (topic {self.topic!r})"
@@ -744,6 +854,17 @@ class KafkaParticipant(Participant):
 
 class _Refusal(TwophaseError):
     """Internal: a reason to vote NO that the data or the broker explains."""
+
+
+def _parse_offsets(text: str) -> dict[int, int]:
+    """``"0:12,3:40"`` (a handle's ``offsets``) -> {0: 12, 3: 40}; anything else -> {}."""
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        p, sep, o = item.partition(":")
+        if not (sep and p.isdigit() and o.isdigit()):
+            return {}
+        out[int(p)] = int(o)
+    return out
 
 
 def _to_bytes(v: object) -> bytes | None:

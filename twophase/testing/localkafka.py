@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from twophase.sinks.kafka.config import TEST_BROKER_CLUSTER_ID
 from twophase.testing.servers import LocalServer, ServerUnavailable
 
 __all__ = ["ENV_BIN", "KafkaUnavailable", "LocalTansu", "find_tansu"]
@@ -75,7 +76,7 @@ class LocalTansu(LocalServer):
             "--listener-url", url,
             "--advertised-listener-url", url,
             "--storage-engine", "memory://tansu/",
-            "--cluster-id", "twophase",
+            "--cluster-id", TEST_BROKER_CLUSTER_ID,
         ]
         # Keep the broker's own env-configured settings from leaking in.
         env = {k: v for k, v in os.environ.items() if k not in (
