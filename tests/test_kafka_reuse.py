@@ -163,3 +163,19 @@ def test_a_worker_killed_holding_a_cached_producer(tansu_bootstrap: str) -> None
     back = p.read_back("id")
     assert back.aborted == 20  # the killed worker's batch 1, aborted by the new init
     assert committed_ids(p) == want(0, 1, 2)
+
+
+def test_a_redo_never_reuses_a_cached_producer(tansu_bootstrap: str) -> None:
+    """A redo must fence every older producer of the id before it reads the marker and
+    the log: it starts a new producer even when this process holds an idle one."""
+    p = make(tansu_bootstrap)
+    lineage = uuid.uuid4().hex[:16]
+    cached = task(p, lineage, 0)
+    own: KafkaParticipant = pickle.loads(pickle.dumps(p))
+    b1 = ref(own, lineage, 1)
+    handle = own.redo(b1, SCHEMA, rows(1), {})
+    redone = own._prepared[b1].producer
+    assert redone is not cached
+    own.commit(b1, handle)
+    assert task(p, lineage, 2) is redone  # the redo's producer serves the next batch
+    assert committed_ids(p) == want(0, 1, 2)
