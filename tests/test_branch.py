@@ -252,7 +252,7 @@ def test_a_vote_of_an_older_version_is_checked_with_its_own_digest(setup) -> Non
 def test_a_digest_of_an_unknown_kind_refuses_the_redo(setup) -> None:  # type: ignore[no-untyped-def]
     """A vote whose digest this version cannot compute (a newer version voted) is not
     redone unchecked: the refusal names the kind and what to run; nothing is written."""
-    _, parts, _, _, finish = _lost_after_commit(setup)
+    sink, parts, client, plan, finish = _lost_after_commit(setup)
     digests = {b: "v9:" + d.split(":", 1)[1] for b, d in finish.digests.items()}
     future = pickle.loads(pickle.dumps(finish))
     object.__setattr__(future, "digests", digests)
@@ -261,6 +261,12 @@ def test_a_digest_of_an_unknown_kind_refuses_the_redo(setup) -> None:  # type: i
     msg = str(err.value)
     assert "'v9'" in msg and "v2, b2s1" in msg and "twophase version that voted" in msg
     assert parts[1].status(finish.ref(parts[1], 0)) == BranchStatus.ABSENT
+    # the version that voted finishes it (and leaves nothing prepared on the server)
+    for p in range(2):
+        run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA, _batch(p))
+    assert client.get(plan.key).state == State.COMMITTED
+    report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
+    assert report.ok, report.lines()
 
 
 def test_two_sinks_share_a_files_folder_without_dropping_rows(tmp_path: Path) -> None:
