@@ -73,8 +73,8 @@ class _IdleClients:
 
     Only a producer whose last transaction was committed or aborted (or that never began
     one) is put here; taking one removes it, so two prepares never share a producer. At
-    most ``limit`` are kept (the least recently used is closed). A forked child does not
-    use its parent's producers (librdkafka's threads do not survive a fork)."""
+    most ``limit`` are kept (the least recently used is dropped). A forked child does not
+    use its parent's clients (librdkafka's threads do not survive a fork)."""
 
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
