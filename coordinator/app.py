@@ -32,6 +32,7 @@ from twophase import __version__, wire
 from twophase import protocol as p
 from twophase.coordinator.background import Background, Settings
 from twophase.coordinator.guard import MAX_BODY, OPEN_PATHS, Guard
+from twophase.coordinator.hotpath import HotPath, HotRoutes
 from twophase.coordinator.hub import DecisionHub
 from twophase.coordinator.metrics import Metrics
 from twophase.coordinator.models import (
@@ -84,10 +85,13 @@ def create_app(
     background: bool = True,
     poll_interval: float | None = None,
     max_body: int = MAX_BODY,
+    hot_path: bool = True,
 ) -> FastAPI:
     """Build the service around ``store`` (a :class:`Store` or a store URL).
 
-    A token is required unless ``insecure`` is set explicitly.
+    A token is required unless ``insecure`` is set explicitly. ``hot_path=False`` sends
+    the per-batch endpoints through FastAPI's routing too (same answers, more CPU; for
+    the benchmark's comparison).
     """
     if not token and not insecure:
         raise InvalidRequest("a bearer token is required (or pass insecure=True explicitly)")
@@ -116,12 +120,16 @@ def create_app(
     app.state.metrics = svc.metrics
     app.state.background = svc.background
     _error_handlers(app, svc.metrics)
+    hot = _hot_routes(svc)
     app.include_router(_ops_routes(svc))
-    app.include_router(_sink_routes(svc))
-    app.include_router(_txn_routes(svc))
+    app.include_router(_sink_routes(svc, hot))
+    app.include_router(_txn_routes(svc, hot))
     app.include_router(_admin_routes(svc))
     app.include_router(ui_routes(svc.store, svc.metrics))
     app.openapi = _openapi(app)  # type: ignore[method-assign]
+    if hot_path:
+        # inside the guard: the token and the body limit apply to it as to every route
+        app.add_middleware(HotPath, routes=hot)
     app.add_middleware(Guard, token=token, max_body=max_body)
     return app
 
@@ -190,25 +198,18 @@ def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
     return 422, "invalid_request", "; ".join(parts) or "invalid request"
 
 
-def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    """Every refusal in one layout (``wire.ErrorOut``), counted by code."""
+def _refusals(metrics: Metrics) -> dict[type[Exception], Callable[[Any], Response]]:
+    """What a handler's exception is answered with, by exception class (the app's
+    exception handlers and the hot path use this one table)."""
 
-    @app.exception_handler(TwophaseError)
-    async def _twophase_error(_r: Request, exc: TwophaseError) -> Response:
+    def twophase_error(exc: TwophaseError) -> Response:
         # every refusal maps itself: its class names the code and the status
         metrics.requests.labels(exc.code).inc()
         if isinstance(exc, StoreError):
             log.error("store error", extra={"error": str(exc)})
         return _error(exc.http_status, exc.code, str(exc))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_r: Request, exc: RequestValidationError) -> Response:
-        status, code, msg = _describe_validation(exc)
-        metrics.requests.labels(code).inc()
-        return _error(status, code, msg)
-
-    @app.exception_handler(DBAPIError)
-    async def _store_down(_r: Request, exc: DBAPIError) -> Response:
+    def store_down(exc: DBAPIError) -> Response:
         # the store is unreachable or failing (not a bad request): 503, which clients
         # retry; the daemon reconnects by itself once the database is back
         metrics.requests.labels(StoreError.code).inc()
@@ -217,15 +218,123 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return _error(503, StoreError.code, f"the coordinator's store is unreachable or "
                       f"failing: {why}; retry later (check the database behind --store)")
 
-    @app.exception_handler(ValueError)
-    async def _value_error(_r: Request, exc: ValueError) -> Response:
+    def value_error(exc: ValueError) -> Response:
         metrics.requests.labels("invalid_request").inc()
         return _error(422, "invalid_request", str(exc))
+
+    return {TwophaseError: twophase_error, DBAPIError: store_down, ValueError: value_error}
+
+
+def _refusal(table: dict[type[Exception], Callable[[Any], Response]]
+             ) -> Callable[[Exception], Response | None]:
+    """The answer for ``exc`` from ``table``, looked up along its class's MRO as
+    Starlette looks up exception handlers; None when no entry applies."""
+
+    def refusal(exc: Exception) -> Response | None:
+        for cls in type(exc).__mro__:
+            handler = table.get(cls)
+            if handler is not None:
+                return handler(exc)
+        return None
+
+    return refusal
+
+
+def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every refusal in one layout (``wire.ErrorOut``), counted by code."""
+    for cls, answer in _refusals(metrics).items():
+        app.add_exception_handler(cls, _as_handler(answer))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, exc: RequestValidationError) -> Response:
+        status, code, msg = _describe_validation(exc)
+        metrics.requests.labels(code).inc()
+        return _error(status, code, msg)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_r: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
+
+
+def _as_handler(answer: Callable[[Any], Response]) -> Callable[[Request, Any], Any]:
+    async def handler(_r: Request, exc: Any) -> Response:
+        return answer(exc)
+
+    return handler
+
+
+# ---------------------------------------------------------------------------------------
+# the per-batch handlers: called by the FastAPI routes and by the hot path (hotpath.py)
+
+
+def _hot_routes(svc: _Service) -> HotRoutes:
+    st, hub = svc.store, svc.hub
+
+    def observe(txn: p.Transaction, sent: list[tuple[str, BranchMetricsIn | None]]) -> None:
+        """The executors' figures, once the change was accepted, for known branches only
+        (so the metrics' labels stay the sink's own participants)."""
+        for branch, m in sent:
+            if m is not None and branch in txn.branches:
+                svc.metrics.branch(txn.key, branch, m.model_dump())
+
+    async def begin(sink: str, body: BeginIn) -> Response:
+        res = await st.begin_async(
+            p.Begin(
+                sink=sink, lineage=body.lineage, batch_id=body.checkpoint, epoch=body.epoch,
+                participants=tuple(body.participants), partitions=body.partitions,
+                now=st.clock(), vote_timeout=body.vote_timeout,
+            )
+        )
+        return _json(wire.encode_begin(res))
+
+    async def votes(key: TxnKey, body: VotesIn) -> Response:
+        now = st.clock()
+        events: list[p.Event] = [
+            p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
+                   reason=v.reason, digest=v.digest)
+            for v in body.votes
+        ]
+        txn = await st.apply_async(key, events)
+        observe(txn, [(v.branch, v.metrics) for v in body.votes])
+        return _txn_json(txn)
+
+    async def acks(key: TxnKey, body: AcksIn) -> Response:
+        now = st.clock()
+        events: list[p.Event] = [
+            p.Ack(branch=a.branch, epoch=body.epoch, outcome=p.Decision(a.outcome), now=now)
+            for a in body.acks
+        ]
+        txn = await st.apply_async(key, events)
+        observe(txn, [(a.branch, a.metrics) for a in body.acks])
+        return _txn_json(txn)
+
+    async def decision(key: TxnKey, timeout: float,
+                       until: Literal["decided", "finished"]) -> Response:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+
+        def done(t: p.Transaction) -> bool:
+            return t.state.decided if until == "decided" else t.state.finished
+
+        while True:
+            fut = hub.subscribe(key)
+            try:
+                txn = await run_in_threadpool(st.get, key)
+                if txn is None:
+                    raise TransactionNotFound.for_key(key)
+                left = end - loop.time()
+                if done(txn) or left <= 0:
+                    return _txn_json(txn)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    woke = await asyncio.wait_for(fut, min(left, svc.poll))
+                    if done(woke):
+                        return _txn_json(woke)
+            finally:
+                hub.unsubscribe(key, fut)
+
+    return HotRoutes(begin=begin, votes=votes, acks=acks, decision=decision,
+                     refusal=_refusal(_refusals(svc.metrics)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +364,7 @@ def _ops_routes(svc: _Service) -> APIRouter:
     return r
 
 
-def _sink_routes(svc: _Service) -> APIRouter:
+def _sink_routes(svc: _Service, hot: HotRoutes) -> APIRouter:
     """What a driver does once per run (register) and once per batch (begin)."""
     r = APIRouter(tags=["sinks"])
     st = svc.store
@@ -297,58 +406,27 @@ def _sink_routes(svc: _Service) -> APIRouter:
     @r.post("/v1/sinks/{sink}/begin", response_model=wire.BeginOut, responses=ERRORS)
     async def begin(sink: SinkName, body: BeginIn) -> Response:
         """Start (or find) the attempt for a checkpoint; see protocol.begin."""
-        res = await st.begin_async(
-            p.Begin(
-                sink=sink, lineage=body.lineage, batch_id=body.checkpoint, epoch=body.epoch,
-                participants=tuple(body.participants), partitions=body.partitions,
-                now=st.clock(), vote_timeout=body.vote_timeout,
-            )
-        )
-        return _json(wire.encode_begin(res))
+        return await hot.begin(sink, body)
 
     return r
 
 
-def _txn_routes(svc: _Service) -> APIRouter:
+def _txn_routes(svc: _Service, hot: HotRoutes) -> APIRouter:
     """One transaction's life: votes, the decision (long-poll), acks; and reads."""
     r = APIRouter(tags=["txns"])
-    st, hub = svc.store, svc.hub
-
-    def _observe(txn: p.Transaction, sent: list[tuple[str, BranchMetricsIn | None]]) -> None:
-        """The executors' figures, once the change was accepted, for known branches only
-        (so the metrics' labels stay the sink's own participants)."""
-        for branch, m in sent:
-            if m is not None and branch in txn.branches:
-                svc.metrics.branch(txn.key, branch, m.model_dump())
+    st = svc.store
 
     @r.post(TXN_PATH + "/votes", response_model=wire.TxnOut, responses=ERRORS)
     async def vote(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
                    body: VotesIn) -> Response:
         """Record one or more branch votes; the answer shows the decision if it was made."""
-        now = st.clock()
-        events: list[p.Event] = [
-            p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
-                   reason=v.reason, digest=v.digest)
-            for v in body.votes
-        ]
-        key = TxnKey(sink, lineage, checkpoint, attempt)
-        txn = await st.apply_async(key, events)
-        _observe(txn, [(v.branch, v.metrics) for v in body.votes])
-        return _txn_json(txn)
+        return await hot.votes(TxnKey(sink, lineage, checkpoint, attempt), body)
 
     @r.post(TXN_PATH + "/acks", response_model=wire.TxnOut, responses=ERRORS)
     async def ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
                   body: AcksIn) -> Response:
         """Branches confirm they applied the decision."""
-        now = st.clock()
-        events: list[p.Event] = [
-            p.Ack(branch=a.branch, epoch=body.epoch, outcome=p.Decision(a.outcome), now=now)
-            for a in body.acks
-        ]
-        key = TxnKey(sink, lineage, checkpoint, attempt)
-        txn = await st.apply_async(key, events)
-        _observe(txn, [(a.branch, a.metrics) for a in body.acks])
-        return _txn_json(txn)
+        return await hot.acks(TxnKey(sink, lineage, checkpoint, attempt), body)
 
     @r.post(TXN_PATH + "/abandon", response_model=wire.TxnOut, responses=ERRORS)
     def abandon(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
@@ -366,28 +444,7 @@ def _txn_routes(svc: _Service) -> APIRouter:
     ) -> Response:
         """Long-poll: answers as soon as the transaction is decided (or finished, with
         ``until=finished``), or after ``timeout`` seconds with the undecided transaction."""
-        key = TxnKey(sink, lineage, checkpoint, attempt)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-
-        def done(t: p.Transaction) -> bool:
-            return t.state.decided if until == "decided" else t.state.finished
-
-        while True:
-            fut = hub.subscribe(key)
-            try:
-                txn = await run_in_threadpool(st.get, key)
-                if txn is None:
-                    raise TransactionNotFound.for_key(key)
-                left = end - loop.time()
-                if done(txn) or left <= 0:
-                    return _txn_json(txn)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    woke = await asyncio.wait_for(fut, min(left, svc.poll))
-                    if done(woke):
-                        return _txn_json(woke)
-            finally:
-                hub.unsubscribe(key, fut)
+        return await hot.decision(TxnKey(sink, lineage, checkpoint, attempt), timeout, until)
 
     @r.get(TXN_PATH, response_model=wire.TxnOut, responses=ERRORS)
     def get_txn(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,

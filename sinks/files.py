@@ -45,11 +45,11 @@ from twophase.participant import (
 )
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
-__all__ = ["STAGING_DIR", "StagedFileParticipant"]
+__all__ = ["STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
 
 STAGING_DIR: Final = "_twophase_staging"
 _FORMATS: Final = {"parquet": "parquet", "jsonl": "jsonl"}
-_STAGED_RE: Final = re.compile(
+STAGED_NAME: Final = re.compile(  # a staged file's (or object's) name: its branch
     r"^(?P<sink>[A-Za-z0-9_.-]+)~part-(?P=sink)~(?P<lineage>[A-Za-z0-9-]+)-"
     r"(?P<checkpoint>\d{20})-"
     r"(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})\.attempt-(?P<attempt>\d+)\.(?P<ext>\w+)$"
@@ -125,15 +125,23 @@ class StagedFileParticipant(Participant):
             raise InvalidRequest("path must be a non-empty directory path")
         if "\x00" in str(path):
             raise InvalidRequest("path must not contain NUL characters")
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self._init_common(format, mode, on_schema_change, name, self.path.name)
+
+    def _init_common(
+        self, format: str, mode: str, on_schema_change: str, name: str | None, default: str
+    ) -> None:
+        """What a local folder and an object-store prefix check and set alike; the
+        default name is ``files-<default>`` made safe."""
         if format not in _FORMATS:
             raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
         _check_mode(mode, on_schema_change)
         self.mode = mode
         self.on_schema_change = on_schema_change
-        self.path = Path(os.path.abspath(os.fspath(path)))
         self.format = format
         self.ext = _FORMATS[format]
-        super().__init__(name if name is not None else f"files-{_sanitize(self.path.name)}")
+        Participant.__init__(
+            self, name if name is not None else f"files-{_sanitize(default)}")
 
     def describe(self) -> str:
         return f"files participant {self.name!r} ({self.format} in {self.path})"
@@ -359,7 +367,7 @@ class StagedFileParticipant(Participant):
             return []
         found: list[BranchRef] = []
         for n in names:
-            m = _STAGED_RE.match(n)
+            m = STAGED_NAME.match(n)
             if not m or m["sink"] != sink or m["participant"] != self.name or m["ext"] != self.ext:
                 continue
             with suppress(ValueError):

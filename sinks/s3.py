@@ -42,13 +42,7 @@ from twophase.participant import (
     ReadBack,
     required_secret,
 )
-from twophase.sinks.files import (
-    _STAGED_RE,
-    STAGING_DIR,
-    StagedFileParticipant,
-    _check_mode,
-    _sanitize,
-)
+from twophase.sinks.files import STAGED_NAME, STAGING_DIR, StagedFileParticipant
 
 __all__ = ["BRANCH_META", "PART_SIZE", "S3StagedFileParticipant", "parse_s3_url"]
 
@@ -197,16 +191,12 @@ class S3StagedFileParticipant(StagedFileParticipant):
         mode: str = "append",
         on_schema_change: str = "fail",
     ) -> None:
-        _check_mode(mode, on_schema_change)
-        if on_schema_change != "fail":
+        if on_schema_change == "add_columns":
             raise InvalidRequest(
                 f"on_schema_change={on_schema_change!r} is not supported on object storage "
                 "yet (the committed objects' schemas are not read back): keep the default "
                 "'fail' and write a changed schema under a new prefix"
             )
-        self.mode, self.on_schema_change = mode, on_schema_change
-        if format not in ("parquet", "jsonl"):
-            raise InvalidRequest(f"format must be 'parquet' or 'jsonl', got {format!r}")
         self.bucket, self.prefix = parse_s3_url(path)
         options = dict(storage_options or {})
         unknown = sorted(set(options) - _CLIENT_OPTIONS)
@@ -217,13 +207,9 @@ class S3StagedFileParticipant(StagedFileParticipant):
             )
         self.url = f"s3://{self.bucket}/{self.prefix}"
         self.storage_options = options
-        self.format = format
-        self.ext = format
         self._client: Any = None
         default = self.prefix.rstrip("/").rsplit("/", 1)[-1] or self.bucket
-        super(StagedFileParticipant, self).__init__(
-            name if name is not None else f"files-{_sanitize(default)}"
-        )
+        self._init_common(format, mode, on_schema_change, name, default)
 
     def describe(self) -> str:
         return f"files participant {self.name!r} ({self.format} in {self.url})"
@@ -531,7 +517,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
         try:
             for obj in self._list(f"{self.staging_prefix}{sink}~"):
                 n = obj["Key"].removeprefix(self.staging_prefix)
-                m = _STAGED_RE.match(n)
+                m = STAGED_NAME.match(n)
                 if not m or m["sink"] != sink or m["participant"] != self.name \
                         or m["ext"] != self.ext:
                     continue

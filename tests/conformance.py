@@ -252,15 +252,19 @@ def check_in_doubt_finds_leftovers(h: Harness) -> None:
 
 def check_redo_never_applies_twice(h: Harness) -> None:
     """A branch committed by attempt 0 and redone (same checkpoint, later attempt or the
-    same attempt again) must not land twice: the marker says it is already applied."""
+    same attempt again; by ``prepare`` or by the recovery's ``redo`` with the voted
+    handle) must not land twice: the marker says it is already applied."""
 
     def body(t: Target, p: Participant) -> None:
         b = make_branch(p, batch_id=3)
-        p.commit(b, _prepare(p, b))
-        for attempt in (0, 1, 2):
+        voted = _prepare(p, b)
+        p.commit(b, voted)
+        for attempt, how in ((0, "prepare"), (1, "redo"), (2, "prepare"), (0, "redo")):
             redo = make_branch(p, lineage=b.lineage, batch_id=3, attempt=attempt)
             fresh = t.participant()
-            fresh.commit(redo, _prepare(fresh, redo))
+            handle = (_prepare(fresh, redo) if how == "prepare"
+                      else fresh.redo(redo, SCHEMA, [batch_for(redo)], voted))
+            fresh.commit(redo, handle)
             assert fresh.status(redo) is BranchStatus.COMMITTED
             fresh.close()
         assert _sorted(t.rows()) == rows_for(b)

@@ -185,3 +185,46 @@ def test_executors_that_cannot_reach_the_coordinator_are_named(spark: Any,
     msg = str(err.value)
     assert f"cannot reach the coordinator at {url}" in msg and "refused" in msg
     assert "TWOPHASE_EMBEDDED_HOST" in msg and socket.gethostname() in msg
+
+
+def test_a_coordinator_outage_at_start_is_waited_for_not_blamed_on_executors(
+        spark: Any, tmp_path: Path) -> None:
+    """Found by `twophase chaos`: the daemon killed while a driver started made the probe
+    report the executors' environment as broken and the query failed at once. When the
+    driver cannot reach the coordinator either, it is an outage: the probe runs again
+    within the budget and passes once the coordinator is back; if it never comes back,
+    the error names the coordinator, not the interpreter."""
+    import contextlib
+    import threading
+    import time as _time
+
+    from twophase.preflight import check_executors
+    from twophase.testing.servers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    parts = [StagedFileParticipant(path=str(tmp_path / "out"))]
+    stop = threading.Event()
+
+    def come_back_later() -> None:  # a coordinator that listens from 4 s on
+        _time.sleep(4)
+        with socket.create_server(("127.0.0.1", port)) as srv:
+            srv.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    srv.accept()[0].close()
+
+    t = threading.Thread(target=come_back_later, daemon=True)
+    t.start()
+    try:
+        started = _time.monotonic()
+        report = check_executors(spark.sparkContext, "outage", parts, url, wait_s=60)
+        assert report.ok and _time.monotonic() - started >= 3
+    finally:
+        stop.set()
+        t.join(10)
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EnvironmentProblem) as err:
+        check_executors(spark.sparkContext, "outage2", parts, gone, wait_s=3)
+    assert f"cannot reach the coordinator at {gone}" in str(err.value)
+    assert "PYSPARK_PYTHON" not in str(err.value)  # not an interpreter problem

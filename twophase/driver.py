@@ -355,7 +355,8 @@ class TransactionalSink:
             else:
                 choose_worker_python(sc)
                 if self.preflight:
-                    check_executors(sc, self.name, self.participants, self._conn.url)
+                    check_executors(sc, self.name, self.participants, self._conn.url,
+                                    wait_s=self.retry_budget_s)
             self._preflighted = True
         self._check(df)
         failpoints.hit("before_begin")

@@ -36,6 +36,7 @@ __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_py
 log = logging.getLogger("twophase.preflight")
 
 BASE_MODULES = ("twophase", "pyarrow")
+UNREACHABLE = "cannot reach the coordinator at"
 CONNECT_TIMEOUT = 5.0  # seconds for the probe's TCP connection to the coordinator
 
 FIX = (
@@ -110,8 +111,15 @@ class PreflightReport:
                 lines.append(f"  on host {h.host}, interpreter {h.executable} "
                              f"(Python {h.python}, {h.tasks} task(s)):")
                 lines.extend(f"    - {p}" for p in h.problems)
-        lines.append(FIX.format(driver=self.driver_executable))
+        if not self.only_unreachable:  # the interpreter fix; reachability names its own
+            lines.append(FIX.format(driver=self.driver_executable))
         return "\n".join(lines)
+
+    @property
+    def only_unreachable(self) -> bool:
+        """Every problem is the coordinator not answering (the executors' Python is fine)."""
+        problems = [p for h in self.hosts for p in h.problems]
+        return bool(problems) and all(p.startswith(UNREACHABLE) for p in problems)
 
 
 def modules_to_check(participants: Sequence[Participant]) -> tuple[str, ...]:
@@ -172,24 +180,58 @@ _CACHE: dict[tuple[Any, ...], PreflightReport] = {}
 
 
 def check_executors(
-    sc: Any, sink: str, participants: Sequence[Participant], coordinator_url: str
+    sc: Any, sink: str, participants: Sequence[Participant], coordinator_url: str,
+    *, wait_s: float = 0.0,
 ) -> PreflightReport:
     """Run the probe job (once per application, interpreter, coordinator and module set);
-    raise :class:`EnvironmentProblem` when any executor cannot run the sink's tasks."""
+    raise :class:`EnvironmentProblem` when any executor cannot run the sink's tasks.
+
+    A coordinator the driver cannot reach either is an outage (a daemon restarting), not
+    the executors' environment: the probe is run again for up to ``wait_s`` seconds (the
+    sink's retry budget) before that is reported."""
     choose_worker_python(sc)
     modules = modules_to_check(participants)
     key = (sc.applicationId, sc.pythonExec, coordinator_url, modules)
     report = _CACHE.get(key)
-    if report is None:
+    deadline = time.monotonic() + wait_s
+    outage = warned = False
+    while report is None:
         report = _probe(sc, modules, coordinator_url)
         if report.ok:
             _CACHE[key] = report
             log.info("sink %s: executors checked in %.1fs: %s", sink, report.seconds,
                      ", ".join(f"{h.host} ({h.executable}, {h.tasks} task(s))"
                                for h in report.hosts))
+        elif report.only_unreachable and time.monotonic() < deadline:
+            if not _reachable(coordinator_url):
+                if not warned:
+                    log.warning("sink %s: the coordinator at %s does not answer the driver "
+                                "either (an outage?): checking the executors again for up "
+                                "to %.0fs", sink, coordinator_url, wait_s)
+                    warned = True
+                outage = True
+                time.sleep(1.0)
+                report = None
+            elif outage:  # back for the driver since that probe: ask the executors again
+                outage = False
+                report = None
     if not report.ok:
         raise EnvironmentProblem(report.message(sink))
     return report
+
+
+def _reachable(url: str) -> bool:
+    """Whether the driver can open a TCP connection to the coordinator."""
+    import socket
+
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT):
+            return True
+    except OSError:
+        return False
 
 
 def _probe(sc: Any, modules: tuple[str, ...], url: str) -> PreflightReport:
@@ -237,7 +279,7 @@ def _unreachable(url: str, host: str, cause: str) -> str:
             "executors reach (docs/cluster.md)"
             if host in ("127.0.0.1", "localhost", "::1")
             else "check the host name, port and firewall between executors and coordinator")
-    return f"cannot reach the coordinator at {url} ({cause}): {hint}"
+    return f"{UNREACHABLE} {url} ({cause}): {hint}"
 
 
 def _spark_cause(exc: BaseException) -> str:
