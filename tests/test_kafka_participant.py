@@ -314,7 +314,11 @@ def test_redo_reads_the_log_when_the_marker_lags(tansu_bootstrap: str) -> None:
     # The lag itself (tansu); on Kafka the marker is visible with the COMMIT marker.
     assert committed_offset(tansu_bootstrap, p.marker_group(b0), p.topic) == -1
     q: KafkaParticipant = pickle.loads(pickle.dumps(p))  # the retried task's process
-    assert q.status(b0) is BranchStatus.ABSENT  # so the finish redoes it
+    assert q.status(b0) is BranchStatus.ABSENT  # the marker alone would redo it
+    assert q.voted_status(b0, h0) is BranchStatus.COMMITTED  # the log with the vote: no
+    assert q.voted_status(b0, None) is BranchStatus.ABSENT  # no vote: the marker alone
+    other = branch(p, batch_id=3, partition=0)  # another lineage: those records are not its
+    assert q.voted_status(other, h0) is BranchStatus.ABSENT
     redone = q.redo(b0, SCHEMA, [batch(0, 30)], h0)
     assert redone["already_committed"] == "yes" and redone["rows"] == "0"
     q.commit(b0, redone)
@@ -346,3 +350,4 @@ def test_redo_of_a_branch_aborted_in_the_log_writes_it(tansu_bootstrap: str) -> 
     q.commit(b, h)
     assert _branch_in_log(q, b) == (15, 15, 0)
     q.close()
+

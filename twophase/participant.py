@@ -180,6 +180,12 @@ class Participant(abc.ABC):
     def status(self, branch: BranchRef) -> BranchStatus:
         """Read the branch's state from the system itself, not from memory."""
 
+    def voted_status(self, branch: BranchRef, voted: Handle | None) -> BranchStatus:
+        """:meth:`status` when the caller holds the handle the branch voted YES with
+        (recovery, ``twophase resolve``). The default ignores it; a participant whose
+        marker can lag behind its data (Kafka on tansu) uses it to look further."""
+        return self.status(branch)
+
     @abc.abstractmethod
     def in_doubt(self, sink: str) -> list[BranchRef]:
         """Prepared leftovers of ``sink`` that can be found by name."""

@@ -129,7 +129,7 @@ def resolve_sink(
                 )
                 continue
             ref = BranchRef(*txn.key, participant_name, partition)
-            status = part.status(ref)
+            status = part.voted_status(ref, dict(st.handle) if st.handle else None)
             act = _settle(part, ref, status, decision, st.handle, dry_run)
             seen.add((txn.key, bid))
             entry = Action(_txn_name(txn.key), bid, status.value, act)

@@ -201,7 +201,7 @@ def _finish_commit(
             acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
             continue
         tc = time.perf_counter()
-        action = recovery_action(Decision.COMMIT, part.status(ref))
+        action = recovery_action(Decision.COMMIT, part.voted_status(ref, plan.handles.get(bid)))
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
         elif action == RecoveryAction.REDO:
