@@ -4,6 +4,7 @@ Reproduce (from the repository root, with the dev venv)::
 
     .venv/bin/python bench/participants_kafka.py                  # tansu, 10k + 100k
     .venv/bin/python bench/participants_kafka.py --bootstrap host:9092 --repeats 9
+    .venv/bin/python bench/participants_kafka.py --reuse --sizes 100 10000   # producer reuse
 
 Without ``--bootstrap`` a private tansu broker (``twophase.testing.localkafka``) is started and
 stopped at the end. Compared (median of ``--repeats`` alternating runs, fresh topic each):
@@ -78,6 +79,60 @@ def _participant_run(bootstrap: str, batch: pa.RecordBatch) -> float:
     elapsed = time.perf_counter() - t
     p.close()
     return elapsed
+
+
+def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
+                            reuse: bool) -> list[float]:
+    """``n`` consecutive batches of one branch (same topic, sink, partition: the same
+    transactional.id) in this process, as a reused Spark worker runs them; each batch is
+    a new unpickled participant (a new task). ``reuse=False`` empties the producer and
+    marker-consumer caches before each batch: a new producer with ``init_transactions``
+    and a new marker consumer every batch, as before they were reused. Returns the
+    seconds of each batch after the first."""
+    import pickle
+
+    from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
+
+    topic = _new_topic(bootstrap)
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap})
+    lineage = uuid.uuid4().hex[:16]
+    out = []
+    for i in range(n + 1):
+        own: KafkaParticipant = pickle.loads(pickle.dumps(p))
+        b = BranchRef("bench", lineage, i, 1, own.name, 0)
+        if not reuse:
+            PRODUCERS.drop(own._cache_key(b))
+            MARKER_CONSUMERS.drop(own._marker_key(own.marker_group(b)))
+        t = time.perf_counter()
+        own.commit(b, own.prepare(b, batch.schema, [batch]))
+        own.close()
+        if i:
+            out.append(time.perf_counter() - t)
+    PRODUCERS.drop(p._cache_key(BranchRef("bench", lineage, 0, 1, p.name, 0)))
+    return out
+
+
+def bench_reuse(sizes: list[int], bootstrap: str | None, batches: int = 9) -> None:
+    """Per-batch time of the participant in a reused worker, producer cache off / on,
+    alternating runs of ``batches`` batches."""
+    broker = LocalTansu().start() if bootstrap is None else None
+    try:
+        servers = broker.bootstrap if broker is not None else str(bootstrap)
+        print(f"{'rows/batch':>10} {'new clients per batch':>24} {'clients reused':>16} "
+              f"{'saved':>8}")
+        for n in sizes:
+            batch = make_batch(n)
+            off: list[float] = []
+            on: list[float] = []
+            _batches_in_one_process(servers, batch, 1, True)  # warm-up
+            for _ in range(3):
+                off += _batches_in_one_process(servers, batch, batches, False)
+                on += _batches_in_one_process(servers, batch, batches, True)
+            a, b = statistics.median(off) * 1000, statistics.median(on) * 1000
+            print(f"{n:>10} {a:>21.1f} ms {b:>13.1f} ms {a - b:>5.1f} ms")
+    finally:
+        if broker is not None:
+            broker.stop()
 
 
 def _raw_run(bootstrap: str, batch: pa.RecordBatch, warm: bool = False) -> float:
@@ -179,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bootstrap", help="a real broker (default: start tansu)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="per-batch time in one process, producer cache off vs on")
     args = ap.parse_args(argv)
+    if args.reuse:
+        bench_reuse(args.sizes, args.bootstrap)
+        return 0
     results = bench_kafka(args.sizes, args.repeats, args.bootstrap)
     print(f"{'section':<50} {'rows':>8} {'participant r/s':>16} {'raw r/s':>12} {'ratio':>7}")
     for section, n, prps, rrps in results:

@@ -228,6 +228,8 @@ class TransactionalSink:
     def _check_cluster(self, df: DataFrame, partitions: int) -> None:
         """Refuse, before anything is begun or written, a batch Spark would refuse
         mid-way: barrier stages need all their tasks running at once."""
+        if partitions <= self._slots_checked:
+            return  # checked before (master and dynamic allocation are fixed at start)
         conf = df.sparkSession.conf
         master = conf.get("spark.master", "local") or "local"
         dyn = (conf.get("spark.dynamicAllocation.enabled", "false") or "false").lower()
@@ -488,7 +490,8 @@ class TransactionalSink:
                 out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
             yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
 
-        arrow_schema = _arrow_schema(df)
+        arrow_schema = self._checked_schema if self._checked_schema is not None \
+            else _arrow_schema(df)
         report_schema = pa.schema(
             [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"
               else pa.int64())
@@ -502,7 +505,7 @@ class TransactionalSink:
         else:
             split = df.repartition(plan.partitions)
         try:
-            rows = split.mapInArrow(task, _REPORT_SCHEMA, barrier=True).collect()
+            rows = split.mapInArrow(task, _report_struct(), barrier=True).collect()
         except Exception as exc:  # the job failed: the coordinator's record decides what next
             return [], _short_error(exc)
         return [r.asDict() for r in rows], ""
@@ -561,6 +564,16 @@ class TransactionalSink:
                 "finished its committed attempt" if r.outcome == "recovered"
                 else f"committed at attempt {r.attempts}", r.recovered, r.redone,
             )
+
+
+def _report_struct() -> Any:
+    """``_REPORT_SCHEMA`` as a StructType built here: a DDL string is parsed by the JVM
+    on every batch (a py4j round trip, ~1-7 ms)."""
+    from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    kinds = {"string": StringType(), "double": DoubleType(), "long": LongType()}
+    return StructType([StructField(name, kinds[kind])
+                       for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))])
 
 
 class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -681,10 +694,11 @@ def _input_partitions(df: DataFrame) -> int | None:
     try:
         rdd = df._jdf.queryExecution().toRdd()
         stack, sources, empty = [rdd], 0, True
-        while stack:
+        while stack:  # each JVM call is a py4j round trip (~0.3-1 ms): as few as possible
             node = stack.pop()
             deps = node.dependencies()
-            if deps.size() == 0:
+            n_deps = deps.size()
+            if n_deps == 0:
                 kind = node.getClass().getSimpleName()
                 if kind not in _SOURCES:
                     return None
@@ -693,7 +707,7 @@ def _input_partitions(df: DataFrame) -> int | None:
                     empty = empty and all(p.values().isEmpty() for p in node.partitions())
                 elif kind != "EmptyRDD":
                     empty = False
-            for i in range(deps.size()):
+            for i in range(n_deps):
                 dep = deps.apply(i)
                 if dep.getClass().getSimpleName() != "OneToOneDependency":
                     return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
-from twophase.digest import RowsDigest, rows_digest, same_kind
+from twophase.digest import KINDS, RowsDigest, digest_kind, rows_digest
 from twophase.errors import RedoMismatch
 from twophase.participant import (
     EMPTY_BRANCH,
@@ -128,12 +128,21 @@ def _apply(
     failpoints.hit("after_commit", part.name, ref.partition)
 
 
-def _check_redo(plan: BatchPlan, part: Participant, partition: int, digest: str) -> None:
+def _check_redo(
+    plan: BatchPlan,
+    part: Participant,
+    partition: int,
+    schema: pa.Schema,
+    batches: Sequence[pa.RecordBatch],
+) -> None:
     """A redo must write what was voted on. The replay must be split as the vote was
-    (else it holds other rows), and the replayed partition's content digest must equal
-    the one stored with the vote. If either differs (changed Spark settings, a
-    nondeterministic column or source), refuse rather than land other rows, and say how
-    the operator settles it. A vote without a digest (an older client) is not checked."""
+    (else it holds other rows), and the replayed partition's content digest, computed
+    the way the voted one was (``twophase.digest``: a vote stored by an older version
+    is checked with its own algorithm), must equal the one stored with the vote. If
+    either differs (changed Spark settings, a nondeterministic column or source), refuse
+    rather than land other rows, and say how the operator settles it. A vote without a
+    digest (an older client) is not checked; one made by an algorithm this version does
+    not know (a newer version voted) is refused."""
     bid = branch_id(part.name, partition)
     handle = plan.handles.get(bid, {})
     if handle and split_of(handle) != plan.split:
@@ -144,9 +153,22 @@ def _check_redo(plan: BatchPlan, part: Participant, partition: int, digest: str)
             "batch was first run with so the lost branch can be redone exactly"
         )
     voted = plan.digests.get(bid)
-    if voted is None or voted == digest or not same_kind(voted, digest):
+    if voted is None:
         return
     k = plan.key
+    kind = digest_kind(voted)
+    if kind not in KINDS:
+        raise RedoMismatch(
+            f"{part.describe()}: cannot redo branch {bid} of sink {k.sink!r} batch "
+            f"{k.batch_id} (attempt {k.attempt}, lineage {k.lineage}): its vote carries a "
+            f"content digest of kind {kind!r}, which this version of twophase cannot "
+            f"compute (it knows {', '.join(KINDS)}), so the replay cannot be checked and "
+            "nothing was written. Restart the query with the twophase version that voted "
+            "(or a newer one) to redo the branch."
+        )
+    digest = rows_digest(schema, batches, kind)
+    if voted == digest:
+        return
     raise RedoMismatch(
         f"{part.describe()}: cannot redo branch {bid} of sink {k.sink!r} batch {k.batch_id} "
         f"(attempt {k.attempt}, lineage {k.lineage}): the replayed partition {partition} has "
@@ -185,7 +207,7 @@ def _finish_commit(
         elif action == RecoveryAction.REDO:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
-            _check_redo(plan, part, partition, rows_digest(schema, batches))
+            _check_redo(plan, part, partition, schema, batches)
             voted = plan.handles.get(bid)
             _apply(part, ref, part.redo(ref, schema, batches, voted), Decision.COMMIT)
             out.redone += 1

@@ -11,6 +11,15 @@ How a branch maps onto Kafka (see ``docs/kafka.md``):
 - Prepare is **not durable**: librdkafka cannot resume another instance's transaction, so
   only the process that prepared can commit. Elsewhere the branch is *redone* (prepare
   again and commit at once under the existing COMMIT decision).
+- Producers are **reused** by the next batch in the same process (Spark reuses its Python
+  workers): once a producer's transaction is committed or aborted it waits in a small
+  per-process cache keyed by its transactional.id, and the next prepare of that id
+  begins a transaction on it instead of creating a producer and running
+  ``init_transactions``. A cached producer is not re-fenced; if another process
+  initialised the id meanwhile, the cached one is fenced and its first broker call (the
+  marker offset, sent before any row) fails: it is dropped and the prepare starts over
+  once with a new, initialised producer, before a single row was produced. A redo never
+  reuses: it must fence every older producer before it reads the log.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +66,61 @@ from twophase.sinks.kafka.readback import read_topic
 from twophase.wire import MAX_TEXT
 
 __all__ = ["KafkaParticipant"]
+
+
+class _IdleClients:
+    """Idle Kafka clients of this process, keyed by (settings, transactional.id or group).
+
+    Only a producer whose last transaction was committed or aborted (or that never began
+    one) is put here; taking one removes it, so two prepares never share a producer. At
+    most ``limit`` are kept (the least recently used is dropped). A forked child does not
+    use its parent's clients (librdkafka's threads do not survive a fork)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # inherited through fork: unusable, never closed here
+            self._idle, self._pid = OrderedDict(), os.getpid()
+
+    def take(self, key: tuple[str, str]) -> Any:
+        with self._lock:
+            self._own()
+            return self._idle.pop(key, None)
+
+    def put(self, key: tuple[str, str], producer: Any) -> None:
+        """Keep an idle producer; one it replaces or pushes out is dropped (released, not
+        ``close()``d: close aborts an open transaction with no time limit and blocks on a
+        fenced producer; an idle one has nothing to flush)."""
+        with self._lock:
+            self._own()
+            self._idle.pop(key, None)
+            self._idle[key] = producer
+            while len(self._idle) > self.limit:
+                self._idle.popitem(last=False)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        self.take(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._own()
+            return len(self._idle)
+
+
+PRODUCERS = _IdleClients()
+"""This process's idle producers (see the module docstring)."""
+MARKER_CONSUMERS = _IdleClients()
+"""This process's idle marker-group consumers: ``committed()`` asks the group coordinator
+every time, so a cached consumer reads fresh offsets without reconnecting."""
+
+
+class _Stale(TwophaseError):
+    """Internal: a cached producer failed before any row was produced (fenced by another
+    process's init of its transactional.id, or otherwise broken): start over with a new one."""
 
 
 @dataclass
@@ -181,9 +247,7 @@ class KafkaParticipant(Participant):
             limit = min(limit, self.broker_max_message_bytes)
         return limit
 
-    def _marker_consumer(self, group: str) -> Any:
-        from confluent_kafka import Consumer
-
+    def _marker_config(self, group: str) -> dict[str, object]:
         cfg = self._common_config()
         cfg.update(
             {
@@ -192,7 +256,25 @@ class KafkaParticipant(Participant):
                 "isolation.level": "read_committed",
             }
         )
-        return Consumer(cfg)
+        return cfg
+
+    def _marker_consumer(self, group: str) -> Any:
+        """The marker group's consumer: this process's idle one if a batch before left
+        it (no subscription, only ``committed()`` and its group metadata are used), else
+        a new one. Give it back with ``_marker_done``."""
+        from confluent_kafka import Consumer
+
+        cached = MARKER_CONSUMERS.take(self._marker_key(group))
+        return cached if cached is not None else Consumer(self._marker_config(group))
+
+    def _marker_key(self, group: str) -> tuple[str, str]:
+        return json.dumps(self._marker_config(group), sort_keys=True, default=str), group
+
+    def _marker_done(self, group: str, consumer: Any, healthy: bool = True) -> None:
+        if healthy:
+            MARKER_CONSUMERS.put(self._marker_key(group), consumer)
+        else:
+            consumer.close()
 
     def _committed_marker(self, consumer: Any, branch: BranchRef) -> int:
         """The marker group's committed offset on (topic, 0); -1 when none."""
@@ -284,6 +366,14 @@ class KafkaParticipant(Participant):
             )
 
     # -- prepare -------------------------------------------------------------------------
+    def _cache_key(self, branch: BranchRef) -> tuple[str, str]:
+        tid = self.transactional_id(branch)
+        return json.dumps(self.producer_config(tid), sort_keys=True, default=str), tid
+
+    def _release(self, branch: BranchRef, producer: Any) -> None:
+        """A producer with no open transaction goes back to the cache for the next batch."""
+        PRODUCERS.put(self._cache_key(branch), producer)
+
     def _new_producer(self, branch: BranchRef) -> Any:
         """A producer for the branch's transactional.id, initialised: zombies are fenced."""
         from confluent_kafka import Producer
@@ -337,25 +427,47 @@ class KafkaParticipant(Participant):
         if stale is not None and stale.producer is not None:
             # Prepared twice in one process: undo the first one before starting again.
             self._discard(stale.producer)
-        producer = self._new_producer(branch)  # fences every older producer of the branch
+        # A new attempt begins on this process's idle producer of the id if there is one;
+        # a redo always starts a new one: it fences every older producer of the branch
+        # before the marker and the log are read.
+        cached = PRODUCERS.take(self._cache_key(branch))
+        if voted is not None:
+            cached = None  # dropped: the init below fences it anyway
+        producer = cached if cached is not None else self._new_producer(branch)
         group = self.marker_group(branch)
         consumer = self._marker_consumer(group)
-        keep = False
+        keep = idle = consumer_ok = False
         try:
-            if self._committed_marker(consumer, branch) >= branch.batch_id + 1 or (
+            marker = self._committed_marker(consumer, branch)
+            consumer_ok = True
+            if marker >= branch.batch_id + 1 or (
                 voted is not None and self._committed_in_log(branch, voted, wait=True)
             ):
                 # Idempotent redo: this checkpoint's rows are already committed.
+                idle = True  # no transaction was begun: the producer serves the next batch
                 return self._handle(branch, 0, already=True)
-            rows, offsets = self._write(producer, consumer, branch, schema, batches)
+            try:
+                rows, offsets = self._write(producer, consumer, branch, schema, batches,
+                                            reused=cached is not None)
+            except _Stale:
+                # The cached producer was fenced (or broke) before any row was produced:
+                # drop it (not closed, not aborted: both wait on a fenced producer; the new
+                # producer's init aborts whatever it had begun) and start over once.
+                producer = cached = None
+                producer = self._new_producer(branch)
+                rows, offsets = self._write(producer, consumer, branch, schema, batches)
             handle = self._handle(branch, rows, already=False, offsets=offsets)
             with self._lock:
                 self._prepared[branch] = _Prepared(branch, producer, handle)
             keep = True
             return handle
         finally:
-            consumer.close()
-            if not keep:
+            self._marker_done(group, consumer, consumer_ok)
+            if producer is None:
+                pass
+            elif idle:
+                self._release(branch, producer)
+            elif not keep:
                 self._discard(producer)
 
     def log_readable(self) -> bool:
@@ -412,8 +524,13 @@ class KafkaParticipant(Participant):
         branch: BranchRef,
         schema: pa.Schema,
         batches: Iterable[pa.RecordBatch],
+        *,
+        reused: bool = False,
     ) -> tuple[int, dict[int, int]]:
-        """(rows, the first offset written in each Kafka partition)."""
+        """(rows, the first offset written in each Kafka partition). One transaction: the
+        marker offset first (the transaction's first broker call, so a fenced cached
+        producer fails before any row is read: raises ``_Stale`` when ``reused``), then
+        the rows, then flush."""
         from confluent_kafka import TopicPartition
 
         errors: list[Any] = []
@@ -431,15 +548,24 @@ class KafkaParticipant(Participant):
         rows = 0
         try:
             producer.begin_transaction()
-            step = "produce"
-            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
-                                     self.headers(branch))
             step = "send the marker offset"
             producer.send_offsets_to_transaction(
                 [TopicPartition(self.topic, 0, branch.batch_id + 1)],
                 consumer.consumer_group_metadata(),
                 self.connect_timeout_s,
             )
+        except Exception as exc:
+            if reused:  # no abort: a fenced producer's abort waits out connect_timeout_s
+                raise _Stale(f"cannot {step}: {describe_error(exc)}") from exc
+            self._abort_own(producer)
+            raise PrepareRefused(
+                f"{self.describe()}: branch {branch.branch_id} of batch "
+                f"{branch.batch_id} refused: cannot {step}: {describe_error(exc)}"
+            ) from exc
+        try:
+            step = "produce"
+            rows = self._produce_all(producer, schema, batches, on_delivery, errors,
+                                     self.headers(branch))
             step = "flush"
             left = producer.flush(self.connect_timeout_s)
             if errors:
@@ -593,6 +719,7 @@ class KafkaParticipant(Participant):
                 ) from exc
         with self._lock:
             self._prepared.pop(branch, None)
+        self._release(branch, producer)  # committed: healthy, serves the next batch
 
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         """Abort in-process; otherwise fence the transactional.id (aborts a zombie's open
@@ -604,6 +731,7 @@ class KafkaParticipant(Participant):
         if prepared is not None and prepared.producer is not None:
             try:
                 prepared.producer.abort_transaction(self.connect_timeout_s)
+                self._release(branch, prepared.producer)  # aborted: serves the next batch
                 return
             except Exception as exc:
                 err = kafka_error(exc)
@@ -618,20 +746,24 @@ class KafkaParticipant(Participant):
                     ) from exc
         if handle is not None and handle.get("already_committed") == "yes":
             return
+        PRODUCERS.drop(self._cache_key(branch))  # about to be fenced by the init below
         try:
             producer = self._new_producer(branch)
         except PrepareRefused as exc:
             raise ParticipantError(str(exc)) from exc
-        producer.close()
+        self._release(branch, producer)  # freshly initialised: serves the next batch
 
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
         self._check_branch(branch)
-        consumer = self._marker_consumer(self.marker_group(branch))
+        group = self.marker_group(branch)
+        consumer = self._marker_consumer(group)
+        ok = False
         try:
             committed = self._committed_marker(consumer, branch)
+            ok = True
         finally:
-            consumer.close()
+            self._marker_done(group, consumer, ok)
         if committed >= branch.batch_id + 1:
             return BranchStatus.COMMITTED
         with self._lock:
