@@ -24,6 +24,7 @@ from pydantic import Field, StringConstraints, TypeAdapter
 from starlette.responses import Response
 
 from twophase.coordinator.models import AcksIn, BeginIn, VotesIn
+from twophase.errors import TwophaseError
 from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
 from twophase.protocol import TxnKey
 from twophase.wire import MAX_INT
@@ -59,8 +60,9 @@ class HotRoutes:
     refusal: Callable[[Exception], Response | None]
 
 
-class _NotHot(Exception):
-    """The request is not one this path answers: hand it to the app."""
+class _NotHot(TwophaseError):
+    """Internal: the request is not one this path answers: hand it to the app (never
+    leaves this module; a TwophaseError like every exception twophase defines)."""
 
 
 class HotPath:
