@@ -94,7 +94,7 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
     from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
 
     topic = _new_topic(bootstrap)
-    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap})
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse)
     lineage = uuid.uuid4().hex[:16]
     out = []
     for i in range(n + 1):

@@ -38,7 +38,8 @@ def rows(batch_id: int, n: int = 20) -> list[pa.RecordBatch]:
 def make(bootstrap: str) -> KafkaParticipant:
     topic = unique_topic("reuse")
     create_topic(bootstrap, topic)
-    return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, connect_timeout_s=10.0)
+    return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, connect_timeout_s=10.0,
+                            reuse_clients=True)
 
 
 def ref(p: KafkaParticipant, lineage: str, batch_id: int) -> BranchRef:

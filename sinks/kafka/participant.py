@@ -105,6 +105,17 @@ class _IdleClients:
     def drop(self, key: tuple[str, str]) -> None:
         self.take(key)
 
+    def close_all(self) -> None:
+        """Close every idle client (none has a transaction open), for a process that is
+        done with its brokers: a test or tool stopping the broker it started, so the
+        clients do not go on reconnecting to it."""
+        with self._lock:
+            self._own()
+            idle, self._idle = list(self._idle.values()), OrderedDict()
+        for client in idle:
+            with contextlib.suppress(Exception):
+                client.close()
+
     def __len__(self) -> int:
         with self._lock:
             self._own()
@@ -149,6 +160,7 @@ class KafkaParticipant(Participant):
         transaction_timeout_ms: int = 600_000,
         connect_timeout_s: float = 30.0,
         commit_retry_s: float = 120.0,
+        reuse_clients: bool = False,
     ) -> None:
         self.topic = validate_topic(topic)
         if name is None:
@@ -190,6 +202,13 @@ class KafkaParticipant(Participant):
             raise InvalidRequest("connect_timeout_s and commit_retry_s must be positive")
         self.connect_timeout_s = float(connect_timeout_s)
         self.commit_retry_s = float(commit_retry_s)
+        if not isinstance(reuse_clients, bool):
+            raise InvalidRequest(f"reuse_clients must be True or False, got {reuse_clients!r}")
+        self.reuse_clients = reuse_clients
+        """Keep producers and marker consumers for the next batch in this process (see
+        the module docstring). Off by default: in the suite's tansu-restart test a reused
+        producer blocked in ``send_offsets_to_transaction`` past its timeout after the
+        broker came back (docs/kafka.md)."""
         # Learnt by check() on the driver and pickled to the executors with the object.
         self.broker_max_message_bytes: int | None = None
         self._prepared: dict[BranchRef, _Prepared] = {}
@@ -264,14 +283,14 @@ class KafkaParticipant(Participant):
         a new one. Give it back with ``_marker_done``."""
         from confluent_kafka import Consumer
 
-        cached = MARKER_CONSUMERS.take(self._marker_key(group))
+        cached = MARKER_CONSUMERS.take(self._marker_key(group)) if self.reuse_clients else None
         return cached if cached is not None else Consumer(self._marker_config(group))
 
     def _marker_key(self, group: str) -> tuple[str, str]:
         return json.dumps(self._marker_config(group), sort_keys=True, default=str), group
 
     def _marker_done(self, group: str, consumer: Any, healthy: bool = True) -> None:
-        if healthy:
+        if healthy and self.reuse_clients:
             MARKER_CONSUMERS.put(self._marker_key(group), consumer)
         else:
             consumer.close()
@@ -371,8 +390,12 @@ class KafkaParticipant(Participant):
         return json.dumps(self.producer_config(tid), sort_keys=True, default=str), tid
 
     def _release(self, branch: BranchRef, producer: Any) -> None:
-        """A producer with no open transaction goes back to the cache for the next batch."""
-        PRODUCERS.put(self._cache_key(branch), producer)
+        """A producer with no open transaction goes back to the cache for the next batch
+        (``reuse_clients``), or is closed (it has no transaction to wait for)."""
+        if self.reuse_clients:
+            PRODUCERS.put(self._cache_key(branch), producer)
+        else:
+            producer.close()
 
     def _new_producer(self, branch: BranchRef) -> Any:
         """A producer for the branch's transactional.id, initialised: zombies are fenced."""
@@ -430,7 +453,7 @@ class KafkaParticipant(Participant):
         # A new attempt begins on this process's idle producer of the id if there is one;
         # a redo always starts a new one: it fences every older producer of the branch
         # before the marker and the log are read.
-        cached = PRODUCERS.take(self._cache_key(branch))
+        cached = PRODUCERS.take(self._cache_key(branch)) if self.reuse_clients else None
         if voted is not None:
             cached = None  # dropped: the init below fences it anyway
         producer = cached if cached is not None else self._new_producer(branch)
@@ -831,6 +854,7 @@ class KafkaParticipant(Participant):
             "keys": json.dumps(list(self.keys)) if len(self.keys) > 1 else None,
             "transaction_timeout_ms": self.transaction_timeout_ms,
             "connect_timeout_s": self.connect_timeout_s, "commit_retry_s": self.commit_retry_s,
+            "reuse_clients": self.reuse_clients,
         }
         secrets = []
         for k, v in self.config.items():
@@ -861,6 +885,7 @@ class KafkaParticipant(Participant):
             transaction_timeout_ms=int(o.get("transaction_timeout_ms", 600_000)),
             connect_timeout_s=float(o.get("connect_timeout_s", 30.0)),
             commit_retry_s=float(o.get("commit_retry_s", 120.0)),
+            reuse_clients=str(o.get("reuse_clients", False)).lower() == "true",
         )
 
 

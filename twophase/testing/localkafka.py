@@ -139,6 +139,16 @@ class LocalTansu(LocalServer):
         self.stop()
         raise KafkaUnavailable(f"tansu did not answer metadata requests within {timeout}s:\n{tail}")
 
+    def stop(self) -> None:
+        """Stop the broker, first closing this process's idle Kafka clients (the Kafka
+        participant keeps them for the next batch): left open, they would go on trying
+        to reconnect to the stopped broker, and logging it, until the process exits."""
+        from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
+
+        PRODUCERS.close_all()
+        MARKER_CONSUMERS.close_all()
+        super().stop()
+
     def restart(self, timeout: float = 30.0) -> LocalTansu:
         """Start the broker again on the same port and storage after :meth:`kill` (a
         crash). With memory storage it comes back empty; with S3 storage, with its log,
