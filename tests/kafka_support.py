@@ -118,3 +118,38 @@ def committed_offset(bootstrap: str, group: str, topic: str) -> int:
         return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
     finally:
         c.close()
+
+
+def kafka_branches_committed(cfg: Any, store_url: str) -> int:
+    """Every Kafka branch of every COMMITTED transaction of ``cfg`` (a ``JobConfig``)
+    reads COMMITTED over the wire through ``voted_status``, what recovery and ``twophase
+    resolve`` ask: its marker, or, where tansu left the marker unapplied, the partition
+    log from the vote's offsets (docs/kafka.md). Returns how many branches were checked."""
+    from twophase.coordinator.store import Store
+    from twophase.participant import BranchRef, BranchStatus
+    from twophase.protocol import parse_branch_id
+    from twophase.sinks.kafka import KafkaParticipant
+    from twophase.testing.job import build_participants
+
+    kafka = next(p for p in build_participants(cfg) if isinstance(p, KafkaParticipant))
+    store = Store(store_url, create=False)
+    checked = 0
+    try:
+        for row in store.list(sink=cfg.sink, limit=100000):
+            txn = row.txn
+            if txn.state.value != "COMMITTED":
+                continue
+            for bid, st in txn.branches.items():
+                name, partition = parse_branch_id(bid)
+                if name != kafka.name:
+                    continue
+                ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt, name,
+                                partition)
+                voted = dict(st.handle) if st.handle else None
+                assert kafka.voted_status(ref, voted) == BranchStatus.COMMITTED, \
+                    (bid, txn.key)
+                checked += 1
+    finally:
+        store.close()
+        kafka.close()
+    return checked

@@ -33,10 +33,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.kafka_support import real_kafka_servers
+from tests.kafka_support import kafka_branches_committed, real_kafka_servers
 from twophase import failpoints
-from twophase.participant import BranchRef, BranchStatus
-from twophase.protocol import parse_branch_id
 from twophase.testing.chaos import PER_BRANCH_POINTS, VICTIMS, points_for
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon
@@ -97,34 +95,6 @@ def _run_job(
 def _prepared(pg_dsn: str) -> list[str]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
-
-
-def _kafka_markers_all_committed(cfg: JobConfig, store_url: str) -> int:
-    """Every branch of every COMMITTED transaction shows COMMITTED (read over the wire)
-    through ``voted_status``: its marker, or, where tansu left the marker unapplied, the
-    partition log from the vote's offsets (docs/kafka.md); returns how many branches
-    were checked."""
-    from twophase.coordinator.store import Store
-
-    [part] = build_participants(cfg)
-    store = Store(store_url, create=False)
-    checked = 0
-    try:
-        for row in store.list(sink=cfg.sink, limit=100000):
-            txn = row.txn
-            if txn.state.value != "COMMITTED":
-                continue
-            for bid, st in txn.branches.items():
-                name, partition = parse_branch_id(bid)
-                ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, txn.attempt, name,
-                                partition)
-                voted = dict(st.handle) if st.handle else None
-                assert part.voted_status(ref, voted) == BranchStatus.COMMITTED, (bid, txn.key)
-                checked += 1
-    finally:
-        store.close()
-        part.close()
-    return checked
 
 
 def run_case(
@@ -193,7 +163,7 @@ def run_case(
     if kind == "postgres":
         assert _prepared(pg_dsn) == []
     if kind == "kafka":
-        assert _kafka_markers_all_committed(cfg, store) >= 2 * (BATCHES + 1)
+        assert kafka_branches_committed(cfg, store) >= 2 * (BATCHES + 1)
     return report.systems
 
 

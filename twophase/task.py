@@ -197,18 +197,18 @@ def _finish_commit(
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
-        if is_empty_branch(plan.handles.get(bid)):
+        voted = plan.handles.get(bid)
+        if is_empty_branch(voted):
             acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
             continue
         tc = time.perf_counter()
-        action = recovery_action(Decision.COMMIT, part.voted_status(ref, plan.handles.get(bid)))
+        action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted))
         if action == RecoveryAction.COMMIT:
-            _apply(part, ref, plan.handles.get(bid), Decision.COMMIT)
+            _apply(part, ref, voted, Decision.COMMIT)
         elif action == RecoveryAction.REDO:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
             _check_redo(plan, part, partition, schema, batches)
-            voted = plan.handles.get(bid)
             _apply(part, ref, part.redo(ref, schema, batches, voted), Decision.COMMIT)
             out.redone += 1
         acks.append((bid, Decision.COMMIT))
