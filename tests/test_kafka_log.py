@@ -77,6 +77,56 @@ def test_judge_counts_open_aborted_and_a_consumer_that_disagrees() -> None:
     assert judge_log(closed, "id", []).mismatch == 1
 
 
+def _at(offset: int, pid: int, epoch: int, *ids_: int) -> LogBatch:
+    return LogBatch(offset, pid, epoch, True, False, next_offset=offset + len(ids_),
+                    values=tuple(json.dumps({"id": i}).encode() for i in ids_))
+
+
+def _marker_at(offset: int, pid: int, epoch: int, commit: bool = True) -> LogBatch:
+    return LogBatch(offset, pid, epoch, True, True, commit=commit, next_offset=offset + 1)
+
+
+# The partition of the tansu-restart flake (docs/chaos.md "tansu restarted mid-batch"):
+# producer 2 epoch 0's records at 2..4, its COMMIT marker's offset 5 reserved by tansu and
+# never written (killed mid-EndTxn), producer 1's marker and next transaction after it.
+LOST = [_at(0, 1, 0, 1, 2), _at(2, 2, 0, 10, 11, 12), _marker_at(6, 1, 0),
+        _at(7, 1, 2, 3), _marker_at(8, 1, 2)]
+
+
+def test_a_gap_after_an_open_transaction_is_reported() -> None:
+    log = replay(0, LOST, high_watermark=9)
+    assert log.gaps == [(5, 6)] and log.open_txns[2].epochs == (0,)
+    assert (log.open_txns[2].first_offset, log.open_txns[2].end_offset) == (2, 5)
+    assert ids(log.open[2]) == [10, 11, 12] and ids(log.committed) == [1, 2, 3]
+    end = replay(0, LOST[:2], high_watermark=6)  # the marker was the last write
+    assert end.gaps == [(5, 6)]
+
+
+def test_lost_marker_settled_only_by_the_brokers_recorded_outcome() -> None:
+    """An open transaction is settled only with the broker's recorded outcome for its
+    (producer, epoch) and a reserved, never written offset after it; anything else
+    stays open (the verdict must never hide a transaction that is really open)."""
+    from twophase.sinks.kafka.log import TopicLog, settle_lost_markers
+
+    log = TopicLog("t", [replay(0, LOST, high_watermark=9)])
+    settled, lost = settle_lost_markers(log, {(2, 0): True, (1, 0): True})
+    assert ids(settled.committed) == [1, 2, 3, 10, 11, 12] and settled.open_transactions == 0
+    assert [(x.producer_id, x.producer_epoch, x.rows, x.committed, x.gap) for x in lost] \
+        == [(2, 0, 3, True, (5, 6))]
+    assert "COMMITTED by the broker's transaction state" in lost[0].describe()
+    assert log.open_transactions == 1  # the input is left as it was
+    aborted, _ = settle_lost_markers(log, {(2, 0): False})
+    assert ids(aborted.aborted) == [10, 11, 12] and aborted.open_transactions == 0
+    for outcomes in ({}, {(2, 1): True}, {(1, 0): True}):  # still open, or another epoch
+        still, none = settle_lost_markers(log, outcomes)
+        assert still.open_transactions == 1 and none == []
+    no_gap = TopicLog("t", [replay(0, [_at(0, 2, 0, 10), _marker_at(1, 1, 0)], 2)])
+    still, none = settle_lost_markers(no_gap, {(2, 0): True})
+    assert still.open_transactions == 1 and none == []  # no reserved offset: not a lost write
+    two_epochs = TopicLog("t", [replay(0, [_at(0, 2, 0, 10), _at(1, 2, 1, 11)], 3)])
+    assert settle_lost_markers(two_epochs, {(2, 0): True, (2, 1): True})[1] == []
+
+
 # -- over the wire (tansu) ---------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ that applies a transaction's offset commit late (tansu, see ``docs/kafka.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import struct
@@ -39,8 +40,9 @@ from twophase.errors import ParticipantError
 from twophase.participant import ReadBack
 
 __all__ = [
-    "BranchInLog", "LogBatch", "PartitionLog", "TopicLog", "count_tagged", "decode_batches",
-    "fetch_partition", "judge_log", "read_branch", "read_log", "replay",
+    "BranchInLog", "LogBatch", "LostMarker", "OpenTxn", "PartitionLog", "TopicLog",
+    "count_tagged", "decode_batches", "fetch_partition", "judge_log", "read_branch",
+    "read_log", "replay", "settle_lost_markers",
 ]
 
 _FETCH = 1
@@ -64,6 +66,16 @@ class LogBatch:
     tag: tuple[tuple[str, bytes], ...] = ()  # data batch: its first record's headers
 
 
+@dataclass(frozen=True)
+class OpenTxn:
+    """Where a producer's still-open transaction sits in a partition."""
+
+    producer_id: int
+    epochs: tuple[int, ...]  # the producer epochs of its batches
+    first_offset: int
+    end_offset: int  # the offset after its last batch
+
+
 @dataclass
 class PartitionLog:
     """One partition's records, sorted by what Kafka's rule makes of them."""
@@ -74,6 +86,11 @@ class PartitionLog:
     aborted: list[bytes | None] = field(default_factory=list)
     # producer id -> records of its transaction still open at the end of the log
     open: dict[int, list[bytes | None]] = field(default_factory=dict)
+    open_txns: dict[int, OpenTxn] = field(default_factory=dict)
+    # [start, end) offset ranges below the high watermark that hold no batch: on a
+    # broker that reserves an offset before it writes the batch (tansu), a write cut
+    # by a crash (see settle_lost_markers)
+    gaps: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,16 +127,95 @@ def replay(partition: int, batches: Iterable[LogBatch], high_watermark: int = 0)
     """
     out = PartitionLog(partition, high_watermark)
     pending: dict[int, list[bytes | None]] = {}
+    where: dict[int, list[LogBatch]] = {}
+    end: int | None = None
     for b in batches:
+        if end is not None and b.offset > end:
+            out.gaps.append((end, b.offset))
+        end = max(end or 0, b.next_offset)
         if b.control:
             done = pending.pop(b.producer_id, [])
+            where.pop(b.producer_id, None)
             (out.committed if b.commit else out.aborted).extend(done)
         elif b.transactional:
             pending.setdefault(b.producer_id, []).extend(b.values)
+            where.setdefault(b.producer_id, []).append(b)
         else:
             out.committed.extend(b.values)
+    if end is not None and high_watermark > end:
+        out.gaps.append((end, high_watermark))
     out.open = {pid: vals for pid, vals in pending.items()}
+    out.open_txns = {
+        pid: OpenTxn(pid, tuple(sorted({b.producer_epoch for b in bs})), bs[0].offset,
+                     bs[-1].next_offset)
+        for pid, bs in where.items()
+    }
     return out
+
+
+@dataclass(frozen=True)
+class LostMarker:
+    """An open transaction settled from the broker's own transaction state."""
+
+    partition: int
+    producer_id: int
+    producer_epoch: int
+    first_offset: int
+    end_offset: int
+    rows: int
+    committed: bool
+    gap: tuple[int, int]  # the reserved offsets that never got their batch
+
+    def describe(self) -> str:
+        return (f"partition {self.partition}: {self.rows} rows of producer "
+                f"{self.producer_id} epoch {self.producer_epoch} at offsets "
+                f"{self.first_offset}..{self.end_offset - 1}, marker offset(s) "
+                f"{self.gap[0]}..{self.gap[1] - 1} reserved but never written, "
+                f"{'COMMITTED' if self.committed else 'ABORTED'} by the broker's "
+                "transaction state")
+
+
+def settle_lost_markers(
+    log: TopicLog, outcomes: Mapping[tuple[int, int], bool]
+) -> tuple[TopicLog, list[LostMarker]]:
+    """The log with the open transactions whose control marker a broker crash lost
+    settled by the broker's own record of their outcome.
+
+    Why: tansu (0.6.0, dynostore) ends a transaction in three steps: it stores
+    ``PrepareCommit``/``PrepareAbort``, writes each partition's marker (reserving the
+    offset in the watermark first, then writing the batch), then stores the outcome.
+    Killed between the first two, it leaves the transaction's records without a marker
+    and the reserved offset empty, and the producer's retried ``EndTxn`` (the state is
+    no longer ``Begin``) writes no marker but answers success. Kafka's coordinator
+    completes the markers of a prepared transaction after a crash; tansu never does.
+
+    ``outcomes`` maps (producer id, epoch) to the outcome the broker's transaction
+    coordinator recorded (True: commit decided, False: abort decided); a transaction
+    the broker still has open is not in it. An open transaction is settled only when it
+    has one epoch, that epoch has a recorded outcome, and the partition has a gap after
+    its records (the marker's reserved, never written offset). Any other open
+    transaction stays open: a genuinely open transaction is never hidden.
+    """
+    lost: list[LostMarker] = []
+    parts: list[PartitionLog] = []
+    for part in log.partitions:
+        new = dataclasses.replace(part, committed=list(part.committed),
+                                  aborted=list(part.aborted), open=dict(part.open),
+                                  open_txns=dict(part.open_txns))
+        for pid, txn in part.open_txns.items():
+            if len(txn.epochs) != 1:
+                continue
+            outcome = outcomes.get((pid, txn.epochs[0]))
+            gap = next((g for g in part.gaps if g[0] >= txn.end_offset), None)
+            if outcome is None or gap is None:
+                continue
+            values = new.open.pop(pid)
+            del new.open_txns[pid]
+            (new.committed if outcome else new.aborted).extend(values)
+            lost.append(LostMarker(part.partition, pid, txn.epochs[0], txn.first_offset,
+                                   txn.end_offset, len(values), outcome, gap))
+        parts.append(new)
+    return TopicLog(log.topic, parts, log.cluster_id), lost
 
 
 def decode_batches(data: bytes) -> list[LogBatch]:
@@ -231,21 +327,31 @@ def _fetch_once(
 
 def fetch_partition(
     host: str, port: int, topic: str, partition: int, *, timeout: float = 30.0,
-    start: int = 0,
+    start: int = 0, settle_s: float | None = None,
 ) -> tuple[int, list[LogBatch]]:
     """Every record batch of one partition from ``start`` to the high watermark read at
-    the first Fetch (later appends are left out: the verifier reads a settled topic)."""
+    the first Fetch (later appends are left out: the verifier reads a settled topic).
+
+    A broker may answer a high watermark whose last batch is not written yet (tansu
+    reserves the offset first): the read waits for it up to ``timeout`` and then fails,
+    unless ``settle_s`` is given: then offsets that stay empty that long are a gap (a
+    write a crash cut, see :func:`settle_lost_markers`) and the read ends there."""
     batches: list[LogBatch] = []
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
         correlation, offset = 1, start
         end, data = _fetch_once(sock, correlation, topic, partition, offset)
+        stuck_since: float | None = None
         while offset < end:
             got = [b for b in decode_batches(data) if b.next_offset > offset]
             if got:
                 batches.extend(got)
                 offset = got[-1].next_offset
+                stuck_since = None
             else:
+                stuck_since = stuck_since or time.monotonic()
+                if settle_s is not None and time.monotonic() - stuck_since > settle_s:
+                    break
                 if time.monotonic() > deadline:
                     raise ParticipantError(
                         f"verify: {topic!r} partition {partition} not read to offset {end} "
@@ -288,8 +394,12 @@ def _leaders(
         time.sleep(0.5)
 
 
-def read_log(config: Mapping[str, object], topic: str, *, timeout: float = 120.0) -> TopicLog:
-    """Every partition of ``topic`` fetched to its high watermark and replayed."""
+def read_log(
+    config: Mapping[str, object], topic: str, *, timeout: float = 120.0,
+    settle_s: float | None = None,
+) -> TopicLog:
+    """Every partition of ``topic`` fetched to its high watermark and replayed
+    (``settle_s``: see :func:`fetch_partition`)."""
     from twophase.sinks.kafka.config import common_config
 
     leaders, cluster_id = _leaders(common_config(config), topic, timeout)
@@ -297,7 +407,8 @@ def read_log(config: Mapping[str, object], topic: str, *, timeout: float = 120.0
     for pid in sorted(leaders):
         host, port = leaders[pid]
         try:
-            hwm, batches = fetch_partition(host, port, topic, pid, timeout=timeout)
+            hwm, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
+                                           settle_s=settle_s)
         except OSError as exc:
             raise ParticipantError(
                 f"verify: cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc} "

@@ -61,7 +61,13 @@ from twophase.sinks.kafka.config import (
     validate_topic,
 )
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
-from twophase.sinks.kafka.log import judge_log, read_branch, read_log
+from twophase.sinks.kafka.log import (
+    LostMarker,
+    judge_log,
+    read_branch,
+    read_log,
+    settle_lost_markers,
+)
 from twophase.sinks.kafka.readback import read_topic
 from twophase.wire import MAX_TEXT
 
@@ -814,18 +820,41 @@ class KafkaParticipant(Participant):
                 b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
             )
 
-    def read_back(self, column: str) -> ReadBack:
+    def read_back(
+        self, column: str, *, outcomes: Mapping[tuple[int, int], bool] | None = None
+    ) -> ReadBack:
         """The topic's committed rows rebuilt from its partition logs (COMMIT/ABORT
         markers, :mod:`~twophase.sinks.kafka.log`), cross-checked with a
         ``read_committed`` consumer when nothing is left open (see :func:`judge_log`),
-        except on the test brokers' tansu, whose ``read_committed`` view is not Kafka's."""
-        log = read_log(self.config, self.topic)
+        except on the test brokers' tansu, whose ``read_committed`` view is not Kafka's.
+
+        ``outcomes``: the suite's tansu's own record of its transactions ((producer id,
+        epoch) -> commit decided), read from its storage by a test that crashed it
+        (``LocalTansu.transaction_outcomes``); only there, an open transaction whose
+        marker the crash lost is settled by it (:func:`settle_lost_markers`) and named
+        in the note. Refused on any other broker."""
+        log = read_log(self.config, self.topic,
+                       settle_s=None if outcomes is None else 5.0)
         consumer: list[Any] | None = None
+        if outcomes is not None and log.cluster_id != TEST_BROKER_CLUSTER_ID:
+            raise ParticipantError(
+                f"{self.describe()}: transaction outcomes from the broker's storage are "
+                f"only used on the test suite's tansu (cluster id {TEST_BROKER_CLUSTER_ID!r}),"
+                f" not on cluster {log.cluster_id!r}"
+            )
+        lost: list[LostMarker] = []
+        if outcomes is not None:
+            log, lost = settle_lost_markers(log, outcomes)
         if log.cluster_id == TEST_BROKER_CLUSTER_ID:
             back = judge_log(log, column, None, value_column=self.value)
-            return dataclasses.replace(back, note=back.note + (
+            note = back.note + (
                 "; no read_committed cross-check on tansu (its read_committed view is "
-                "not Kafka's: docs/kafka.md)"))
+                "not Kafka's: docs/kafka.md)")
+            if lost:
+                note += (f"; {len(lost)} transaction(s) whose marker tansu lost when it was "
+                         "killed, settled by its stored transaction state: "
+                         + "; ".join(x.describe() for x in lost))
+            return dataclasses.replace(back, note=note)
         if not log.open_transactions:
             consumer = read_topic(self.config, self.topic, column, value_column=self.value)
         return judge_log(log, column, consumer, value_column=self.value)

@@ -156,6 +156,40 @@ class LocalTansu(LocalServer):
         assert self.dir is not None, "restart() needs a started broker"
         return self.start(timeout)
 
+    def transaction_outcomes(self) -> dict[tuple[int, int], bool]:
+        """This broker's own record of its transactions' outcomes, read from its S3
+        storage (``meta.json``, tansu 0.6.0's dynostore): (producer id, epoch) -> True
+        where it decided commit (``PrepareCommit`` or ``Committed``), False where abort
+        (``PrepareAbort`` or ``Aborted``); epochs still open (``Begin``) or never begun
+        are left out. Lets the verifier settle a transaction whose marker a crash lost
+        (``KafkaParticipant.read_back(outcomes=...)``, docs/chaos.md "tansu restarted
+        mid-batch"). Memory storage: nothing survives a crash, so {}."""
+        if self._s3 is None:
+            return {}
+        import json
+
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=self._s3["endpoint"], region_name=self._s3["region"],
+            aws_access_key_id=self._s3["access_key"],
+            aws_secret_access_key=self._s3["secret_key"])
+        bucket, _, prefix = self.storage.removeprefix("s3://").partition("/")
+        key = f"{prefix}clusters/{TEST_BROKER_CLUSTER_ID}/meta.json"
+        try:
+            meta = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        except client.exceptions.NoSuchKey:
+            return {}
+        decided = {"PrepareCommit": True, "Committed": True,
+                   "PrepareAbort": False, "Aborted": False}
+        out: dict[tuple[int, int], bool] = {}
+        for txn in meta.get("transactions", {}).values():
+            for epoch, detail in txn.get("epochs", {}).items():
+                state = detail.get("state")
+                if state in decided:
+                    out[(int(txn["producer"]), int(epoch))] = decided[state]
+        return out
+
     def _answers_metadata(self) -> bool:
         """True once the broker answers a Kafka Metadata request (not just a TCP accept)."""
         try:
