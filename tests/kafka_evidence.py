@@ -42,7 +42,7 @@ def log_lines(bootstrap: str, topic: str) -> list[str]:
     out = [f"topic {topic} cluster {cluster}"]
     for pid in sorted(leaders):
         host, port = leaders[pid]
-        hwm, batches = fetch_partition(host, port, topic, pid, timeout=30.0)
+        hwm, batches = fetch_partition(host, port, topic, pid, timeout=30.0, settle_s=5.0)
         out.append(f"partition {pid} high watermark {hwm}, {len(batches)} batches")
         fate: dict[int, str] = {}
         pending: dict[int, list[int]] = {}

@@ -104,8 +104,8 @@ def test_a_gap_after_an_open_transaction_is_reported() -> None:
 
 def test_lost_marker_settled_only_by_the_brokers_recorded_outcome() -> None:
     """An open transaction is settled only with the broker's recorded outcome for its
-    (producer, epoch) and a reserved, never written offset after it; anything else
-    stays open (the verdict must never hide a transaction that is really open)."""
+    (producer, epoch); anything else stays open (the verdict must never hide a
+    transaction that is really open)."""
     from twophase.sinks.kafka.log import TopicLog, settle_lost_markers
 
     log = TopicLog("t", [replay(0, LOST, high_watermark=9)])
@@ -120,9 +120,11 @@ def test_lost_marker_settled_only_by_the_brokers_recorded_outcome() -> None:
     for outcomes in ({}, {(2, 1): True}, {(1, 0): True}):  # still open, or another epoch
         still, none = settle_lost_markers(log, outcomes)
         assert still.open_transactions == 1 and none == []
+    # A partition the crashed EndTxn never reached keeps no reserved offset: settled too.
     no_gap = TopicLog("t", [replay(0, [_at(0, 2, 0, 10), _marker_at(1, 1, 0)], 2)])
-    still, none = settle_lost_markers(no_gap, {(2, 0): True})
-    assert still.open_transactions == 1 and none == []  # no reserved offset: not a lost write
+    settled, lost = settle_lost_markers(no_gap, {(2, 0): True})
+    assert settled.open_transactions == 0 and [x.gap for x in lost] == [None]
+    assert "no marker offset reserved" in lost[0].describe()
     two_epochs = TopicLog("t", [replay(0, [_at(0, 2, 0, 10), _at(1, 2, 1, 11)], 3)])
     assert settle_lost_markers(two_epochs, {(2, 0): True, (2, 1): True})[1] == []
 

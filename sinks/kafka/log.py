@@ -164,13 +164,14 @@ class LostMarker:
     end_offset: int
     rows: int
     committed: bool
-    gap: tuple[int, int]  # the reserved offsets that never got their batch
+    gap: tuple[int, int] | None  # reserved offsets after it that never got their batch
 
     def describe(self) -> str:
+        where = (f"marker offset(s) {self.gap[0]}..{self.gap[1] - 1} reserved but never "
+                 "written" if self.gap else "no marker offset reserved after it")
         return (f"partition {self.partition}: {self.rows} rows of producer "
                 f"{self.producer_id} epoch {self.producer_epoch} at offsets "
-                f"{self.first_offset}..{self.end_offset - 1}, marker offset(s) "
-                f"{self.gap[0]}..{self.gap[1] - 1} reserved but never written, "
+                f"{self.first_offset}..{self.end_offset - 1}, {where}, "
                 f"{'COMMITTED' if self.committed else 'ABORTED'} by the broker's "
                 "transaction state")
 
@@ -178,23 +179,25 @@ class LostMarker:
 def settle_lost_markers(
     log: TopicLog, outcomes: Mapping[tuple[int, int], bool]
 ) -> tuple[TopicLog, list[LostMarker]]:
-    """The log with the open transactions whose control marker a broker crash lost
+    """The log with the open transactions whose control markers a broker crash lost
     settled by the broker's own record of their outcome.
 
     Why: tansu (0.6.0, dynostore) ends a transaction in three steps: it stores
-    ``PrepareCommit``/``PrepareAbort``, writes each partition's marker (reserving the
-    offset in the watermark first, then writing the batch), then stores the outcome.
-    Killed between the first two, it leaves the transaction's records without a marker
-    and the reserved offset empty, and the producer's retried ``EndTxn`` (the state is
-    no longer ``Begin``) writes no marker but answers success. Kafka's coordinator
-    completes the markers of a prepared transaction after a crash; tansu never does.
+    ``PrepareCommit``/``PrepareAbort``, writes each partition's marker in turn
+    (reserving the offset in the watermark first, then writing the batch), then stores
+    the outcome. Killed in between, it leaves the transaction's records without markers
+    (the partition being written keeps a reserved, empty offset; the ones not reached
+    yet keep nothing), and the producer's retried ``EndTxn`` (the state is no longer
+    ``Begin``) writes no marker but answers success. Kafka's coordinator completes the
+    markers of a decided transaction after a crash; tansu never does.
 
     ``outcomes`` maps (producer id, epoch) to the outcome the broker's transaction
     coordinator recorded (True: commit decided, False: abort decided); a transaction
-    the broker still has open is not in it. An open transaction is settled only when it
-    has one epoch, that epoch has a recorded outcome, and the partition has a gap after
-    its records (the marker's reserved, never written offset). Any other open
-    transaction stays open: a genuinely open transaction is never hidden.
+    the broker still has open (``Begin``) is not in it. An open transaction is settled
+    only when all its batches have one epoch and that epoch has a recorded outcome; any
+    other stays open: a transaction that is really open is never hidden. Exact when an
+    epoch holds one transaction (a new producer per transaction, the participant's
+    default): the broker keeps one state per epoch.
     """
     lost: list[LostMarker] = []
     parts: list[PartitionLog] = []
@@ -206,9 +209,9 @@ def settle_lost_markers(
             if len(txn.epochs) != 1:
                 continue
             outcome = outcomes.get((pid, txn.epochs[0]))
-            gap = next((g for g in part.gaps if g[0] >= txn.end_offset), None)
-            if outcome is None or gap is None:
+            if outcome is None:
                 continue
+            gap = next((g for g in part.gaps if g[0] >= txn.end_offset), None)
             values = new.open.pop(pid)
             del new.open_txns[pid]
             (new.committed if outcome else new.aborted).extend(values)
