@@ -397,8 +397,9 @@ class KafkaParticipant(Participant):
 
     def _release(self, branch: BranchRef, producer: Any) -> None:
         """A producer with no open transaction goes back to the cache for the next batch
-        (``reuse_clients``), or is closed (it has no transaction to wait for)."""
-        if self.reuse_clients:
+        (``reuse_clients``) if it never saw a broker error, or is closed (it has no
+        transaction to wait for)."""
+        if self.reuse_clients and _healthy(producer):
             PRODUCERS.put(self._cache_key(branch), producer)
         else:
             producer.close()
@@ -408,7 +409,8 @@ class KafkaParticipant(Participant):
         from confluent_kafka import Producer
 
         tid = self.transactional_id(branch)
-        producer = Producer(self.producer_config(tid))
+        cfg = self.producer_config(tid)
+        producer = _txn_producer(Producer, cfg) if self.reuse_clients else Producer(cfg)
         try:
             producer.init_transactions(self.connect_timeout_s)
         except Exception as exc:
@@ -460,6 +462,14 @@ class KafkaParticipant(Participant):
         # a redo always starts a new one: it fences every older producer of the branch
         # before the marker and the log are read.
         cached = PRODUCERS.take(self._cache_key(branch)) if self.reuse_clients else None
+        if cached is not None and not _healthy(cached):
+            # It saw a broker error while idle (a broker restart): librdkafka's cached
+            # coordinator can then block send_offsets_to_transaction past its timeout
+            # (confluentinc/librdkafka#5456), so it is closed (no transaction is open)
+            # and a new one is initialised.
+            with contextlib.suppress(Exception):
+                cached.close()
+            cached = None
         if voted is not None:
             cached = None  # dropped: the init below fences it anyway
         producer = cached if cached is not None else self._new_producer(branch)
@@ -851,8 +861,10 @@ class KafkaParticipant(Participant):
                 "; no read_committed cross-check on tansu (its read_committed view is "
                 "not Kafka's: docs/kafka.md)")
             if lost:
-                note += (f"; {len(lost)} transaction(s) whose marker tansu lost when it was "
-                         "killed, settled by its stored transaction state: "
+                txns = len({(x.producer_id, x.producer_epoch) for x in lost})
+                note += (f"; {txns} transaction(s) whose markers tansu lost when it was "
+                         f"killed ({len(lost)} partition(s)), settled by its stored "
+                         "transaction state: "
                          + "; ".join(x.describe() for x in lost))
             return dataclasses.replace(back, note=note)
         if not log.open_transactions:
@@ -916,6 +928,39 @@ class KafkaParticipant(Participant):
             commit_retry_s=float(o.get("commit_retry_s", 120.0)),
             reuse_clients=str(o.get("reuse_clients", False)).lower() == "true",
         )
+
+
+_PRODUCER_TYPES: dict[type, type] = {}
+
+
+def _txn_producer(base: type, config: Mapping[str, object]) -> Any:
+    """A ``base`` (confluent_kafka's Producer) that keeps the errors librdkafka reports
+    to its ``error_cb`` (a broker disconnect, all brokers down, ...) in
+    ``broker_errors``; they are collected whenever its events are served (poll, flush,
+    the transactional calls)."""
+    kind = _PRODUCER_TYPES.get(base)
+    if kind is None:
+        kind = _PRODUCER_TYPES[base] = type("TxnProducer", (base,), {})
+    errors: list[str] = []
+
+    def note(err: Any) -> None:
+        errors.append(f"{err.name()}: {err.str()}")
+
+    producer = kind({**config, "error_cb": note})
+    producer.broker_errors = errors
+    return producer
+
+
+def _healthy(producer: Any) -> bool:
+    """No broker error since the producer was created (its pending events served
+    first): only such a producer is kept for the next batch. A producer that lived
+    through a broker restart (disconnects while idle) is not: librdkafka's cached
+    group coordinator can block ``send_offsets_to_transaction`` past its timeout
+    (confluentinc/librdkafka#5456, #5511), seen as a 9-minute hang after a tansu
+    restart (docs/kafka.md, "Producer reuse")."""
+    with contextlib.suppress(Exception):
+        producer.poll(0)
+    return not getattr(producer, "broker_errors", ())
 
 
 class _Refusal(TwophaseError):

@@ -60,6 +60,7 @@ class JobConfig:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
+    kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
     partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
@@ -152,7 +153,8 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
-                             config={"bootstrap.servers": cfg.kafka_bootstrap})
+                             config={"bootstrap.servers": cfg.kafka_bootstrap},
+                             reuse_clients=cfg.kafka_reuse)
         )
     if not parts:
         raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap")
