@@ -300,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     rss = WorkerRss()
     summary: dict[str, float] = {}
     try:
+        # A is a plain foreachBatch job: like any PySpark job using pyarrow on the
+        # workers, it must name an interpreter that has it (pip-installed PySpark reads
+        # only PYSPARK_PYTHON and otherwise runs `python3`; TransactionalSink chooses the
+        # driver's own in local mode by itself).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         spark = spark_session()
         print(f"e2e: Spark {spark.version} local[2], PostgreSQL + Parquet, {args.pairs} pairs, "
               f"{args.batches} measured batches per run, work dir {work}", flush=True)
