@@ -23,9 +23,9 @@ warms up and is not measured, the next ``--batches`` are.
   it (no repartition); each task streams its Arrow batches into psycopg ``COPY ... FROM
   STDIN (FORMAT csv)`` (pyarrow-built CSV, the participant's own encoder) and into one
   pyarrow Parquet file (fsync, rename, directory fsync), with ``--kafka`` also into a
-  plain idempotent confluent_kafka producer (no transaction; the row as JSON, no key, as
-  ``KafkaParticipant`` encodes it; flushed, delivery reports checked), commits, reports
-  its row count.
+  plain idempotent confluent_kafka producer (no transaction; one per worker process,
+  kept for its next tasks; the row as JSON, no key, as ``KafkaParticipant`` encodes it;
+  flushed, delivery reports checked), commits, reports its row count.
 - B, exactly-once: ``TransactionalSink`` with ``PostgresParticipant`` and
   ``StagedFileParticipant`` (Parquet) (and ``KafkaParticipant``; ``--kafka-reuse``: with
   ``reuse_clients=True``) and an embedded SQLite coordinator.
@@ -68,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -114,8 +115,15 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str,
 
                 from twophase.jsoncodec import json_rows
 
-                producer = Producer({"bootstrap.servers": kafka[0], "enable.idempotence": True,
-                                     "acks": "all"})
+                # One producer per worker process, kept for the next tasks, as a careful
+                # job keeps it: a new idempotent producer waits 0.5-1 s for its producer
+                # id (librdkafka's timer) before its first flush returns.
+                kept = sys.modules.setdefault("_e2e_kafka", types.ModuleType("_e2e_kafka"))
+                producer = kept.__dict__.get(kafka[0])
+                if producer is None:
+                    producer = Producer({"bootstrap.servers": kafka[0],
+                                         "enable.idempotence": True, "acks": "all"})
+                    kept.__dict__[kafka[0]] = producer
 
             def delivered(err: Any, _msg: Any) -> None:
                 if err is not None:
