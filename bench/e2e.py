@@ -5,30 +5,57 @@ Reproduce (from the repository root, in the README's venv, ``bash scripts/test.s
 
     .venv/bin/python bench/e2e.py                               # full: 7 pairs, 10k/100k/1M + empty
     .venv/bin/python bench/e2e.py --pairs 2 --sizes 10000,100000 --batches 3   # quick look
+    .venv/bin/python bench/e2e.py --kafka --sizes 10000 --pairs 2   # + a Kafka topic on tansu
+    .venv/bin/python bench/e2e.py --sizes 1000000 --pairs 2 --batches 2 --no-empty \\
+        --fresh-workers                                          # peak RSS per task at 1M
 
 A private PostgreSQL server (``twophase.testing.localpg``, fsync on) and one Spark session
 (local[2], 2 shuffle partitions, as the reference job) are started here and stopped at the
-end; files and checkpoints go to a temporary folder (``--dir`` to choose the disk).
+end; files and checkpoints go to a temporary folder (``--dir`` to choose the disk). With
+``--kafka`` a private tansu broker (``twophase.testing.localkafka``, memory storage) too.
 
 The query: a file source (one Parquet file per micro-batch, ``maxFilesPerTrigger=1``,
 ``availableNow``) of the reference job's events. Each run is a new query on a fresh
-checkpoint, a fresh table and a fresh output folder; its first batch warms up and is not
-measured, the next ``--batches`` are.
+checkpoint, a fresh table, a fresh output folder (and a fresh topic); its first batch
+warms up and is not measured, the next ``--batches`` are.
 
 - A, at-least-once: ``foreachBatch`` runs ``mapInArrow`` over the batch as Spark gives
   it (no repartition); each task streams its Arrow batches into psycopg ``COPY ... FROM
   STDIN (FORMAT csv)`` (pyarrow-built CSV, the participant's own encoder) and into one
-  pyarrow Parquet file (fsync, rename, directory fsync), commits, reports its row count.
+  pyarrow Parquet file (fsync, rename, directory fsync), with ``--kafka`` also into a
+  plain idempotent confluent_kafka producer (no transaction; one per worker process,
+  kept for its next tasks; the row as JSON, no key, as ``KafkaParticipant`` encodes it;
+  flushed, delivery reports checked), commits, reports its row count.
 - B, exactly-once: ``TransactionalSink`` with ``PostgresParticipant`` and
-  ``StagedFileParticipant`` (Parquet) and an embedded SQLite coordinator.
+  ``StagedFileParticipant`` (Parquet) (and ``KafkaParticipant``; ``--kafka-reuse``: with
+  ``reuse_clients=True``) and an embedded SQLite coordinator.
 
 Pairs alternate (A,B then B,A ...). Printed per size: rows/s ratio B/A per pair and its
 median; added latency per batch (p50, p99 of B's batch time minus A's, batch for batch
-within a pair; p99 is the maximum below 100 samples); peak RSS of the Python workers
-during each run (median over pairs); and, once, the restart cost: query ``start()`` to the
-end of the first batch, B minus A (the sink's coordinator start, register and checks).
+within a pair; p99 is the maximum below 100 samples); peak RSS of a Python worker process
+during each run (median over pairs; see ``WorkerRss``: with ``--fresh-workers`` Spark
+starts a new worker for every task, so it is the peak of one task); and, once, the
+restart cost: query ``start()`` to the end of the first batch, B minus A (the sink's
+coordinator start, register and checks).
+
+The empty section measures two things:
+
+- the empty *file*: a micro-batch that reads one input file with no rows. Spark runs a
+  job on both sides to find it empty (its emptiness is in the Parquet footer);
+- the empty *relation*: after that query has run, each side's foreachBatch function (the
+  very function Spark calls with each micro-batch) is called directly, for
+  ``--empty-relations`` consecutive batch ids (on the query's lineage: this thread takes
+  over the query id Spark sets on its stream thread), with
+  ``spark.createDataFrame([], schema)`` of the query's schema: local rows, none at all
+  (PySpark makes them an RDD of ``spark.default.parallelism`` empty partitions, 2 here;
+  the bench checks the sink's ``_input_partitions`` says 0). B settles such a batch with
+  two coordinator calls and no Spark job (``TransactionalSink._settle_empty``); A runs
+  its ``mapInArrow`` + ``collect`` as for any batch: a Spark job of 2 tasks over the
+  empty partitions. Each call is timed alone.
+
 The last line sums it up for the project's goals (ratio >= 0.8 at 100k, >= 0.9 at 1M,
-added p50 at 100k <= 150 ms, empty batch p50 <= 100 ms).
+added p50 at 100k <= 150 ms, empty batch p50 <= 100 ms): ``empty_batch_p50`` is B's p50
+for the empty file, ``empty_relation_p50`` B's p50 for the empty relation.
 """
 
 from __future__ import annotations
@@ -41,8 +68,10 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +87,10 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 # --------------------------------------------------------------------------- A's task
 
 
-def _at_least_once_writer(dsn: str, table: str, out_dir: str) -> Callable[..., Any]:
-    """A's ``mapInArrow`` function: stream the partition into COPY and one Parquet file."""
+def _at_least_once_writer(dsn: str, table: str, out_dir: str,
+                          kafka: tuple[str, str] | None) -> Callable[..., Any]:
+    """A's ``mapInArrow`` function: stream the partition into COPY, one Parquet file and,
+    with ``kafka`` = (bootstrap, topic), a plain idempotent producer (at-least-once)."""
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import itertools
@@ -78,6 +109,26 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str) -> Callable[..., A
         first = next(it, None)
         rows = 0
         if first is not None:
+            producer, errors = None, []
+            if kafka is not None:
+                from confluent_kafka import Producer
+
+                from twophase.jsoncodec import json_rows
+
+                # One producer per worker process, kept for the next tasks, as a careful
+                # job keeps it: a new idempotent producer waits 0.5-1 s for its producer
+                # id (librdkafka's timer) before its first flush returns.
+                kept = sys.modules.setdefault("_e2e_kafka", types.ModuleType("_e2e_kafka"))
+                producer = kept.__dict__.get(kafka[0])
+                if producer is None:
+                    producer = Producer({"bootstrap.servers": kafka[0],
+                                         "enable.idempotence": True, "acks": "all"})
+                    kept.__dict__[kafka[0]] = producer
+
+            def delivered(err: Any, _msg: Any) -> None:
+                if err is not None:
+                    errors.append(err)
+
             final = Path(out_dir) / f"part-{uuid.uuid4().hex}-{part:05d}.parquet"
             tmp = final.with_name("." + final.name + ".tmp")
             stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
@@ -90,10 +141,23 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str) -> Callable[..., A
                         for chunk in csv_chunks(b):
                             copy.write(memoryview(chunk))
                         writer.write_batch(b)
+                        if producer is not None:
+                            assert kafka is not None
+                            for value in json_rows(b):
+                                while True:
+                                    try:
+                                        producer.produce(kafka[1], value, on_delivery=delivered)
+                                        break
+                                    except BufferError:  # local queue full: serve reports
+                                        producer.poll(0.05)
                         rows += b.num_rows
                     writer.close()
                     raw.flush()
                     os.fsync(raw.fileno())
+                if producer is not None:
+                    left = producer.flush(60)
+                    if errors or left:
+                        raise RuntimeError(f"kafka: {left} not delivered, errors {errors[:1]}")
                 if rows:
                     os.replace(tmp, final)
                     fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -110,19 +174,42 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str) -> Callable[..., A
 # --------------------------------------------------------------------------- RSS sampler
 
 
+def _status(pid: int, key: str) -> int:
+    """A ``/proc/PID/status`` size field in bytes (0 when gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class WorkerRss:
-    """Peak resident memory of this process's Python worker descendants (pyspark.daemon
-    and its forks), sampled every 20 ms while armed; other users' Spark is not counted."""
+    """Peak resident memory of each Python worker process of this process's Spark, per run.
+
+    The workers are the processes ``pyspark.daemon`` forks (the daemon itself, a small
+    fork server, is not counted; other users' Spark is not either). The peak of a process
+    is the kernel's own high-water mark (``VmHWM``), read every 20 ms while armed, so a
+    short spike between two reads is not missed. ``arm()`` resets it (``clear_refs``) in
+    the workers alive then, so a reused worker reports this run's peak, not its lifetime's;
+    but memory an earlier run left in pyarrow's allocator still counts. With Spark's
+    ``spark.python.worker.reuse=false`` (``--fresh-workers``) every task runs in a new
+    worker: the figure is then the peak of one task.
+    """
 
     def __init__(self) -> None:
-        self.peak = 0
-        self._pids: list[int] = []
+        self.peaks: dict[int, int] = {}  # worker pid -> its peak RSS this run
+        self._daemons: set[int] = set()
+        self._lock = threading.Lock()
         self._armed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def _descendants(self) -> list[int]:
+    @staticmethod
+    def _parents() -> dict[int, int]:
         parent: dict[int, int] = {}
         for d in os.listdir("/proc"):
             if d.isdigit():
@@ -132,20 +219,42 @@ class WorkerRss:
                     parent[int(d)] = int(fields[1])
                 except (OSError, IndexError, ValueError):
                     continue
-        me, out = os.getpid(), []
+        return parent
+
+    @staticmethod
+    def _is_daemon_cmd(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"pyspark.daemon" in f.read()
+        except OSError:
+            return False
+
+    def _find_daemons(self) -> set[int]:
+        """pyspark.daemon processes descending from this one whose parent is not one."""
+        parent, me = self._parents(), os.getpid()
+        out = set()
         for pid in parent:
             p, seen = pid, 0
             while p in parent and p != me and seen < 50:
                 p, seen = parent[p], seen + 1
-            if p == me and pid != me:
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        cmd = f.read()
-                except OSError:
-                    continue
-                if b"pyspark.daemon" in cmd:  # the daemon and its forked workers
-                    out.append(pid)
+            if p == me and pid != me and self._is_daemon_cmd(pid) \
+                    and not self._is_daemon_cmd(parent[pid]):
+                out.add(pid)
         return out
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        out: list[int] = []
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    out.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            pass
+        return out
+
+    def _workers(self) -> list[int]:
+        return [c for d in self._daemons for c in self._children(d)]
 
     def _loop(self) -> None:
         last_scan = 0.0
@@ -153,104 +262,201 @@ class WorkerRss:
             if not self._armed.wait(0.2):
                 continue
             now = time.monotonic()
-            if now - last_scan > 0.5:
-                self._pids, last_scan = self._descendants(), now
-            for pid in self._pids:
-                try:
-                    with open(f"/proc/{pid}/status") as f:
-                        for line in f:
-                            if line.startswith("VmRSS:"):
-                                self.peak = max(self.peak, int(line.split()[1]) * 1024)
-                                break
-                except OSError:
-                    continue
+            if now - last_scan > 1.0:
+                self._daemons, last_scan = self._find_daemons(), now
+            with self._lock:
+                for pid in self._workers():
+                    hwm = _status(pid, "VmHWM:")
+                    if hwm:
+                        self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
             time.sleep(0.02)
 
     def arm(self) -> None:
-        self.peak = 0
+        self._daemons = self._find_daemons()
+        for pid in self._workers():  # a reused worker: count this run's peak only
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        with self._lock:
+            self.peaks = {}
         self._armed.set()
 
-    def disarm(self) -> int:
-        self._armed.clear()
+    def disarm(self) -> list[int]:
+        """Every worker's peak RSS during the run (bytes), highest first."""
         time.sleep(0.05)
-        return self.peak
+        self._armed.clear()
+        with self._lock:
+            return sorted(self.peaks.values(), reverse=True)
 
 
 # --------------------------------------------------------------------------- one run
 
 
+@dataclass
 class Run:
     """One query over one input folder with one writer; batch times from inside
     ``foreachBatch``."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []  # per batch, seconds (warm-up first)
-        self.rows: list[int] = []
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.started = 0.0
-        self.rss = 0
+    times: list[float] = field(default_factory=list)  # per batch, seconds (warm-up first)
+    rows: list[int] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    started: float = 0.0
+    workers: list[int] = field(default_factory=list)  # peak RSS per worker process
+    relation: list[float] = field(default_factory=list)  # empty-relation calls, seconds
+    kafka_rows: int | None = None  # rows found in the topic's log (checked runs only)
+
+    @property
+    def rss(self) -> int:
+        return self.workers[0] if self.workers else 0
 
 
-def run_query(spark: Any, input_dir: str, work: Path, variant: str, dsn: str,
-              rss: WorkerRss) -> Run:
+@dataclass
+class Setup:
+    """What every run shares."""
+
+    spark: Any
+    work: Path
+    dsn: str
+    rss: WorkerRss
+    kafka: str | None = None  # bootstrap servers of the private tansu
+    kafka_reuse: bool = False
+
+
+def _new_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 2)]).values():
+        future.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        t = admin.list_topics(topic=topic, timeout=10).topics.get(topic)
+        if t is not None and t.error is None and len(t.partitions) == 2:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"kafka topic {topic} did not appear")
+
+
+def _drop_topic(bootstrap: str, topic: str) -> None:
+    try:  # frees tansu's memory; best effort
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        for future in admin.delete_topics([topic]).values():
+            future.result(timeout=10)
+    except Exception:
+        pass
+
+
+def _kafka_rows(bootstrap: str, topic: str) -> int:
+    """Records the topic's log shows committed (plain records count as committed)."""
+    from twophase.sinks.kafka.log import read_log
+
+    return len(read_log({"bootstrap.servers": bootstrap}, topic, timeout=60).committed)
+
+
+def _relation_partitions(df: Any) -> int | None:
+    try:
+        from twophase.driver import _input_partitions
+    except ImportError:  # an older twophase: no such rule
+        return None
+    return _input_partitions(df)
+
+
+def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: int = 0,
+              check_kafka: bool = False) -> Run:
     from twophase.driver import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
 
+    spark, work, dsn = setup.spark, setup.work, setup.dsn
     tag = uuid.uuid4().hex[:10]
     table, out_dir, ckpt = f"e2e_{variant.lower()}_{tag}", work / f"out-{tag}", work / f"ck-{tag}"
+    topic = f"e2e-{variant.lower()}-{tag}"
     out_dir.mkdir()
+    if setup.kafka:
+        _new_topic(setup.kafka, topic)
     pg = PostgresParticipant(dsn=dsn, table=table)
     result = Run()
     sink: TransactionalSink | None = None
+    last_batch: list[int] = []
     if variant == "A":
         from twophase.driver import _arrow_schema
 
-        writer = _at_least_once_writer(dsn, table, str(out_dir))
+        writer = _at_least_once_writer(
+            dsn, table, str(out_dir), (setup.kafka, topic) if setup.kafka else None)
         checked: list[bool] = []
 
-        def write(df: Any, batch_id: int) -> None:
-            t0 = time.perf_counter()
+        def write(df: Any, batch_id: int) -> int:
             if not checked:  # the same table as B's participant creates
                 pg.check(_arrow_schema(df))
                 pg.close()
                 checked.append(True)
-            rows = df.mapInArrow(writer, "rows long").collect()
-            result.rows.append(sum(int(r["rows"]) for r in rows))
-            t1 = time.perf_counter()
-            result.starts.append(t0)
-            result.ends.append(t1)
-            result.times.append(t1 - t0)
+            return sum(int(r["rows"]) for r in df.mapInArrow(writer, "rows long").collect())
     else:
+        parts: list[Any] = [pg, StagedFileParticipant(str(out_dir), "parquet")]
+        if setup.kafka:
+            from twophase.sinks.kafka import KafkaParticipant
+
+            extra = {"reuse_clients": True} if setup.kafka_reuse else {}
+            parts.append(KafkaParticipant(topic, {"bootstrap.servers": setup.kafka}, **extra))
         sink = TransactionalSink(
-            f"e2e{tag}", [pg, StagedFileParticipant(str(out_dir), "parquet")],
-            coordinator=f"sqlite:///{work / f'coord-{tag}.db'}", vote_timeout=120.0,
+            f"e2e{tag}", parts, coordinator=f"sqlite:///{work / f'coord-{tag}.db'}",
+            vote_timeout=120.0,
         )
 
-        def write(df: Any, batch_id: int) -> None:
-            t0 = time.perf_counter()
+        def write(df: Any, batch_id: int) -> int:
             assert sink is not None
             sink(df, batch_id)
-            t1 = time.perf_counter()
-            result.rows.append(sink.history[-1].rows)
-            result.starts.append(t0)
-            result.ends.append(t1)
-            result.times.append(t1 - t0)
+            return sink.history[-1].rows
 
-    rss.arm()
+    def timed(df: Any, batch_id: int) -> None:
+        """What Spark calls per micro-batch: the writer, timed from inside."""
+        t0 = time.perf_counter()
+        result.rows.append(write(df, batch_id))
+        t1 = time.perf_counter()
+        result.starts.append(t0)
+        result.ends.append(t1)
+        result.times.append(t1 - t0)
+        last_batch[:] = [batch_id]
+
+    setup.rss.arm()
     result.started = time.perf_counter()
     try:
         q = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
-             .parquet(input_dir).writeStream.foreachBatch(write)
+             .parquet(input_dir).writeStream.foreachBatch(timed)
              .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
         q.awaitTermination()
+        result.workers = setup.rss.disarm()
+        if empty_relations:
+            empty = spark.createDataFrame([], EVENT_DDL)
+            n_in = _relation_partitions(empty)
+            if n_in not in (0, None):
+                raise RuntimeError(f"the empty relation has {n_in} input partitions, not 0")
+            # Spark's stream thread carries the query's id (the sink's lineage) as a local
+            # property; this thread takes it over for the batch ids Spark would give next.
+            sc = spark.sparkContext
+            sc.setLocalProperty("sql.streaming.queryId", str(q.id))
+            try:
+                for i in range(empty_relations):
+                    t0 = time.perf_counter()
+                    write(empty, last_batch[0] + 1 + i)
+                    result.relation.append(time.perf_counter() - t0)
+            finally:
+                sc.setLocalProperty("sql.streaming.queryId", None)
+        if check_kafka and setup.kafka:
+            result.kafka_rows = _kafka_rows(setup.kafka, topic)
     finally:
-        result.rss = rss.disarm()
+        setup.rss.disarm()
         if sink is not None:
             sink.close()
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
+        if setup.kafka:
+            _drop_topic(setup.kafka, topic)
         try:
             import psycopg
             from psycopg import sql
@@ -287,27 +493,68 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=7, help="A/B pairs per size")
     ap.add_argument("--batches", type=int, default=5, help="measured batches per run")
     ap.add_argument("--empty-batches", type=int, default=10,
-                    help="measured empty batches per run of the empty-batch section")
-    ap.add_argument("--no-empty", action="store_true", help="skip the empty-batch section")
+                    help="measured empty-file batches per run of the empty section")
+    ap.add_argument("--empty-relations", type=int, default=10,
+                    help="empty-relation calls per run of the empty section: each side's "
+                         "foreachBatch function called directly with a DataFrame of no "
+                         "row (spark.createDataFrame([], schema)), the function Spark "
+                         "calls per micro-batch; B settles it with no Spark job, A runs its "
+                         "job over the empty partitions")
+    ap.add_argument("--no-empty", action="store_true", help="skip the empty section")
+    ap.add_argument("--kafka", action="store_true",
+                    help="add a Kafka topic on a private tansu to both sides (A: a plain "
+                         "idempotent producer; B: KafkaParticipant)")
+    ap.add_argument("--kafka-reuse", action="store_true",
+                    help="with --kafka (implied): B's KafkaParticipant(reuse_clients=True)")
+    ap.add_argument("--fresh-workers", action="store_true",
+                    help="spark.python.worker.reuse=false: a new Python worker per task, so "
+                         "the peak worker RSS is one task's")
     ap.add_argument("--dir", default=None, help="work folder (default: a temp folder)")
     args = ap.parse_args(argv)
+    args.kafka = args.kafka or args.kafka_reuse
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not args.no_empty and 0 not in sizes:
         sizes.append(0)
 
     work = Path(tempfile.mkdtemp(prefix="twophase-e2e-", dir=args.dir))
     pg = LocalPostgres(fsync=True).start()
-    rss = WorkerRss()
+    broker: Any = None
     summary: dict[str, float] = {}
     try:
-        spark = spark_session()
-        print(f"e2e: Spark {spark.version} local[2], PostgreSQL + Parquet, {args.pairs} pairs, "
-              f"{args.batches} measured batches per run, work dir {work}", flush=True)
+        if args.kafka:
+            from twophase.testing.localkafka import LocalTansu
+
+            broker = LocalTansu(base_dir=str(work)).start()
+        # A is a plain foreachBatch job: like any PySpark job using pyarrow on the
+        # workers, it must name an interpreter that has it (pip-installed PySpark reads
+        # only PYSPARK_PYTHON and otherwise runs `python3`; TransactionalSink chooses the
+        # driver's own in local mode by itself).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        conf = {"spark.python.worker.reuse": "false"} if args.fresh_workers else {}
+        spark = spark_session(conf)
+        setup = Setup(spark, work, pg.dsn, WorkerRss(),
+                      broker.bootstrap if broker else None, args.kafka_reuse)
+        targets = "PostgreSQL + Parquet"
+        if args.kafka:
+            targets += (" + Kafka (tansu; B's producers reused: reuse_clients=True)"
+                        if args.kafka_reuse else
+                        " + Kafka (tansu; B's producers new per batch, the default)")
+        workers = ("a fresh Python worker per task" if args.fresh_workers
+                   else "Python workers reused")
+        print(f"e2e: Spark {spark.version} local[2], {targets}, {args.pairs} pairs, "
+              f"{args.batches} measured batches per run, {workers}, work dir {work}",
+              flush=True)
         restart: dict[str, list[float]] = {"A": [], "B": []}
         warm = work / "in-warmup"
         write_input(str(warm), batches=2, rows_per_batch=1000)
         for v in ("A", "B"):  # JIT, worker start, imports: not charged to the first pair
-            run_query(spark, str(warm), work, v, pg.dsn, rss)
+            r = run_query(setup, str(warm), v, check_kafka=True)
+            if r.kafka_rows is not None:
+                print(f"  warm-up {v}: {sum(r.rows)} rows written, {r.kafka_rows} committed "
+                      "records in the Kafka topic's log", flush=True)
+                if r.kafka_rows < sum(r.rows):
+                    raise RuntimeError(f"kafka: {v} lost rows ({r.kafka_rows} < {sum(r.rows)})")
+        mb = 1024 * 1024
         for size in sizes:
             inp = work / f"in-{label(size)}"
             if size:
@@ -318,31 +565,44 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(1, args.empty_batches + 1):
                     place_batch(inp, i, empty)
             ratios, added, times = [], [], {"A": [], "B": []}  # type: ignore[var-annotated]
+            relation: dict[str, list[float]] = {"A": [], "B": []}
             peaks: dict[str, list[int]] = {"A": [], "B": []}
+            procs: dict[str, int] = {"A": 0, "B": 0}
             for i in range(args.pairs):
                 order = ("A", "B") if i % 2 == 0 else ("B", "A")
-                runs = {v: run_query(spark, str(inp), work, v, pg.dsn, rss) for v in order}
+                runs = {v: run_query(setup, str(inp), v,
+                                     empty_relations=0 if size else args.empty_relations)
+                        for v in order}
                 for v, r in runs.items():
                     times[v].extend(r.times[1:])
+                    relation[v].extend(r.relation)
                     peaks[v].append(r.rss)
+                    procs[v] += len(r.workers)
                     restart[v].append(r.ends[0] - r.started)
                 added.extend(b - a for a, b in zip(runs["A"].times[1:], runs["B"].times[1:],
                                                    strict=True))
                 if size:
                     ratios.append(rate(runs["B"]) / rate(runs["A"]))
                     print(f"  {label(size)} pair {i + 1}: A {rate(runs['A']):,.0f} rows/s, "
-                          f"B {rate(runs['B']):,.0f} rows/s, B/A {ratios[-1]:.2f}", flush=True)
+                          f"B {rate(runs['B']):,.0f} rows/s, B/A {ratios[-1]:.2f}; peak "
+                          f"worker RSS A {runs['A'].rss / mb:.0f} MB, B "
+                          f"{runs['B'].rss / mb:.0f} MB", flush=True)
                 else:
-                    print(f"  empty pair {i + 1}: A p50 "
+                    print(f"  empty pair {i + 1}: empty file A p50 "
                           f"{1000 * statistics.median(runs['A'].times[1:]):.0f} ms, B p50 "
-                          f"{1000 * statistics.median(runs['B'].times[1:]):.0f} ms", flush=True)
-            mb = 1024 * 1024
+                          f"{1000 * statistics.median(runs['B'].times[1:]):.0f} ms; relation "
+                          f"A p50 {1000 * statistics.median(runs['A'].relation):.0f} ms, "
+                          f"B p50 {1000 * statistics.median(runs['B'].relation):.0f} ms",
+                          flush=True)
             a50, b50 = statistics.median(times["A"]), statistics.median(times["B"])
-            line = (f"{label(size)}: A batch p50 {1000 * a50:.0f} ms, B batch p50 "
+            what = "per task" if args.fresh_workers else "per worker"
+            line = (f"{label(size) if size else 'empty file'}: A batch p50 {1000 * a50:.0f} ms, "
+                    f"B batch p50 "
                     f"{1000 * b50:.0f} ms; added p50 {1000 * pct(added, 0.5):.0f} ms, "
-                    f"p99 {1000 * pct(added, 0.99):.0f} ms; peak worker RSS A "
+                    f"p99 {1000 * pct(added, 0.99):.0f} ms; peak RSS {what} A "
                     f"{statistics.median(peaks['A']) / mb:.0f} MB, B "
-                    f"{statistics.median(peaks['B']) / mb:.0f} MB")
+                    f"{statistics.median(peaks['B']) / mb:.0f} MB (median over runs of the "
+                    f"highest; {procs['A']} / {procs['B']} worker processes)")
             if size:
                 line = (f"{label(size)}: B/A rows/s per pair "
                         f"[{', '.join(f'{x:.2f}' for x in ratios)}] median "
@@ -351,12 +611,22 @@ def main(argv: list[str] | None = None) -> int:
                 summary[f"added_p50@{label(size)}"] = 1000 * pct(added, 0.5)
             else:
                 summary["empty_batch_p50"] = 1000 * b50
+                if relation["B"]:
+                    ra, rb = relation["A"], relation["B"]
+                    line += (f"\nempty relation ({len(rb)} calls per side, no row; B runs "
+                             f"no Spark job, A a job of empty tasks): A p50 "
+                             f"{1000 * pct(ra, 0.5):.1f} ms, p99 "
+                             f"{1000 * pct(ra, 0.99):.1f} ms; B p50 {1000 * pct(rb, 0.5):.1f}"
+                             f" ms, p99 {1000 * pct(rb, 0.99):.1f} ms")
+                    summary["empty_relation_p50"] = 1000 * pct(rb, 0.5)
             print(line, flush=True)
         extra = 1000 * (statistics.median(restart["B"]) - statistics.median(restart["A"]))
         print(f"restart: start() to first batch done, B minus A (median over every run): "
               f"{extra:.0f} ms", flush=True)
         spark.stop()
     finally:
+        if broker is not None:
+            broker.stop()
         pg.stop()
         shutil.rmtree(work, ignore_errors=True)
 
@@ -366,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"e2e: ratio@100k={fmt('ratio@100k')} ratio@1M={fmt('ratio@1M')} "
           f"added_p50@100k={fmt('added_p50@100k', digits=0)} ms "
-          f"empty_batch_p50={fmt('empty_batch_p50', digits=0)} ms")
+          f"empty_batch_p50={fmt('empty_batch_p50', digits=0)} ms "
+          f"empty_relation_p50={fmt('empty_relation_p50', digits=0)} ms")
     return 0
 
 

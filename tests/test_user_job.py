@@ -25,42 +25,24 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark import cloudpickle
 
-import twophase
+from tests.user_support import user_env
 from twophase import TransactionalSink
 from twophase.connection import connect
 from twophase.errors import BatchFailed, EnvironmentProblem
 from twophase.participant import BranchRef, Handle
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.testing.servers import clean_env
 from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
 ROOT = Path(__file__).resolve().parent.parent
-INTERNAL = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH", "SPARK_LOCAL_IP")
 
 
 def _readme_job() -> str:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Your own job", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
-
-
-def _user_env() -> dict[str, str]:
-    """The environment a user has: no Spark or twophase variables. PYTHONPATH only when
-    the interpreter would otherwise import another checkout of twophase than this one
-    (a development worktree; in CI the package is installed editable)."""
-    env = {k: v for k, v in clean_env().items()
-           if k not in INTERNAL and not k.startswith("TWOPHASE_")}
-    ours = str(Path(twophase.__file__).resolve().parent)
-    found = subprocess.run(
-        [sys.executable, "-c", "import twophase, os; print(os.path.dirname(twophase.__file__))"],
-        env=env, cwd="/", capture_output=True, text=True, timeout=60, check=False,
-    ).stdout.strip()
-    if found != ours:
-        env["PYTHONPATH"] = str(Path(ours).parent)
-    return env
 
 
 def test_the_readme_job_as_a_user_runs_it(tmp_path: Path, pg_dsn: str) -> None:
@@ -81,7 +63,7 @@ def test_the_readme_job_as_a_user_runs_it(tmp_path: Path, pg_dsn: str) -> None:
     assert script.count(str(tmp_path)) == 4, script
     job = tmp_path / "job.py"
     job.write_text(script)
-    out = subprocess.run([sys.executable, str(job)], env=_user_env(), cwd=tmp_path,
+    out = subprocess.run([sys.executable, str(job)], env=user_env(), cwd=tmp_path,
                          capture_output=True, text=True, timeout=400, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     committed = re.findall(r"INFO twophase\.sink: sink orders batch (\d+) committed: (\d+) rows",
@@ -102,7 +84,7 @@ def _bare_python(where: Path) -> str:
     """An interpreter of the same Python version with nothing installed (no pyarrow)."""
     venv.EnvBuilder(with_pip=False).create(where)
     python = where / "bin" / "python"
-    check = subprocess.run([str(python), "-c", "import pyarrow"], env=_user_env(),
+    check = subprocess.run([str(python), "-c", "import pyarrow"], env=user_env(),
                            capture_output=True, timeout=60, check=False)
     assert check.returncode != 0  # really bare
     return str(python)

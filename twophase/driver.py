@@ -32,7 +32,7 @@ from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
 from twophase.participant import EMPTY_BRANCH, Participant, is_empty_branch
 from twophase.protocol import BeginKind, StepKind, next_step
-from twophase.task import INPUT_SPLIT, BatchPlan, run_partition, split_of
+from twophase.task import INPUT_SPLIT, BatchPlan, relay_acks, run_partition, split_of
 from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execut
 
 _REPORT_SCHEMA = (
     "partition long, rows long, decision string, recovered long, redone long, "
-    "prepare_s double, wait_s double, commit_s double, error string"
+    "prepare_s double, wait_s double, commit_s double, error string, acks string"
 )
 
 
@@ -388,8 +388,10 @@ class TransactionalSink:
                 plan = self._plan(res.kind, txn, res.recover, n_in)
                 split = plan.split
                 outcomes, job_error = self._run_tasks(df, plan)
-                # The coordinator's record, not the job's fate, says what comes next.
-                final = client.get(txn.key)
+                # The tasks' acks in one call (its answer is the record after them); the
+                # coordinator's record, not the job's fate, says what comes next.
+                final = (relay_acks(client, txn.key, self._epoch, outcomes)
+                         or client.get(txn.key))
             rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
                            job_error=job_error)
             step = rule(final, aborted=aborted, finishing=finishing)
@@ -471,6 +473,7 @@ class TransactionalSink:
             ca_pem=self._conn.ca_pem,
             split=split,
             retry_budget=self.retry_budget_s,
+            driver_acks=True,
         )
 
     def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:

@@ -8,10 +8,17 @@ the branches ``(participant, p)`` of every participant for its partition ``p``:
 2. ``run``: prepare every branch, vote, wait for the decision, apply it, acknowledge;
    ``finish``: COMMIT is already decided, so commit what is prepared and redo what is
    lost (Kafka), then acknowledge.
+
+Under the sink (``BatchPlan.driver_acks``) a task does not send its acknowledgements: it
+returns them in its outcome and the driver relays every task's in one call once the job
+is done (``relay_acks``), a round trip per task saved. A task that dies after applying
+the decision leaves its branches unacknowledged either way: the COMMIT recovery (or the
+ABORT rule) finds them applied and acknowledges them then.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -31,7 +38,14 @@ from twophase.participant import (
     PrepareRefused,
     is_empty_branch,
 )
-from twophase.protocol import Decision, RecoveryAction, TxnKey, branch_id, recovery_action
+from twophase.protocol import (
+    Decision,
+    RecoveryAction,
+    Transaction,
+    TxnKey,
+    branch_id,
+    recovery_action,
+)
 from twophase.wire import BranchMetrics, VoteIn
 
 if TYPE_CHECKING:
@@ -39,7 +53,8 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "run_partition", "split_of"]
+__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "relay_acks", "run_partition",
+           "split_of"]
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
@@ -69,6 +84,7 @@ class BatchPlan:
     ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
     split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
+    driver_acks: bool = False  # the task returns its acks for the driver to relay (sink)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None
@@ -90,9 +106,41 @@ class BranchOutcome:
     wait_s: float = 0.0
     commit_s: float = 0.0
     error: str = ""
+    acks: str = ""  # driver_acks: this task's acknowledgements, JSON for ``relay_acks``
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def _acknowledge(
+    plan: BatchPlan,
+    client: CoordinatorClient,
+    out: BranchOutcome,
+    acks: Sequence[tuple[str, Decision]],
+    measured: Mapping[str, BranchMetrics],
+) -> None:
+    """Send this task's acks, or (``driver_acks``) hand them to the driver."""
+    if not acks:
+        return
+    if plan.driver_acks:
+        out.acks = json.dumps([[b, d.value, measured.get(b)] for b, d in acks])
+    else:
+        client.ack(plan.key, plan.epoch, acks, measured)
+
+
+def relay_acks(
+    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
+) -> Transaction | None:
+    """The driver's half of ``driver_acks``: every task's acks in one call. Returns the
+    transaction as the coordinator has it afterwards, or None when no task had any."""
+    acks: list[tuple[str, Decision]] = []
+    measured: dict[str, BranchMetrics] = {}
+    for o in outcomes:
+        for branch, decision, metrics in json.loads(o.get("acks") or "[]"):
+            acks.append((branch, Decision(decision)))
+            if metrics:
+                measured[branch] = metrics
+    return client.ack(key, epoch, acks, measured) if acks else None
 
 
 def _settle_earlier(
@@ -214,7 +262,7 @@ def _finish_commit(
         acks.append((bid, Decision.COMMIT))
         measured[bid] = {"commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    client.ack(plan.key, plan.epoch, acks, measured)
+    _acknowledge(plan, client, out, acks, measured)
     out.commit_s = time.perf_counter() - t0
     out.decision = Decision.COMMIT.value
 
@@ -278,8 +326,7 @@ def _run_attempt(
         measured_acks[ref.branch_id] = {"wait_s": out.wait_s,
                                         "commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    if acks:
-        client.ack(plan.key, plan.epoch, acks, measured_acks)
+    _acknowledge(plan, client, out, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
     refused = [v for v in votes if not v.yes]
