@@ -18,6 +18,11 @@ committed-offset marker, or the log from the voted offsets): tansu can leave a c
 transaction's offset commit unapplied for good (a race between two EndTxn on the same
 partitions, root cause in docs/chaos.md "tansu restarted mid-batch"); it shows in the
 ``after_commit`` case, where the last batch's markers stay one behind.
+
+A transaction whose EndTxn the kill cut keeps its records without markers: tansu stores
+the decision, then writes the markers, and a retried EndTxn writes none. The judge
+settles such a transaction by tansu's own stored outcome (its ``meta.json``) and names
+it in the note (docs/chaos.md "The lost marker"); one tansu still has open stays open.
 """
 
 from __future__ import annotations
