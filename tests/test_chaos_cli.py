@@ -109,6 +109,7 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--victims", "executor"], "unknown victim 'executor'"),
         (["--kills", "-1", "--no-postgres"], "--kills must be >= 0"),
         (["--no-postgres", "--no-files"], "no participant left"),
+        (["--kafka-reuse"], "--kafka-reuse needs --kafka-tansu or --kafka-bootstrap"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:

@@ -70,6 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "with a read_committed consumer)")
     p.add_argument("--kafka-tansu", action="store_true",
                    help="also write to a private tansu broker (judged from its partition logs)")
+    p.add_argument("--kafka-reuse", action="store_true",
+                   help="the Kafka participant keeps its producers across batches "
+                   "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
+                   "under kills too")
     p.add_argument("--files-s3-local", action="store_true",
                    help="write the staged files to a private S3-API server (moto, from the "
                    "dev extra) as s3://twophase-chaos/files")
@@ -113,6 +117,11 @@ def _run_chaos(args: argparse.Namespace) -> int:
     servers: list[Any] = []
     try:
         pg_dsn = args.pg_dsn
+        if args.kafka_reuse and (job is not None or not (args.kafka_bootstrap
+                                                          or args.kafka_tansu)):
+            print("twophase chaos: --kafka-reuse needs --kafka-tansu or --kafka-bootstrap "
+                  "(with --job, set kafka_reuse in the config)", file=sys.stderr)
+            return 2
         if job is None and pg_dsn is None and not args.no_postgres:
             from twophase.testing.localpg import LocalPostgres, find_bindir
 
@@ -157,7 +166,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             batches=args.batches, rows_per_batch=args.rows_per_batch,
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
-            kafka_bootstrap=kafka, job=job,
+            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, job=job,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,

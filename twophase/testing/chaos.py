@@ -218,6 +218,7 @@ class ChaosOptions:
     files_path: str | None = None  # default: a folder in workdir; or s3://bucket/prefix
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
+    kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -310,6 +311,7 @@ class _Chaos:
                 files_options=o.files_options if o.files else None,
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
+                kafka_reuse=o.kafka_reuse,
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,
