@@ -46,7 +46,7 @@ from twophase.protocol import (
     branch_id,
     recovery_action,
 )
-from twophase.wire import BranchMetrics, VoteIn
+from twophase.wire import AckBody, BranchMetrics, VoteIn, acks_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -106,7 +106,7 @@ class BranchOutcome:
     wait_s: float = 0.0
     commit_s: float = 0.0
     error: str = ""
-    acks: str = ""  # driver_acks: this task's acknowledgements, JSON for ``relay_acks``
+    acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -123,7 +123,7 @@ def _acknowledge(
     if not acks:
         return
     if plan.driver_acks:
-        out.acks = json.dumps([[b, d.value, measured.get(b)] for b, d in acks])
+        out.acks = json.dumps(acks_body(plan.epoch, acks, measured)["acks"])
     else:
         client.ack(plan.key, plan.epoch, acks, measured)
 
@@ -133,14 +133,11 @@ def relay_acks(
 ) -> Transaction | None:
     """The driver's half of ``driver_acks``: every task's acks in one call. Returns the
     transaction as the coordinator has it afterwards, or None when no task had any."""
-    acks: list[tuple[str, Decision]] = []
-    measured: dict[str, BranchMetrics] = {}
-    for o in outcomes:
-        for branch, decision, metrics in json.loads(o.get("acks") or "[]"):
-            acks.append((branch, Decision(decision)))
-            if metrics:
-                measured[branch] = metrics
-    return client.ack(key, epoch, acks, measured) if acks else None
+    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
+    if not bodies:
+        return None
+    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
+                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
 
 
 def _settle_earlier(
