@@ -42,6 +42,8 @@ from twophase.participant import (
     ParticipantError,
     PrepareRefused,
     ReadBack,
+    Rebuildable,
+    Verifiable,
 )
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
@@ -93,7 +95,7 @@ def _check_mode(mode: str, on_schema_change: str) -> None:
         )
 
 
-class StagedFileParticipant(Participant):
+class StagedFileParticipant(Participant, Rebuildable, Verifiable):
     """Rows of each branch become one Parquet or JSON-lines file in ``path``."""
 
     kind = "files"

@@ -1,4 +1,5 @@
-"""The participant contract's optional hooks: defaults and what the verifier relies on."""
+"""The participant contract: five required hooks, optional ones with defaults, the
+operator interfaces apart, and what the verifier relies on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,21 @@ from collections.abc import Iterable
 import pyarrow as pa
 import pytest
 
-from twophase.participant import BranchRef, BranchStatus, Handle, Participant, ReadBack
+from twophase.errors import InvalidRequest, ProtocolError
+from twophase.participant import (
+    BatchParticipant,
+    BranchRef,
+    BranchStatus,
+    CommitScope,
+    Handle,
+    Participant,
+    ReadBack,
+    Verifiable,
+    descriptor_of,
+    known_kinds,
+    rebuild,
+)
+from twophase.protocol import TxnKey
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.verify import verify
 
@@ -32,7 +47,7 @@ class _Bare(Participant):
         return []
 
 
-class _Reads(_Bare):
+class _Reads(_Bare, Verifiable):
     def __init__(self, name: str, back: ReadBack) -> None:
         super().__init__(name)
         self.back = back
@@ -66,3 +81,59 @@ def test_kafka_vote_window() -> None:
     with pytest.raises(ValueError, match=r"transaction_timeout_ms=400000 must exceed the "
                        r"sink's vote window \(vote_timeout 340s \+ 60s\)"):
         kafka.check_vote_window(340)
+
+
+def test_the_required_hooks_are_exactly_the_protocols_five() -> None:
+    assert Participant.__abstractmethods__ == frozenset(
+        {"prepare", "commit", "abort", "status", "in_doubt"})
+    # a batch-committing participant swaps commit for commit_batch
+    assert BatchParticipant.__abstractmethods__ == frozenset(
+        {"prepare", "commit_batch", "abort", "status", "in_doubt"})
+
+
+def test_a_bare_participant_is_not_rebuildable_and_commits_per_branch() -> None:
+    p = _Bare("bare")
+    assert descriptor_of(p) is None
+    assert p.commit_scope == CommitScope.BRANCH
+    with pytest.raises(ProtocolError, match="commits each branch itself"):
+        p.commit_batch(TxnKey("s", "l", 0, 1), {})
+
+
+class _Table(BatchParticipant):
+    kind = "table"
+
+    def prepare(self, branch: BranchRef, schema: pa.Schema,
+                batches: Iterable[pa.RecordBatch]) -> Handle:
+        return {}
+
+    def commit_batch(self, key: TxnKey, handles: object) -> None:
+        pass
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        pass
+
+    def status(self, branch: BranchRef) -> BranchStatus:
+        return BranchStatus.ABSENT
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        return []
+
+
+def test_a_batch_participant_never_commits_one_branch_alone() -> None:
+    t = _Table("t")
+    assert t.commit_scope == CommitScope.BATCH
+    with pytest.raises(ProtocolError, match="commits once per batch"):
+        t.commit(BranchRef("s", "l", 0, 1, "t", 0), {})
+
+
+def test_built_in_kinds_come_from_the_entry_point_group() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {ep.name for ep in entry_points(group="twophase.participants")}
+    assert {"postgres", "files", "kafka"} <= eps
+    assert {"postgres", "files", "kafka"} <= set(known_kinds())
+
+
+def test_rebuild_refuses_an_unknown_kind_naming_the_entry_point_group() -> None:
+    with pytest.raises(InvalidRequest, match=r"twophase\.participants"):
+        rebuild({"kind": "nosuchkind", "name": "x", "target": "", "options": {}})

@@ -30,7 +30,7 @@ from twophase import failpoints
 from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
-from twophase.participant import EMPTY_BRANCH, Participant, is_empty_branch
+from twophase.participant import EMPTY_BRANCH, Participant, descriptor_of, is_empty_branch
 from twophase.protocol import BeginKind, StepKind, next_step
 from twophase.task import INPUT_SPLIT, BatchPlan, relay_acks, run_partition, split_of
 from twophase.wire import VoteIn
@@ -339,7 +339,7 @@ class TransactionalSink:
         if self._epoch is None:
             # One writer epoch per driver run: a restarted driver fences the old one.
             # the participants' descriptors let `twophase resolve SINK` rebuild them
-            descriptors = [d for d in (p.descriptor() for p in self.participants) if d]
+            descriptors = [d for d in map(descriptor_of, self.participants) if d]
             self._epoch = client.register(self.name, descriptors)  # type: ignore[arg-type]
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
         if not self._preflighted:

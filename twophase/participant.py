@@ -10,6 +10,21 @@ A participant object is built on the driver (it must pickle: it is shipped to th
 executors) and opened lazily where it is used. Every method other than :meth:`prepare`
 may run in a different process from the one that prepared: that is what a crash
 recovery is.
+
+The contract, in three parts (docs/writing-a-participant.md):
+
+- **required**, what the protocol cannot do without: :meth:`Participant.prepare`,
+  :meth:`~Participant.commit`, :meth:`~Participant.abort`, :meth:`~Participant.status`,
+  :meth:`~Participant.in_doubt`. A participant that commits once per batch (a table:
+  :class:`BatchParticipant`) implements :meth:`~BatchParticipant.commit_batch` in place
+  of ``commit``;
+- **optional protocol hooks** with safe defaults (``check``, ``probe``, ``redo``,
+  ``voted_status``, ``partition_columns``, ``single_branch``, ``check_vote_window``,
+  ``required_modules``, ``close``, ``describe``);
+- **optional operator interfaces**, separate classes a participant may also inherit:
+  :class:`Rebuildable` (``twophase resolve`` and the console rebuild it from the
+  coordinator's record) and :class:`Verifiable` (the exactly-once verifier reads its
+  output back).
 """
 
 from __future__ import annotations
@@ -20,9 +35,9 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
+from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused, ProtocolError
 from twophase.names import validate_lineage, validate_name
 from twophase.protocol import TxnKey
 
@@ -31,15 +46,23 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EMPTY_BRANCH",
+    "ENTRY_POINT_GROUP",
+    "BatchParticipant",
     "BranchRef",
     "BranchStatus",
+    "CommitScope",
     "Descriptor",
     "Handle",
     "Participant",
     "ParticipantError",
     "PrepareRefused",
     "ReadBack",
+    "Rebuildable",
+    "Verifiable",
+    "descriptor_of",
     "is_empty_branch",
+    "known_kinds",
+    "read_back_of",
     "rebuild",
     "register_kind",
     "secret_env_name",
@@ -49,7 +72,7 @@ __all__ = [
 Handle = Mapping[str, str]
 """What a YES vote carries: all a later process needs to commit or abort the branch."""
 
-from twophase.protocol.recovery import BranchStatus  # noqa: E402 - the rule owns it
+from twophase.protocol.recovery import BranchStatus, CommitScope  # noqa: E402 - the rule owns them
 
 EMPTY_BRANCH: Handle = {"empty": "yes", "rows": "0"}
 """The handle voted for a branch with no rows. The task votes it without calling the
@@ -129,18 +152,21 @@ class ReadBack:
 
 
 class Participant(abc.ABC):
-    """One external system. Subclasses set ``kind`` and ``durable_prepare``."""
+    """One external system. Subclasses set ``kind`` (and ``durable_prepare`` when a
+    prepared branch does not survive its process, as a Kafka transaction does not).
+
+    Five methods are required; everything else has a default that is right for a
+    participant that needs nothing special.
+    """
 
     kind: str = "participant"
     durable_prepare: bool = True
+    commit_scope: ClassVar[CommitScope] = CommitScope.BRANCH
 
     def __init__(self, name: str) -> None:
         self.name = validate_name("participant name", name)
 
-    def check(self, schema: pa.Schema) -> None:  # noqa: B027 - optional hook
-        """Driver side, before the first batch: verify the target (create the table,
-        compare columns, read server settings) so a misfit fails before any write."""
-
+    # ------------------------------------------------------------------ required
     @abc.abstractmethod
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
@@ -148,8 +174,31 @@ class Participant(abc.ABC):
         """Write the rows and the idempotency marker, durable but invisible.
 
         Returns the handle to vote YES with. Raises :class:`PrepareRefused` (vote NO)
-        after undoing its own partial work.
+        after undoing its own partial work. A branch whose marker shows it committed
+        already writes nothing and returns a handle all the same.
         """
+
+    @abc.abstractmethod
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        """Make the prepared branch visible. Already committed is success; ``handle`` is
+        None when recovery found the branch by name and holds no vote."""
+
+    @abc.abstractmethod
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        """Discard the prepared branch. Already gone is success."""
+
+    @abc.abstractmethod
+    def status(self, branch: BranchRef) -> BranchStatus:
+        """Read the branch's state from the system itself, never from memory."""
+
+    @abc.abstractmethod
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        """Prepared leftovers of ``sink`` that can be found by name."""
+
+    # ------------------------------------------------------------------ optional
+    def check(self, schema: pa.Schema) -> None:  # noqa: B027 - optional hook
+        """Driver side, before the first batch: verify the target (create the table,
+        compare columns, read server settings) so a misfit fails before any write."""
 
     def redo(
         self,
@@ -168,27 +217,11 @@ class Participant(abc.ABC):
         """
         return self.prepare(branch, schema, batches)
 
-    @abc.abstractmethod
-    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
-        """Make the prepared branch visible. Already committed is success."""
-
-    @abc.abstractmethod
-    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
-        """Discard the prepared branch. Already gone is success."""
-
-    @abc.abstractmethod
-    def status(self, branch: BranchRef) -> BranchStatus:
-        """Read the branch's state from the system itself, not from memory."""
-
     def voted_status(self, branch: BranchRef, voted: Handle | None) -> BranchStatus:
         """:meth:`status` when the caller holds the handle the branch voted YES with
         (recovery, ``twophase resolve``). The default ignores it; a participant whose
         marker can lag behind its data (Kafka on tansu) uses it to look further."""
         return self.status(branch)
-
-    @abc.abstractmethod
-    def in_doubt(self, sink: str) -> list[BranchRef]:
-        """Prepared leftovers of ``sink`` that can be found by name."""
 
     def partition_columns(self) -> tuple[str, ...] | None:
         """Columns whose equal values must land in one branch (an upsert key: two
@@ -213,53 +246,134 @@ class Participant(abc.ABC):
         what it imports lazily, e.g. a client library loaded in :meth:`prepare`)."""
         return ()
 
-    def read_back(self, column: str) -> ReadBack:
-        """Read ``column`` of everything committed, as a consumer would, plus the prepared
-        leftovers; used by the exactly-once verifier (tests, demo, chaos), never by the
-        protocol."""
-        raise NotImplementedError(
-            f"{self.describe()} cannot be verified: {type(self).__name__} does not "
-            "implement read_back(column)"
-        )
-
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and producers."""
 
     def describe(self) -> str:
         return f"{self.kind} participant {self.name!r}"
 
+    # ------------------------------------------------------------------ batch scope
+    def commit_batch(self, key: TxnKey, handles: Mapping[int, Handle]) -> None:
+        """Commit every branch of one attempt at once (``commit_scope`` BATCH only)."""
+        raise ProtocolError(
+            f"{self.describe()} commits each branch itself (commit_scope 'branch'): "
+            "commit_batch is for participants that commit once per batch"
+        )
+
+
+class BatchParticipant(Participant):
+    """A participant that commits once per micro-batch, from the driver (a lakehouse
+    table: one snapshot or log entry per batch, not one per branch).
+
+    Its branches prepare in parallel in the tasks (data files written, referenced by
+    nothing) and vote with handles naming those files. After COMMIT the driver calls
+    :meth:`commit_batch` once with every non-empty branch's handle; the table's own
+    marker of the batch (a snapshot property, Delta's app transaction) makes a second
+    call a no-op. :meth:`status` of a branch is read from the table: COMMITTED when the
+    batch's marker names this branch's attempt; PREPARED when the attempt's files exist
+    but that attempt's commit is not in the table; ABSENT otherwise. ``abort`` deletes
+    the attempt's files of that branch; ``in_doubt`` lists branches whose files exist
+    unreferenced, so ``twophase resolve`` sweeps what nobody will commit.
+    """
+
+    commit_scope: ClassVar[CommitScope] = CommitScope.BATCH
+
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        raise ProtocolError(
+            f"{self.describe()} commits once per batch: a branch alone is never "
+            "committed (the batch's marker would then hide the other branches); the "
+            "driver and twophase resolve call commit_batch with every branch's handle"
+        )
+
+    @abc.abstractmethod
+    def commit_batch(self, key: TxnKey, handles: Mapping[int, Handle]) -> None:
+        """Apply one commit with every branch's files; ``handles`` maps partition ->
+        the handle that branch voted with (empty branches left out; possibly none at
+        all, then the batch's marker is still written so status reads COMMITTED).
+        Idempotent through the table's marker of (sink, lineage, batch): a batch
+        already committed by this attempt is success. A commit that loses an optimistic
+        race with another writer retries; it is never applied twice."""
+
+
+class Rebuildable(abc.ABC):
+    """Optional: a participant ``twophase resolve``, the console and the chaos runner can
+    rebuild without the job, from what the coordinator recorded at register."""
+
+    @abc.abstractmethod
     def descriptor(self) -> Descriptor | None:
         """How to rebuild this participant without the job: ``{"kind", "name", "target",
         "options"}`` with non-secret options only (the coordinator stores it at register,
         and ``twophase resolve`` rebuilds from it with :func:`rebuild`). ``None``: this
-        participant cannot be rebuilt (resolve then needs it named by hand)."""
-        return None
+        object cannot be rebuilt (resolve then needs it named by hand)."""
 
     @classmethod
+    @abc.abstractmethod
     def from_descriptor(cls, descriptor: Descriptor, secrets: Mapping[str, str]) -> Participant:
         """The inverse of :meth:`descriptor`; ``secrets`` are the values the descriptor
         left out (a password), from :func:`secrets_from_env` or a file."""
-        raise NotImplementedError(f"{cls.__name__} cannot be rebuilt from a descriptor")
+
+
+class Verifiable(abc.ABC):
+    """Optional: a participant whose output the exactly-once verifier can read back
+    (tests, ``twophase demo``, ``twophase chaos``); never used by the protocol."""
+
+    @abc.abstractmethod
+    def read_back(self, column: str) -> ReadBack:
+        """Read ``column`` of everything committed, as a consumer would, plus the prepared
+        leftovers."""
+
+
+def descriptor_of(participant: Participant) -> Descriptor | None:
+    """The participant's descriptor, or None when it is not :class:`Rebuildable`."""
+    return participant.descriptor() if isinstance(participant, Rebuildable) else None
+
+
+def read_back_of(participant: Participant, column: str) -> ReadBack:
+    """:meth:`Verifiable.read_back`, or a clear refusal for a participant without it."""
+    if not isinstance(participant, Verifiable):
+        raise NotImplementedError(
+            f"{participant.describe()} cannot be verified: {type(participant).__name__} "
+            "does not implement read_back(column) (inherit twophase.participant.Verifiable)"
+        )
+    return participant.read_back(column)
 
 
 Descriptor = dict[str, Any]
 """``{"kind": str, "name": str, "target": str, "options": {str: scalar}}``
 (``twophase.wire.DescriptorOut``)."""
 
+ENTRY_POINT_GROUP = "twophase.participants"
+"""Installed packages register ``kind = "module:Class"`` here (pyproject.toml's
+``[project.entry-points."twophase.participants"]``); :func:`rebuild` finds them."""
+
 # kind -> "module:Class", imported only when a descriptor of that kind is rebuilt
-_KINDS: dict[str, str] = {
-    "postgres": "twophase.sinks.postgres:PostgresParticipant",
-    "files": "twophase.sinks.files:StagedFileParticipant",
-    "kafka": "twophase.sinks.kafka:KafkaParticipant",
-}
+_KINDS: dict[str, str] = {}
 SECRET_ENV_PREFIX = "TWOPHASE_SECRET_"  # noqa: S105 - a variable name prefix
 
 
 def register_kind(kind: str, cls: type[Participant]) -> None:
     """Make descriptors of ``kind`` rebuildable by ``cls.from_descriptor`` in this process
-    (for participants outside twophase; the built-in kinds are known already)."""
+    (installed packages use the ``twophase.participants`` entry point instead)."""
     validate_name("participant kind", kind)
     _KINDS[kind] = f"{cls.__module__}:{cls.__qualname__}"
+
+
+def known_kinds() -> dict[str, str]:
+    """Every kind this process can rebuild: kind -> ``module:Class``. Entry points
+    (twophase's own kinds among them) first, then :func:`register_kind` calls."""
+    from importlib.metadata import entry_points
+
+    kinds = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    kinds.update(_BUILT_IN)  # an uninstalled checkout (PYTHONPATH) still knows its own
+    kinds.update(_KINDS)
+    return kinds
+
+
+_BUILT_IN = {
+    "postgres": "twophase.sinks.postgres:PostgresParticipant",
+    "files": "twophase.sinks.files:StagedFileParticipant",
+    "kafka": "twophase.sinks.kafka:KafkaParticipant",
+}
 
 
 def secret_env_name(participant: str, key: str) -> str:
@@ -283,15 +397,22 @@ def rebuild(descriptor: Mapping[str, Any], secrets: Mapping[str, str] | None = N
     kind, name = descriptor.get("kind"), descriptor.get("name")
     if not isinstance(kind, str) or not isinstance(name, str):
         raise InvalidRequest(f"descriptor {dict(descriptor)!r} has no kind or name")
-    path = _KINDS.get(kind)
+    path = known_kinds().get(kind)
     if path is None:
         raise InvalidRequest(
             f"participant {name!r} is of kind {kind!r}, which this process cannot rebuild: "
-            "call twophase.participant.register_kind(kind, cls) (or name the participant "
-            "by hand, e.g. twophase resolve --job)"
+            f"install the package that provides it (it registers the kind under the "
+            f"{ENTRY_POINT_GROUP!r} entry-point group), or call "
+            "twophase.participant.register_kind(kind, cls), or name the participant by "
+            "hand (twophase resolve --job)"
         )
     module, _, qual = path.partition(":")
     cls = getattr(importlib.import_module(module), qual)
+    if not (isinstance(cls, type) and issubclass(cls, Rebuildable)):
+        raise InvalidRequest(
+            f"participant {name!r}: kind {kind!r} names {path}, which is not a "
+            "twophase.participant.Rebuildable participant class"
+        )
     if secrets is None:
         wanted = str(descriptor.get("options", {}).get("secrets") or "")
         secrets = secrets_from_env(name, [k for k in wanted.split(",") if k])

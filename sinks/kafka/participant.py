@@ -49,6 +49,8 @@ from twophase.participant import (
     ParticipantError,
     PrepareRefused,
     ReadBack,
+    Rebuildable,
+    Verifiable,
     required_secret,
 )
 from twophase.sinks.kafka.admin import check_columns, check_topic
@@ -149,7 +151,7 @@ class _Prepared:
     handle: dict[str, str]
 
 
-class KafkaParticipant(Participant):
+class KafkaParticipant(Participant, Rebuildable, Verifiable):
     """One Kafka topic. Values are the row as JSON unless ``value=`` names a column."""
 
     kind = "kafka"

@@ -38,6 +38,8 @@ from twophase.participant import (
     ParticipantError,
     PrepareRefused,
     ReadBack,
+    Rebuildable,
+    Verifiable,
 )
 from twophase.sinks.postgres.arrow import (
     ExistingColumn,
@@ -98,7 +100,7 @@ def _describe_error(exc: psycopg.Error) -> str:
     return "; ".join(parts)
 
 
-class PostgresParticipant(Participant):
+class PostgresParticipant(Participant, Rebuildable, Verifiable):
     """Rows of each branch go to ``schema.table``; prepared with a two-phase commit.
 
     Built on the driver and pickled to executors: no connection is opened in ``__init__``

@@ -52,7 +52,12 @@ from twophase.protocol.records import (
     branch_id,
     parse_branch_id,
 )
-from twophase.protocol.recovery import BranchStatus, RecoveryAction, recovery_action
+from twophase.protocol.recovery import (
+    BranchStatus,
+    CommitScope,
+    RecoveryAction,
+    recovery_action,
+)
 from twophase.protocol.retry import Step, StepKind, next_step, permanent
 
 __all__ = [
@@ -68,6 +73,7 @@ __all__ = [
     "BeginResult",
     "BranchState",
     "BranchStatus",
+    "CommitScope",
     "Decision",
     "Event",
     "Expire",

@@ -10,6 +10,17 @@ participant's own system says about the branch.
 | ABORT or none | ABSENT    | nothing |
 | ABORT or none | COMMITTED | nothing (committed by another attempt of the batch) |
 
+A participant that commits once per batch (``CommitScope.BATCH``: a lakehouse table)
+reads the same table with two rows changed, because no branch is ever committed alone:
+
+| decision      | status    | action  |
+|---------------|-----------|---------|
+| COMMIT        | PREPARED  | commit-batch: the driver commits every branch at once |
+| COMMIT        | ABSENT    | redo: write the files again; the batch commit follows |
+
+and COMMITTED means "the table's marker of this batch names this attempt" (committed by
+the batch commit).
+
 The same function answers an in-place retry, a driver restart (Spark replay), a job whose
 tasks died after the decision, and the operator's ``twophase resolve``.
 """
@@ -20,7 +31,17 @@ import enum
 
 from twophase.protocol.records import Decision
 
-__all__ = ["BranchStatus", "RecoveryAction", "recovery_action"]
+__all__ = ["BranchStatus", "CommitScope", "RecoveryAction", "recovery_action"]
+
+
+class CommitScope(str, enum.Enum):
+    """Where a participant's COMMIT is applied."""
+
+    BRANCH = "branch"
+    """Each task commits its own branch (PostgreSQL, files, Kafka, SQL databases)."""
+    BATCH = "batch"
+    """The driver commits every branch of the batch at once (a table: one snapshot or
+    log entry per micro-batch; Flink Sink V2's global committer)."""
 
 
 class BranchStatus(str, enum.Enum):
@@ -36,12 +57,19 @@ class RecoveryAction(str, enum.Enum):
     COMMIT = "commit"
     ABORT = "abort"
     REDO = "redo"  # lost under COMMIT (Kafka): write again and commit at once
+    COMMIT_BATCH = "commit-batch"  # batch scope: the driver commits all branches at once
 
 
-def recovery_action(decision: Decision | None, status: BranchStatus) -> RecoveryAction:
+def recovery_action(
+    decision: Decision | None,
+    status: BranchStatus,
+    scope: CommitScope = CommitScope.BRANCH,
+) -> RecoveryAction:
     """The action for one branch; ``decision=None`` (undecided) is presumed ABORT."""
     if decision == Decision.COMMIT:
         if status == BranchStatus.PREPARED:
+            if scope == CommitScope.BATCH:
+                return RecoveryAction.COMMIT_BATCH
             return RecoveryAction.COMMIT
         if status == BranchStatus.ABSENT:
             return RecoveryAction.REDO

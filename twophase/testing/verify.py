@@ -1,7 +1,7 @@
 """The exactly-once verifier: what landed in each system, compared with what should have.
 
 Given a sink's participants, the id column and the expected ids, it reads every system
-through the participant contract (:meth:`~twophase.participant.Participant.read_back`:
+through the participant contract (:meth:`~twophase.participant.Verifiable.read_back`:
 PostgreSQL table, files through pyarrow, Kafka rebuilt from its partition logs with
 Kafka's transaction rule and cross-checked with a ``read_committed`` consumer) and
 reports per system: duplicates, missing ids, unexpected ids, leftovers still prepared
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from twophase.participant import Participant, ReadBack
+from twophase.participant import Participant, ReadBack, read_back_of
 
 __all__ = ["SystemReport", "VerifyReport", "read_ids", "verify"]
 
@@ -89,7 +89,7 @@ class VerifyReport:
 
 def read_ids(p: Participant, column: str) -> tuple[list[Any], int]:
     """The id column as a consumer sees it, and the count of prepared leftovers."""
-    back = p.read_back(column)
+    back = read_back_of(p, column)
     return list(back.values), back.prepared
 
 
@@ -110,7 +110,7 @@ def verify(
     want = Counter(expected)
     systems: list[SystemReport] = []
     for p in participants:
-        back = backs[p.name] if backs and p.name in backs else p.read_back(column)
+        back = backs[p.name] if backs and p.name in backs else read_back_of(p, column)
         ids, leftovers = back.values, back.prepared
         if sink is not None:
             leftovers = max(leftovers, len(p.in_doubt(sink)))
