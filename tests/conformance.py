@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from twophase.participant import BranchRef, BranchStatus, Participant
+from twophase.participant import BranchRef, BranchStatus, CommitScope, Handle, Participant
 
 __all__ = [
     "ALL_CHECKS",
@@ -45,6 +45,7 @@ __all__ = [
     "Target",
     "applicable_checks",
     "batch_for",
+    "commit_branch",
     "make_branch",
     "rows_for",
 ]
@@ -135,6 +136,17 @@ def _prepare(p: Participant, branch: BranchRef, n: int = 6) -> dict[str, str]:
     return dict(p.prepare(branch, SCHEMA, [batch_for(branch, n)]))
 
 
+def commit_branch(p: Participant, branch: BranchRef, handle: Handle | None) -> None:
+    """Commit one branch the way the protocol would: by itself, or (a participant that
+    commits per batch) as the only branch of its batch's commit. ``handle`` None is a
+    recovery that found the branch by name and holds no vote: a batch participant then
+    gets an empty handle and must find the branch's files by name."""
+    if p.commit_scope == CommitScope.BATCH:
+        p.commit_batch(branch.key, {branch.partition: dict(handle or {})})
+    else:
+        p.commit(branch, handle)
+
+
 def _with_target(h: Harness, body: Callable[[Target, Participant], None]) -> None:
     target = h.new_target()
     try:
@@ -156,7 +168,7 @@ def check_prepared_data_invisible_until_commit(h: Harness) -> None:
         b = make_branch(p)
         handle = _prepare(p, b)
         assert t.rows() == [], "prepared rows are visible before commit"
-        p.commit(b, handle)
+        commit_branch(p, b, handle)
         assert _sorted(t.rows()) == rows_for(b)
 
     _with_target(h, body)
@@ -169,7 +181,7 @@ def check_status_before_and_after_each_step(h: Harness) -> None:
         handle = _prepare(p, b)
         if h.status_sees_prepared:
             assert p.status(b) is BranchStatus.PREPARED
-        p.commit(b, handle)
+        commit_branch(p, b, handle)
         assert p.status(b) is BranchStatus.COMMITTED
         other = t.participant()  # a fresh object reads the system, not memory
         assert other.status(b) is BranchStatus.COMMITTED
@@ -190,11 +202,11 @@ def check_commit_is_idempotent(h: Harness) -> None:
     def body(t: Target, p: Participant) -> None:
         b = make_branch(p)
         handle = _prepare(p, b)
-        p.commit(b, handle)
-        p.commit(b, handle)
-        p.commit(b, None)
+        commit_branch(p, b, handle)
+        commit_branch(p, b, handle)
+        commit_branch(p, b, None)
         again = t.participant()
-        again.commit(b, handle)
+        commit_branch(again, b, handle)
         again.close()
         assert _sorted(t.rows()) == rows_for(b)
         assert p.status(b) is BranchStatus.COMMITTED
@@ -224,7 +236,7 @@ def check_branches_are_independent(h: Harness) -> None:
         b1 = make_branch(p, lineage=b0.lineage, partition=1)
         h0, h1 = _prepare(p, b0), _prepare(p, b1)
         p.abort(b1, h1)
-        p.commit(b0, h0)
+        commit_branch(p, b0, h0)
         assert _sorted(t.rows()) == rows_for(b0)
         assert p.status(b1) is BranchStatus.ABSENT
 
@@ -258,13 +270,13 @@ def check_redo_never_applies_twice(h: Harness) -> None:
     def body(t: Target, p: Participant) -> None:
         b = make_branch(p, batch_id=3)
         voted = _prepare(p, b)
-        p.commit(b, voted)
+        commit_branch(p, b, voted)
         for attempt, how in ((0, "prepare"), (1, "redo"), (2, "prepare"), (0, "redo")):
             redo = make_branch(p, lineage=b.lineage, batch_id=3, attempt=attempt)
             fresh = t.participant()
             handle = (_prepare(fresh, redo) if how == "prepare"
                       else fresh.redo(redo, SCHEMA, [batch_for(redo)], voted))
-            fresh.commit(redo, handle)
+            commit_branch(fresh, redo, handle)
             assert fresh.status(redo) is BranchStatus.COMMITTED
             fresh.close()
         assert _sorted(t.rows()) == rows_for(b)
@@ -277,10 +289,10 @@ def check_new_lineage_is_not_skipped(h: Harness) -> None:
 
     def body(t: Target, p: Participant) -> None:
         old = make_branch(p, lineage="lineage-a")
-        p.commit(old, _prepare(p, old, n=2))
+        commit_branch(p, old, _prepare(p, old, n=2))
         new = make_branch(p, lineage="lineage-b")
         assert p.status(new) is BranchStatus.ABSENT
-        p.commit(new, _prepare(p, new, n=3))
+        commit_branch(p, new, _prepare(p, new, n=3))
         assert len(t.rows()) == 5
 
     _with_target(h, body)
@@ -290,7 +302,7 @@ def check_empty_branch_commits(h: Harness) -> None:
     def body(t: Target, p: Participant) -> None:
         b = make_branch(p)
         handle = dict(p.prepare(b, SCHEMA, []))
-        p.commit(b, handle)
+        commit_branch(p, b, handle)
         assert p.status(b) is BranchStatus.COMMITTED
         assert t.rows() == []
 
@@ -303,7 +315,7 @@ def check_participant_pickles_before_and_after_use(h: Harness) -> None:
         handle = _prepare(p, b)  # p now holds live connections / open files
         clone = pickle.loads(pickle.dumps(p))
         assert clone.name == p.name
-        clone.commit(b, handle)
+        commit_branch(clone, b, handle)
         clone.close()
         assert _sorted(t.rows()) == rows_for(b)
 
@@ -341,8 +353,8 @@ def check_commit_from_another_process_after_sigkill(h: Harness) -> None:
         assert here.status(b) is BranchStatus.PREPARED
         assert here.in_doubt(b.sink) == [b]
         assert t.rows() == []
-        here.commit(b, handle)
-        here.commit(b, handle)
+        commit_branch(here, b, handle)
+        commit_branch(here, b, handle)
         assert here.status(b) is BranchStatus.COMMITTED
         assert here.in_doubt(b.sink) == []
         assert _sorted(t.rows()) == rows_for(b)
@@ -376,7 +388,7 @@ def check_recovery_commit_without_handle(h: Harness) -> None:
         _prepare_in_child_and_kill(p, b)
         here = t.participant()
         for found in here.in_doubt(b.sink):
-            here.commit(found, None)
+            commit_branch(here, found, None)
         assert here.status(b) is BranchStatus.COMMITTED
         assert _sorted(t.rows()) == rows_for(b)
         here.close()
