@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from twophase import protocol as p
 from twophase.protocol import (
@@ -244,6 +246,44 @@ def test_recovery_rule(
     decision: Decision | None, status: p.BranchStatus, action: p.RecoveryAction
 ) -> None:
     assert p.recovery_action(decision, status) == action
+
+
+@pytest.mark.parametrize(
+    "decision, status, action",
+    [
+        (Decision.COMMIT, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+        (Decision.COMMIT, p.BranchStatus.PREPARED, p.RecoveryAction.COMMIT_BATCH),
+        (Decision.COMMIT, p.BranchStatus.ABSENT, p.RecoveryAction.REDO),
+        (Decision.ABORT, p.BranchStatus.PREPARED, p.RecoveryAction.ABORT),
+        (Decision.ABORT, p.BranchStatus.ABSENT, p.RecoveryAction.NOTHING),
+        (Decision.ABORT, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+        (None, p.BranchStatus.PREPARED, p.RecoveryAction.ABORT),
+        (None, p.BranchStatus.ABSENT, p.RecoveryAction.NOTHING),
+        (None, p.BranchStatus.COMMITTED, p.RecoveryAction.NOTHING),
+    ],
+)
+def test_recovery_rule_for_a_participant_that_commits_per_batch(
+    decision: Decision | None, status: p.BranchStatus, action: p.RecoveryAction
+) -> None:
+    """A table's branch is never committed alone: under COMMIT a prepared branch waits
+    for the driver's one commit of the batch."""
+    assert p.recovery_action(decision, status, p.CommitScope.BATCH) == action
+
+
+@given(st.sampled_from([*Decision, None]), st.sampled_from(list(p.BranchStatus)))
+def test_the_batch_rule_differs_from_the_branch_rule_only_in_commit(
+    decision: Decision | None, status: p.BranchStatus
+) -> None:
+    """Both scopes agree on every case but COMMIT + PREPARED, where the branch rule
+    commits the branch and the batch rule defers to the batch commit; in particular no
+    batch-scope branch is ever committed by itself."""
+    branch = p.recovery_action(decision, status, p.CommitScope.BRANCH)
+    batch = p.recovery_action(decision, status, p.CommitScope.BATCH)
+    assert batch != p.RecoveryAction.COMMIT
+    if (decision, status) == (Decision.COMMIT, p.BranchStatus.PREPARED):
+        assert (branch, batch) == (p.RecoveryAction.COMMIT, p.RecoveryAction.COMMIT_BATCH)
+    else:
+        assert branch == batch
 
 
 def test_branch_status_has_one_home() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -30,9 +30,22 @@ from twophase import failpoints
 from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.names import validate_lineage, validate_name
-from twophase.participant import EMPTY_BRANCH, Participant, descriptor_of, is_empty_branch
-from twophase.protocol import BeginKind, StepKind, next_step
-from twophase.task import INPUT_SPLIT, BatchPlan, relay_acks, run_partition, split_of
+from twophase.participant import (
+    EMPTY_BRANCH,
+    Handle,
+    Participant,
+    descriptor_of,
+    is_empty_branch,
+)
+from twophase.protocol import BeginKind, CommitScope, Decision, StepKind, next_step, parse_branch_id
+from twophase.task import (
+    INPUT_SPLIT,
+    BatchPlan,
+    redone_handles,
+    relay_acks,
+    run_partition,
+    split_of,
+)
 from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
@@ -50,7 +63,8 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execut
 
 _REPORT_SCHEMA = (
     "partition long, rows long, decision string, recovered long, redone long, "
-    "prepare_s double, wait_s double, commit_s double, error string, acks string"
+    "prepare_s double, wait_s double, commit_s double, error string, acks string, "
+    "redone_handles string"
 )
 
 
@@ -392,6 +406,9 @@ class TransactionalSink:
                 # coordinator's record, not the job's fate, says what comes next.
                 final = (relay_acks(client, txn.key, self._epoch, outcomes)
                          or client.get(txn.key))
+                final, batch_error = self._commit_batches(client, final,
+                                                          redone_handles(outcomes))
+                job_error = job_error or batch_error
             rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
                            job_error=job_error)
             step = rule(final, aborted=aborted, finishing=finishing)
@@ -411,6 +428,50 @@ class TransactionalSink:
                 raise BatchFailed(step.reason)
             if step.delay > 0:  # FINISH or RETRY: begin again
                 time.sleep(step.delay)
+
+    def _commit_batches(
+        self, client: CoordinatorClient, txn: Transaction, redone: Mapping[str, Handle]
+    ) -> tuple[Transaction, str]:
+        """Under a COMMIT decision, commit each once-per-batch participant (a table) with
+        every branch's handle at once and acknowledge its branches. Returns the record
+        after the acks and the first commit's error ("" when none failed).
+
+        The tasks left these branches prepared (``twophase.task``), so this runs after
+        every job whose attempt is COMMIT, also a job that failed after the decision: the
+        votes' handles are in the coordinator's record. A commit that fails leaves the
+        branches unacknowledged, and the retry rule finishes the batch again (the table's
+        marker makes a second commit a no-op)."""
+        if txn.decision != Decision.COMMIT:
+            return txn, ""
+        assert self._epoch is not None
+        error = ""
+        for part in self.participants:
+            if part.commit_scope != CommitScope.BATCH:
+                continue
+            mine = {bid: st for bid, st in txn.branches.items()
+                    if parse_branch_id(bid)[0] == part.name}
+            if all(st.ack is not None for st in mine.values()):
+                continue
+            handles = {}
+            for bid, st in mine.items():
+                handle = redone.get(bid) or st.handle
+                if not is_empty_branch(handle):
+                    handles[parse_branch_id(bid)[1]] = dict(handle or {})
+            try:
+                failpoints.hit("before_batch_commit", part.name)
+                if handles:  # every branch empty: nothing was written, nothing to commit
+                    part.commit_batch(txn.key, handles)
+                failpoints.hit("after_batch_commit", part.name)
+            except Exception as exc:
+                cause = f"{part.describe()}: batch commit failed: {type(exc).__name__}: {exc}"
+                log.warning("sink %s batch %d: %s; finishing it again", self.name,
+                            txn.batch_id, cause)
+                error = error or cause
+                continue
+            txn = client.ack(txn.key, self._epoch,
+                             [(bid, Decision.COMMIT) for bid, st in mine.items()
+                              if st.ack is None])
+        return txn, error
 
     def _check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""

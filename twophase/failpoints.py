@@ -41,6 +41,8 @@ POINTS: Final = (
     "before_commit",  # task, per branch: decision known, not applied
     "after_commit",  # task, per branch: applied, ack not sent
     "before_ack",  # task, per branch
+    "before_batch_commit",  # driver, per batch participant: COMMIT decided, table untouched
+    "after_batch_commit",  # driver, per batch participant: table committed, acks not sent
     "before_return",  # driver: coordinator shows COMMITTED, foreachBatch not returned
     "coordinator_before_decision",  # coordinator: all votes in, decision not written
 )

@@ -5,7 +5,9 @@ space. They must never be left behind silently. For every unfinished transaction
 sink, and for every prepared leftover the participants find by name, this applies the
 same rule as the Spark glue (ARCHITECTURE.md, "Recovery: one rule"), then acknowledges
 to the coordinator. A lost Kafka branch under a COMMIT decision cannot be redone without
-the data: it is reported, and restarting the query from its checkpoint redoes it.
+the data: it is reported, and restarting the query from its checkpoint redoes it. A
+participant that commits once per batch (a table) is committed for the whole batch at
+once, with every branch's voted handle, never one branch alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from twophase.participant import (
     rebuild,
 )
 from twophase.protocol import (
+    CommitScope,
     Decision,
     RecoveryAction,
     State,
@@ -120,6 +123,9 @@ def resolve_sink(
                 txn = client.admin_abort(txn.key, REASON)
             report.actions.append(Action(_txn_name(txn.key), "*", "undecided", "abort"))
         decision = txn.effective_decision
+        for table in participants:
+            if table.commit_scope == CommitScope.BATCH:
+                seen |= _settle_batch(client, table, txn, decision, dry_run, report)
         for bid, st in txn.branches.items():
             participant_name, partition = parse_branch_id(bid)
             part = by_name.get(participant_name)
@@ -127,6 +133,8 @@ def resolve_sink(
                 report.unresolved.append(
                     Action(_txn_name(txn.key), bid, "unknown", "name this participant to resolve")
                 )
+                continue
+            if (txn.key, bid) in seen:  # a batch participant's branch, settled above
                 continue
             ref = BranchRef(*txn.key, participant_name, partition)
             status = part.voted_status(ref, dict(st.handle) if st.handle else None)
@@ -152,11 +160,61 @@ def resolve_sink(
                 decision = Decision.ABORT
             # Any other error propagates: a branch must never be aborted because the
             # coordinator could not be asked (its decision may be COMMIT).
+            if part.commit_scope == CommitScope.BATCH and decision == Decision.COMMIT:
+                # never one branch of a batch alone: the whole batch, from the record
+                seen |= _settle_batch(client, part, txn, decision, dry_run, report)
+                continue
             act = _settle(part, ref, BranchStatus.PREPARED, decision, None, dry_run)
             report.actions.append(
                 Action(_txn_name(ref.key), ref.branch_id, "PREPARED", act)
             )
     return report
+
+
+def _settle_batch(
+    client: Decisions,
+    part: Participant,
+    txn: Transaction,
+    decision: Decision,
+    dry_run: bool,
+    report: ResolveReport,
+) -> set[tuple[TxnKey, str]]:
+    """The recovery rule for a participant that commits once per batch: under COMMIT,
+    its prepared branches are committed together (``commit_batch`` with every branch's
+    voted handle), never one alone; under ABORT each prepared branch is aborted. Returns
+    the branches it settled."""
+    mine = {bid: st for bid, st in txn.branches.items() if parse_branch_id(bid)[0] == part.name}
+    name = _txn_name(txn.key)
+    statuses: dict[str, BranchStatus] = {}
+    for bid, st in mine.items():
+        if is_empty_branch(st.handle):
+            continue
+        ref = BranchRef(*txn.key, part.name, parse_branch_id(bid)[1])
+        statuses[bid] = part.voted_status(ref, dict(st.handle) if st.handle else None)
+    actions = {bid: recovery_action(decision, status, part.commit_scope)
+               for bid, status in statuses.items()}
+    if RecoveryAction.REDO in actions.values():  # files gone: only a replay can redo them
+        for bid, action in actions.items():
+            report.unresolved.append(Action(
+                name, bid, statuses[bid].value,
+                "redo-needed" if action == RecoveryAction.REDO else "commit-batch-waits"))
+        return set()
+    if RecoveryAction.COMMIT_BATCH in actions.values() and not dry_run:
+        part.commit_batch(txn.key, {parse_branch_id(bid)[1]: dict(mine[bid].handle or {})
+                                    for bid in statuses})
+    for bid, st in mine.items():
+        action = actions.get(bid, RecoveryAction.NOTHING)
+        if action == RecoveryAction.ABORT and not dry_run:
+            part.abort(BranchRef(*txn.key, part.name, parse_branch_id(bid)[1]),
+                       dict(st.handle) if st.handle else None)
+        shown = {RecoveryAction.COMMIT_BATCH: "commit-batch", RecoveryAction.ABORT: "abort"}
+        report.actions.append(Action(
+            name, bid, statuses[bid].value if bid in statuses else "EMPTY",
+            shown.get(action, "ack" if decision == Decision.COMMIT else "nothing")))
+        waits = decision == Decision.COMMIT or st.vote == Decision.COMMIT
+        if st.ack is None and waits and not dry_run and txn.state in _WAITING:
+            client.force_ack(txn.key, bid, decision, REASON)
+    return {(txn.key, bid) for bid in mine}
 
 
 def _settle(

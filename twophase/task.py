@@ -9,6 +9,11 @@ the branches ``(participant, p)`` of every participant for its partition ``p``:
    ``finish``: COMMIT is already decided, so commit what is prepared and redo what is
    lost (Kafka), then acknowledge.
 
+A participant that commits once per batch (``CommitScope.BATCH``: a table) is prepared and
+aborted here like any other, but under COMMIT its branches are left for the driver, which
+commits the whole batch at once and acknowledges them (``twophase.driver``); a finish that
+redoes such a branch returns the new handle in its outcome for that commit.
+
 Under the sink (``BatchPlan.driver_acks``) a task does not send its acknowledgements: it
 returns them in its outcome and the driver relays every task's in one call once the job
 is done (``relay_acks``), a round trip per task saved. A task that dies after applying
@@ -39,6 +44,7 @@ from twophase.participant import (
     is_empty_branch,
 )
 from twophase.protocol import (
+    CommitScope,
     Decision,
     RecoveryAction,
     Transaction,
@@ -53,8 +59,8 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "relay_acks", "run_partition",
-           "split_of"]
+__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "redone_handles", "relay_acks",
+           "run_partition", "split_of"]
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
@@ -107,6 +113,7 @@ class BranchOutcome:
     commit_s: float = 0.0
     error: str = ""
     acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
+    redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -140,6 +147,15 @@ def relay_acks(
                       {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
 
 
+def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:
+    """The handles of batch-scope branches the tasks redid (branch id -> handle): the
+    driver commits those instead of the lost ones the coordinator recorded."""
+    out: dict[str, Handle] = {}
+    for o in outcomes:
+        out.update(json.loads(o.get("redone_handles") or "{}"))
+    return out
+
+
 def _settle_earlier(
     plan: BatchPlan, partition: int, client: CoordinatorClient, out: BranchOutcome
 ) -> None:
@@ -157,6 +173,12 @@ def _settle_earlier(
             acks.append((branch_id(part.name, partition), Decision.ABORT))
         if attempt in plan.ack_earlier:
             client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
+
+
+def _batch_commits(part: Participant, decision: Decision) -> bool:
+    """True when the driver, not this task, applies ``decision`` to ``part``'s branch (a
+    COMMIT of a participant that commits once per batch)."""
+    return decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH
 
 
 def _apply(
@@ -239,6 +261,7 @@ def _finish_commit(
     t0 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
     measured: dict[str, BranchMetrics] = {}
+    redone: dict[str, Handle] = {}
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
@@ -247,17 +270,26 @@ def _finish_commit(
             acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
             continue
         tc = time.perf_counter()
-        action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted))
+        status = part.voted_status(ref, voted)
+        action = recovery_action(Decision.COMMIT, status, part.commit_scope)
         if action == RecoveryAction.COMMIT:
             _apply(part, ref, voted, Decision.COMMIT)
+        elif action == RecoveryAction.COMMIT_BATCH:
+            continue  # prepared and whole: the driver commits the batch and acknowledges
         elif action == RecoveryAction.REDO:
             # Lost (a Kafka branch dies with its producer): write it again and commit at
             # once; the participant's marker makes a second redo write nothing.
             _check_redo(plan, part, partition, schema, batches)
-            _apply(part, ref, part.redo(ref, schema, batches, voted), Decision.COMMIT)
+            handle = part.redo(ref, schema, batches, voted)
             out.redone += 1
+            if part.commit_scope == CommitScope.BATCH:
+                redone[bid] = {**handle, "split": plan.split}  # the driver's batch commit
+                continue
+            _apply(part, ref, handle, Decision.COMMIT)
         acks.append((bid, Decision.COMMIT))
         measured[bid] = {"commit_s": time.perf_counter() - tc}
+    if redone:
+        out.redone_handles = json.dumps(redone)
     failpoints.hit("before_ack", None, partition)
     _acknowledge(plan, client, out, acks, measured)
     out.commit_s = time.perf_counter() - t0
@@ -317,6 +349,8 @@ def _run_attempt(
     acks: list[tuple[str, Decision]] = []
     measured_acks: dict[str, BranchMetrics] = {}
     for part, ref, handle in prepared:
+        if _batch_commits(part, decision):
+            continue  # the driver commits the batch's files at once and acknowledges
         tc = time.perf_counter()
         _apply(part, ref, handle, decision)
         acks.append((ref.branch_id, decision))
