@@ -74,6 +74,15 @@ def test_open_transactions_and_reader_mismatch_fail_aborted_rows_do_not() -> Non
     assert not verify([_Reads("d", ReadBack((1, 1, 2)))], [1, 2]).ok
 
 
+def test_a_second_commit_of_one_batch_fails_the_verdict() -> None:
+    """A table committed twice for one batch fails even when every id is there once
+    (e.g. the second snapshot added no rows): one commit per batch is the rule."""
+    once = verify([_Reads("t", ReadBack((1, 2), commits=2))], [1, 2])
+    assert once.ok and "table commits=2 extra_commits=0" in "\n".join(once.lines())
+    twice = verify([_Reads("t", ReadBack((1, 2), commits=3, extra_commits=1))], [1, 2])
+    assert not twice.ok and twice.systems[0].extra_commits == 1
+
+
 def test_kafka_vote_window() -> None:
     kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
                              transaction_timeout_ms=400_000)

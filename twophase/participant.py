@@ -149,6 +149,12 @@ class ReadBack:
     mismatch: int = 0
     """Rows on which a second reader (a Kafka ``read_committed`` consumer on a broker
     that hides aborted records) disagrees with ``values``: must be 0."""
+    commits: int | None = None
+    """Table commits (snapshots, log versions) made by twophase, when the system keeps
+    them (Iceberg, Delta); None where there is no such thing."""
+    extra_commits: int = 0
+    """Commits of a batch beyond its first (one snapshot per micro-batch is the rule of a
+    once-per-batch participant): must be 0."""
 
 
 class Participant(abc.ABC):

@@ -6,7 +6,8 @@ PostgreSQL table, files through pyarrow, Kafka rebuilt from its partition logs w
 Kafka's transaction rule and cross-checked with a ``read_committed`` consumer) and
 reports per system: duplicates, missing ids, unexpected ids, leftovers still prepared
 (``pg_prepared_xacts``, staged files, open Kafka branches known to this process), open
-Kafka transactions, aborted rows (reported) and disagreements between two readers. Used
+Kafka transactions, aborted rows (reported), disagreements between two readers, and a
+table's commits beyond one per batch. Used
 by the tests, ``twophase demo`` and ``twophase chaos``. It knows no system: a new
 participant is verified by implementing ``read_back``.
 """
@@ -43,11 +44,13 @@ class SystemReport:
     # visible to readers and never prepared (the staged name did not appear), so it does not
     # break exactly-once; reported so it is seen.
     temp_leftovers: int = 0
+    commits: int | None = None  # table commits twophase made (Iceberg snapshots, Delta versions)
+    extra_commits: int = 0  # commits of a batch beyond its first: one per batch is the rule
 
     @property
     def ok(self) -> bool:
         return not (self.duplicates or self.missing or self.unexpected or self.prepared_leftovers
-                    or self.open_transactions or self.mismatch)
+                    or self.open_transactions or self.mismatch or self.extra_commits)
 
 
 @dataclass
@@ -81,6 +84,9 @@ class VerifyReport:
             if s.kind == "kafka" or s.aborted or s.open_transactions or s.mismatch:
                 out.append(f"  {'':<24} aborted={s.aborted} open_transactions="
                            f"{s.open_transactions} mismatch={s.mismatch} ({s.note})")
+            if s.commits is not None or s.extra_commits:
+                out.append(f"  {'':<24} table commits={s.commits} extra_commits="
+                           f"{s.extra_commits} (one commit per batch is the rule)")
             if s.temp_leftovers:
                 out.append(f"  {'':<24} + {s.temp_leftovers} temp file(s) of a prepare killed "
                            "mid-write (never visible, not prepared)")
@@ -135,6 +141,8 @@ def verify(
                 open_transactions=back.open,
                 mismatch=back.mismatch,
                 temp_leftovers=back.temp,
+                commits=back.commits,
+                extra_commits=back.extra_commits,
             )
         )
     return VerifyReport(expected=len(want), systems=systems)
