@@ -217,7 +217,8 @@ def test_partitioned_by_identity_and_day(target: IcebergTarget) -> None:
     expect = {(r["country"], (r["ts"].date() - dt.date(1970, 1, 1)).days)
               for part in range(2) for r in rows(0, part, 60).to_pylist()}
     assert seen == expect and len(expect) == 11  # 60 hours from 22:00 UTC touch 4 days
-    assert ids(target) == sorted(r["id"] for part in range(2) for r in rows(0, part, 60).to_pylist())
+    assert ids(target) == sorted(r["id"] for part in range(2)
+                                 for r in rows(0, part, 60).to_pylist())
     # a filter on the partition prunes files
     pruned = list(tbl.scan(row_filter="country == 'jp'").plan_files())
     assert 0 < len(pruned) < len(tasks)
@@ -278,7 +279,7 @@ def test_warehouse_on_the_s3_api_server(s3: Any, s3_bucket: str) -> None:
 def test_bad_arguments_are_refused() -> None:
     cat = {"type": "sql", "uri": "sqlite:///:memory:", "warehouse": "file:///tmp/x"}
     for table in ("noname", "a.b c", "../x.y", ""):
-        with pytest.raises(InvalidRequest, match="namespace.name"):
+        with pytest.raises(InvalidRequest, match=r"namespace\.name"):
             IcebergParticipant(table, cat)
     with pytest.raises(InvalidRequest, match="mode"):
         IcebergParticipant("a.b", cat, mode="upsert")
