@@ -21,6 +21,11 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
   one transaction (``--only upsert``); half the keys already exist;
 - copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
   pyarrow CSV chunks, both raw, same transaction shape;
+- iceberg: ``IcebergParticipant`` prepare of P branches (one after another here; P tasks
+  in a job) + one ``commit_batch`` against a plain pyiceberg ``table.append`` of the same
+  batch (at-least-once), fresh table each run (``--only iceberg``,
+  ``--iceberg-partitions P``); and one append of the batch against P appends (one
+  commit per branch: what a per-task commit would cost);
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
   write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
   atomic writer does); the no-fsync raw figure is printed too for reference.
@@ -319,6 +324,73 @@ def bench_files(root: Path, sizes: Iterable[int], repeats: int) -> list[Result]:
     return out
 
 
+# -- iceberg --------------------------------------------------------------------------------
+
+
+def _ice_catalog(root: Path) -> dict[str, str]:
+    return {"type": "sql", "uri": f"sqlite:///{root}/catalog.db", "warehouse": f"file://{root}/wh"}
+
+
+def _ice_table(root: Path, batch: pa.RecordBatch) -> tuple[dict[str, str], str]:
+    """A fresh table of the batch's schema (created outside the timing)."""
+    from twophase.sinks.iceberg import IcebergParticipant
+
+    (root / "wh").mkdir(parents=True, exist_ok=True)
+    cat = _ice_catalog(root)
+    name = f"bench.t_{uuid.uuid4().hex[:8]}"
+    IcebergParticipant(name, cat).check(batch.schema)
+    return cat, name
+
+
+def _ice_slices(batch: pa.RecordBatch, parts: int) -> list[pa.RecordBatch]:
+    step = -(-batch.num_rows // parts)
+    return [batch.slice(i * step, step) for i in range(parts)]
+
+
+def _ice_participant_run(root: Path, batch: pa.RecordBatch, parts: int) -> float:
+    """P branches prepared (as P tasks would, here one after another) + one commit_batch."""
+    from twophase.protocol import TxnKey
+    from twophase.sinks.iceberg import IcebergParticipant
+
+    cat, name = _ice_table(root, batch)
+    p = IcebergParticipant(name, cat, name="ice")
+    lineage = uuid.uuid4().hex[:16]
+    t = time.perf_counter()
+    handles = {i: p.prepare(BranchRef("bench", lineage, 0, 0, "ice", i), batch.schema, [s])
+               for i, s in enumerate(_ice_slices(batch, parts))}
+    p.commit_batch(TxnKey("bench", lineage, 0, 0), handles)
+    return time.perf_counter() - t
+
+
+def _ice_raw_run(root: Path, batch: pa.RecordBatch, appends: int) -> float:
+    """Plain pyiceberg: ``table.append`` of the batch (at-least-once), in ``appends``
+    commits (1: the whole batch at once; P: one per branch, as per-task commits would)."""
+    from pyiceberg.catalog import load_catalog
+
+    cat, name = _ice_table(root, batch)
+    t = time.perf_counter()
+    tbl = load_catalog("default", **cat).load_table(name)
+    for s in _ice_slices(batch, appends):
+        tbl.append(pa.Table.from_batches([s]))
+    return time.perf_counter() - t
+
+
+def bench_iceberg(root: Path, sizes: Iterable[int], repeats: int, parts: int = 4
+                  ) -> list[Result]:
+    out = []
+    for n in sizes:
+        batch = make_batch(n)
+        a, b = _alternate(repeats, partial(_ice_participant_run, root, batch, parts),
+                          partial(_ice_raw_run, root, batch, 1))
+        out.append(Result(f"iceberg P={parts} prepare+commit_batch", n,
+                          _median_rps(n, a), _median_rps(n, b)))
+        one, many = _alternate(repeats, partial(_ice_raw_run, root, batch, 1),
+                               partial(_ice_raw_run, root, batch, parts))
+        out.append(Result(f"iceberg 1 append vs {parts} appends (without)", n,
+                          _median_rps(n, one), _median_rps(n, many)))
+    return out
+
+
 # -- kafka (optional, from the Kafka helper's module) --------------------------------------
 
 
@@ -347,6 +419,8 @@ def print_results(results: list[Result]) -> None:
     print("(copy row: 'participant' = pyarrow CSV COPY, 'raw' = psycopg write_row per row)")
     print("(upsert row: 'participant' = mode='upsert' prepare+commit, 'raw' = psycopg "
           "executemany INSERT ... ON CONFLICT in one transaction; half the keys exist)")
+    print("(iceberg rows: 'raw' = pyiceberg table.append of the batch in one commit; the "
+          "'appends' row: 'participant' = 1 append, 'raw' = P appends, one per branch)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,10 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", help="an existing server (needs max_prepared_transactions > 0)")
     ap.add_argument("--dir", help="folder for the file benchmarks (default: a temp folder)")
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
-    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka"],
-                    nargs="*")
+    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka",
+                                       "iceberg"], nargs="*")
+    ap.add_argument("--iceberg-partitions", type=int, default=4,
+                    help="branches (P) per batch in the Iceberg section")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka"])
+    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "iceberg"])
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
@@ -378,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench_files(Path(tmp), args.sizes, args.repeats)
         if "kafka" in want:
             results += bench_kafka_if_present(args.sizes, args.repeats)
+        if "iceberg" in want:
+            with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
+                results += bench_iceberg(Path(tmp), args.sizes, args.repeats,
+                                         args.iceberg_partitions)
     finally:
         if server is not None:
             server.stop()

@@ -25,9 +25,10 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
@@ -62,8 +63,13 @@ DATA_DIR: Final = "twophase"
 """Branch files live in ``<table location>/data/twophase~<sink>/<lineage>/<batch>/``."""
 FILE_NAME: Final = re.compile(
     r"^(?P<participant>[A-Za-z0-9_.-]+)~(?P<partition>\d{5,})~(?P<attempt>\d+)~"
-    r"(?P<seq>\d{5,})\.parquet$"
+    r"(?P<run>[0-9a-f]{12})(?:~(?P<seq>\d{5,})\.parquet|\.done)$"
 )
+"""A branch's data file (``...~<run>~<seq>.parquet``) or the record of a complete
+prepare run (``...~<run>.done``: the files it wrote, written last). Each prepare has its
+own run, so a second prepare of the same branch and attempt (a Spark task retry, a
+speculative copy) never touches files the first one voted for, which the driver may be
+committing at that very moment."""
 _IDENT: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _TRANSFORM: Final = re.compile(r"^(?P<t>identity|day|month|year|hour)\((?P<c>[^()]+)\)$")
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
@@ -261,20 +267,23 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             return []
 
     def _branch_files(self, tbl: Table, sink: str, lineage: str, batch: int, attempt: int,
-                      partition: int) -> tuple[pafs.FileSystem, str, list[str], list[str]]:
-        """(fs, folder, data file names, torn temp names) of one branch's attempt."""
+                      partition: int) -> _Found:
+        """Every prepare run of one branch's attempt found by name."""
         fs, folder, _ = self._batch_dir(tbl, sink, lineage, batch)
-        names, temps = [], []
+        found = _Found(fs, folder)
+        prefix = f"{self.name}~{partition:05d}~{attempt}~"
         for path in self._list(fs, folder):
             base = path.rsplit("/", 1)[-1]
             m = FILE_NAME.match(base)
-            if m and m["participant"] == self.name and int(m["partition"]) == partition \
-                    and int(m["attempt"]) == attempt:
-                names.append(base)
-            elif base.startswith(".") and base.endswith(".tmp") and \
-                    base[1:].startswith(f"{self.name}~{partition:05d}~{attempt}~"):
-                temps.append(base)
-        return fs, folder, sorted(names), temps
+            if m and base.startswith(prefix):
+                run = found.runs.setdefault(m["run"], _Run())
+                if m["seq"] is None:
+                    run.done = base
+                else:
+                    run.files.append(base)
+            elif base.startswith(f".{prefix}") and base.endswith(".tmp"):
+                found.temps.append(base)
+        return found
 
     def _markers(self, tbl: Table, sink: str) -> _Marker:
         attempts: dict[tuple[str, int], tuple[int, frozenset[int] | None]] = {}
@@ -406,13 +415,11 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         if self._markers(tbl, branch.sink).committed(branch.lineage, branch.batch_id) \
                 is not None:
             return {"files": "[]", "rows": "0", "bytes": "0", "committed": "yes"}
-        fs, folder, old, temps = self._branch_files(tbl, branch.sink, branch.lineage,
-                                                    branch.batch_id, branch.attempt,
-                                                    branch.partition)
-        for base in old + temps:  # a prepare of this attempt again supersedes the first
-            _delete(fs, f"{folder}/{base}")
-        writer = _BranchWriter(fs, folder, f"{self.name}~{branch.partition:05d}~{branch.attempt}",
-                               self.target_file_bytes, self._grouper(tbl, schema))
+        fs, folder, _ = self._batch_dir(tbl, branch.sink, branch.lineage, branch.batch_id)
+        run = uuid.uuid4().hex[:12]
+        stem = f"{self.name}~{branch.partition:05d}~{branch.attempt}~{run}"
+        writer = _BranchWriter(fs, folder, stem, self.target_file_bytes,
+                               self._grouper(tbl, schema))
         try:
             for batch in batches:
                 if not batch.schema.equals(schema):
@@ -428,8 +435,8 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
                                  f"{type(exc).__name__}: {exc}") from exc
         files = json.dumps(names, separators=(",", ":"))
         if len(files) > _HANDLE_CHARS:
-            files = "*"  # too many to name in a vote: commit finds them by name
-        return {"files": files, "rows": str(rows), "bytes": str(size)}
+            files = "*"  # too many to name in a vote: commit reads the run's .done record
+        return {"run": run, "files": files, "rows": str(rows), "bytes": str(size)}
 
     def _grouper(self, tbl: Table, schema: pa.Schema) -> _Grouper | None:
         spec = tbl.spec()
@@ -486,10 +493,17 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             if voted is not None and voted != "*":
                 names = json.loads(voted)
             else:  # a recovery without the vote, or too many to vote: found by name
-                names = self._branch_files(tbl, key.sink, key.lineage, key.batch_id,
-                                           key.attempt, partition)[2]
+                found = self._branch_files(tbl, key.sink, key.lineage, key.batch_id,
+                                           key.attempt, partition)
+                names = found.complete(handle.get("run") if handle else None)
+                if names is None:
+                    raise ParticipantError(
+                        f"{self.describe()}: branch {self.name}/{partition} of batch "
+                        f"{key.batch_id} (attempt {key.attempt}) has no complete prepared "
+                        "run to commit (its files are gone); the batch must be redone")
             for name in names:
-                if not isinstance(name, str) or not FILE_NAME.match(name):
+                if not isinstance(name, str) or not FILE_NAME.match(name) or \
+                        name.endswith(".done"):
                     raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
                                            "which is not a branch data file")
                 uris.append(f"{uri}/{name}")
@@ -542,8 +556,8 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             return BranchStatus.COMMITTED
         done = marks.committed(branch.lineage, branch.batch_id)
         mine = self._branch_files(tbl, branch.sink, branch.lineage, branch.batch_id,
-                                  branch.attempt, branch.partition)[2]
-        if mine:
+                                  branch.attempt, branch.partition)
+        if mine.runs or mine.temps:
             return BranchStatus.PREPARED  # (of a superseded attempt: abort sweeps them)
         # committed by another attempt of the batch: this one's share is there already
         return BranchStatus.COMMITTED if done not in (None, branch.attempt) \
@@ -554,10 +568,13 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         marks = self._markers(tbl, branch.sink)
         if marks.referenced(branch.lineage, branch.batch_id, branch.attempt, branch.partition):
             return  # the files are the table's now
-        fs, folder, names, temps = self._branch_files(
+        found = self._branch_files(
             tbl, branch.sink, branch.lineage, branch.batch_id, branch.attempt, branch.partition)
-        for base in names + temps:
-            _delete(fs, f"{folder}/{base}")
+        for run in found.runs.values():  # the data files first, the .done record last
+            for base in [*run.files, *([run.done] if run.done else [])]:
+                _delete(found.fs, f"{found.folder}/{base}")
+        for base in found.temps:
+            _delete(found.fs, f"{found.folder}/{base}")
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
         validate_name("sink name", sink)
@@ -636,6 +653,34 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
                 temp += 1
         return ReadBack(values=values, prepared=prepared, temp=temp, commits=len(marks_all),
                         extra_commits=extra)
+
+
+@dataclass
+class _Run:
+    """One prepare run's files; ``done`` names its record once the run completed."""
+
+    files: list[str] = field(default_factory=list)
+    done: str | None = None
+
+
+@dataclass
+class _Found:
+    fs: pafs.FileSystem
+    folder: str
+    runs: dict[str, _Run] = field(default_factory=dict)
+    temps: list[str] = field(default_factory=list)
+
+    def complete(self, run: str | None) -> list[str] | None:
+        """The data files of ``run`` (or of the first complete run when the vote is
+        unknown: every complete run holds the branch's same rows), from its record."""
+        ids = [run] if run else sorted(self.runs)
+        for rid in ids:
+            r = self.runs.get(rid)
+            if r is not None and r.done is not None:
+                with self.fs.open_input_stream(f"{self.folder}/{r.done}") as f:
+                    names: list[str] = json.loads(f.read())["files"]
+                return names
+        return None
 
 
 def _delete(fs: pafs.FileSystem, path: str) -> None:
@@ -740,7 +785,18 @@ class _BranchWriter:
     def close(self) -> tuple[list[str], int, int]:
         for key in list(self.open):
             self._finish(key)
-        if self.local and self.names:
+        record = json.dumps({"files": self.names, "rows": self.rows}).encode()
+        done = f"{self.stem}.done"
+        if self.local:
+            with open(f"{self.folder}/.{done}.tmp", "wb") as f:
+                f.write(record)
+                f.flush()
+                os.fsync(f.fileno())
+            self.fs.move(f"{self.folder}/.{done}.tmp", f"{self.folder}/{done}")
+        else:
+            with self.fs.open_output_stream(f"{self.folder}/{done}") as out:
+                out.write(record)
+        if self.local:
             fd = os.open(self.folder, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -287,3 +287,29 @@ def test_bad_arguments_are_refused() -> None:
         IcebergParticipant("a.b", cat, partition_by=["bucket(16, id)"])
     with pytest.raises(InvalidRequest, match="catalog"):
         IcebergParticipant("a.b", {})
+
+
+def test_a_second_prepare_of_a_branch_never_touches_the_first(target: IcebergTarget) -> None:
+    """A Spark task retry (or a speculative copy) prepares the same branch and attempt
+    again while the driver commits the first run's vote: each run has its own files."""
+    p = target.participant()
+    p.check(SCHEMA)
+    ref = BranchRef("orders", "lin-a", 0, 0, "ice", 0)
+    first = p.prepare(ref, SCHEMA, [rows(0, 0)])
+    second = p.prepare(ref, SCHEMA, [rows(0, 0)])
+    assert first["run"] != second["run"]
+    p.commit_batch(ref.key, {0: first})
+    assert ids(target) == [r["id"] for r in rows(0, 0).to_pylist()]
+    assert p.status(ref) is BranchStatus.COMMITTED
+    # committed from the record alone (no vote): one complete run, never both
+    other = IcebergTarget()
+    try:
+        q = other.participant()
+        q.check(SCHEMA)
+        r2 = BranchRef("orders", "lin-b", 0, 0, "ice", 0)
+        q.prepare(r2, SCHEMA, [rows(0, 0)])
+        q.prepare(r2, SCHEMA, [rows(0, 0)])
+        q.commit_batch(r2.key, {0: {}})
+        assert ids(other) == [r["id"] for r in rows(0, 0).to_pylist()]
+    finally:
+        other.close()
