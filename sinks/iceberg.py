@@ -419,7 +419,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         run = uuid.uuid4().hex[:12]
         stem = f"{self.name}~{branch.partition:05d}~{branch.attempt}~{run}"
         writer = _BranchWriter(fs, folder, stem, self.target_file_bytes,
-                               self._grouper(tbl, schema))
+                               self._grouper(tbl, schema), _writer_options(tbl))
         try:
             for batch in batches:
                 if not batch.schema.equals(schema):
@@ -683,6 +683,14 @@ class _Found:
         return None
 
 
+def _writer_options(tbl: Table) -> dict[str, Any]:
+    """The table's Parquet settings (codec, level, page sizes), as pyiceberg's own
+    writer reads them from the table properties (default zstd)."""
+    from pyiceberg.io.pyarrow import _get_parquet_writer_kwargs
+
+    return _get_parquet_writer_kwargs(tbl.properties)
+
+
 def _delete(fs: pafs.FileSystem, path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         fs.delete_file(path)
@@ -734,8 +742,9 @@ class _BranchWriter:
     object only once its upload completed."""
 
     def __init__(self, fs: pafs.FileSystem, folder: str, stem: str, target: int,
-                 grouper: _Grouper | None) -> None:
+                 grouper: _Grouper | None, options: dict[str, Any]) -> None:
         self.fs, self.folder, self.stem, self.target = fs, folder, stem, target
+        self.options = options
         self.grouper = grouper
         self.local = fs.type_name == "local"
         self.open: dict[tuple[Any, ...], tuple[Any, Any, str]] = {}
@@ -765,7 +774,7 @@ class _BranchWriter:
         self.seq += 1
         path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
         stream = self.fs.open_output_stream(path)
-        self.open[key] = (stream, pq.ParquetWriter(stream, schema), name)
+        self.open[key] = (stream, pq.ParquetWriter(stream, schema, **self.options), name)
 
     def _finish(self, key: tuple[Any, ...]) -> None:
         stream, writer, name = self.open.pop(key)
