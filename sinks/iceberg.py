@@ -73,6 +73,7 @@ committing at that very moment."""
 _IDENT: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _TRANSFORM: Final = re.compile(r"^(?P<t>identity|day|month|year|hour)\((?P<c>[^()]+)\)$")
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
+_URL_PASSWORD: Final = re.compile(r"://[^/@:]*:[^/@]*@")  # a catalog uri with a password
 _HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
 _COMMIT_TRIES: Final = 20
 _UNKNOWN: Final = -1  # a batch committed by an attempt whose snapshot has expired
@@ -599,7 +600,8 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
 
     # ------------------------------------------------------------------ operators
     def descriptor(self) -> Descriptor:
-        secret = sorted(k for k in self.catalog_props if _SECRET_KEYS.search(k))
+        secret = sorted(k for k, v in self.catalog_props.items()
+                        if _SECRET_KEYS.search(k) or _URL_PASSWORD.search(v))
         options: dict[str, Any] = {
             "mode": self.mode, "on_schema_change": self.on_schema_change,
             "partition_by": ",".join(f"{t}({c})" for t, c in self.partition_by),

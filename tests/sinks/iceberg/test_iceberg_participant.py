@@ -313,3 +313,20 @@ def test_a_second_prepare_of_a_branch_never_touches_the_first(target: IcebergTar
         assert ids(other) == [r["id"] for r in rows(0, 0).to_pylist()]
     finally:
         other.close()
+
+
+def test_descriptor_keeps_secrets_out() -> None:
+    cat = {"type": "sql", "uri": "postgresql://u:hunter2@db/cat", "warehouse": "s3://b/w",
+           "s3.access-key-id": "AK", "s3.secret-access-key": "SK", "name": "prod"}
+    p = IcebergParticipant("shop.orders", cat, name="lake", mode="complete",
+                           partition_by=["country", "day(ts)"])
+    d = p.descriptor()
+    assert "hunter2" not in repr(d) and "SK" not in repr(d)
+    assert d["options"]["secrets"] == "s3.secret-access-key,uri"
+    q = rebuild(d, {"uri": cat["uri"], "s3.secret-access-key": "SK"})
+    assert isinstance(q, IcebergParticipant)
+    assert (q.catalog_props, q.catalog_name, q.mode, q.partition_by, q.table) == (
+        {k: v for k, v in cat.items() if k != "name"}, "prod", "complete",
+        (("identity", "country"), ("day", "ts")), "shop.orders")
+    with pytest.raises(InvalidRequest, match="TWOPHASE_SECRET_LAKE_URI"):
+        rebuild(d, {"s3.secret-access-key": "SK"})
