@@ -194,7 +194,10 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         return {
             "kind": self.kind, "name": self.name, "target": f"{self.table} at {self._where}",
             "options": {
-                "url": parsed.set(password=None).render_as_string(hide_password=False),
+                "url": sa.engine.URL.create(
+                    parsed.drivername, parsed.username, None, parsed.host, parsed.port,
+                    parsed.database, parsed.query,
+                ).render_as_string(hide_password=False),
                 "table": self.table, "mode": self.mode,
                 "key": json.dumps(list(self.key)) if self.key else None,
                 "create": self.create, "marker_table": self.marker_table,
