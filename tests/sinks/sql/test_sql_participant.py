@@ -290,7 +290,7 @@ def test_server_sigkilled_after_prepare_and_during_commit(crashing_mariadb: Loca
         try:
             p.commit(in_flight, handles[in_flight])
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             outcome.append(exc)
 
     worker = threading.Thread(target=commit)
