@@ -5,8 +5,8 @@ It runs Debian's ``mariadbd`` from a temporary directory: its own datadir (made 
 option file read (``--no-defaults``), so a server installed on the machine is neither
 used nor disturbed. ``mariadbd`` refuses to run as root without ``--user``, so as root it
 runs as the ``mysql`` user (Debian's package creates it) and the folder is handed to it.
-The server dies with the process that started it (``PR_SET_PDEATHSIG``), so a killed test
-run leaves no server behind.
+The server dies with the process that started it (``PR_SET_PDEATHSIG``, set after the
+switch to that user, which would clear it), so a killed test run leaves no server behind.
 
 Fast settings for tests, chosen so a SIGKILLed server still keeps every XA PREPARE and
 commit (the crash tests rely on it): the redo log is written to the OS at each commit
@@ -156,16 +156,16 @@ class LocalMariaDB(LocalServer):
         if self.binlog:
             args += [f"--log-bin={self.dir / 'data' / 'binlog'}", "--server-id=1",
                      "--sync-binlog=0"]
-        if user:
-            args.append(f"--user={user}")
         return args
 
     def _launch(self, mariadbd: Path, user: str | None, timeout: float) -> None:
         assert self.dir is not None
         log = self.dir / "server.log"
+        # Started as the user itself (not mariadbd --user=, whose setuid would clear the
+        # parent-death signal): the prctl runs after Popen's user switch.
         self.proc = subprocess.Popen(
             self._args(mariadbd, user), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,  # prctl only; the server dies with its parent
+            user=user, preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
