@@ -343,16 +343,16 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         md = sa.MetaData()
         self._markers(md)
         self._xids(md)
-        with suppress(sa.exc.IntegrityError, sa.exc.ProgrammingError, sa.exc.OperationalError):
-            md.create_all(conn)  # a concurrent creator winning the race is fine
+        self._create(conn, md)
         inspector = sa.inspect(conn)
         if not inspector.has_table(self.table):
             if not self.create:
                 raise ParticipantError(
                     f"{self.describe()}: table {self.table} does not exist (and create=False)"
                 )
-            with suppress(sa.exc.ProgrammingError, sa.exc.OperationalError):
-                self._data(schema).create(conn, checkfirst=True)
+            data = sa.MetaData()
+            self._data(schema).to_metadata(data)
+            self._create(conn, data)
             inspector = sa.inspect(conn)
         problems = misfits(schema, [dict(c) for c in inspector.get_columns(self.table)])
         if self.mode == "upsert" and not self._has_key(inspector):
@@ -365,6 +365,21 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 f"{self.describe()}: table {self.table} does not fit the data: "
                 + "; ".join(problems)
             )
+
+    def _create(self, conn: sa.Connection, md: sa.MetaData) -> None:
+        """Create the missing tables of ``md``; a concurrent creator winning the race is
+        fine, any other failure (no CREATE privilege) is reported with the cause."""
+        try:
+            md.create_all(conn)
+        except sa.exc.DBAPIError as exc:
+            inspector = sa.inspect(conn)
+            missing = [t.name for t in md.sorted_tables if not inspector.has_table(t.name)]
+            if missing:
+                raise ParticipantError(
+                    f"{self.describe()}: cannot create table {', '.join(missing)}: "
+                    f"{_message(exc)} (grant CREATE on the database, or create the tables "
+                    "beforehand)"
+                ) from exc
 
     def _has_key(self, inspector: sa.Inspector) -> bool:
         want = set(self.key)
@@ -511,7 +526,7 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
             tx.prepare()
         except sa.exc.DBAPIError as exc:
             ambiguous = stage == "prepare" and _transient(exc)
-            self._discard(conn, rollback=not ambiguous)
+            self._discard(conn, rollback=stage != "prepare")
             if stage == "marker" and _code(exc) in _DUPLICATE:
                 return self._handle(xid, 0, "already-committed")  # another attempt landed
             if ambiguous and xid in self._retry("read the branch state", self._recover):
@@ -524,7 +539,7 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 f"{self.describe()}: rows refused during {stage}: {_message(exc)}"
             ) from exc
         except BaseException:
-            self._discard(conn, rollback=True)
+            self._discard(conn, rollback=stage != "prepare")
             raise
         # Closed, never pooled: the server detaches the prepared branch from this session
         # (see the module's docstring); invalidate() rolls nothing back.
@@ -533,12 +548,13 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         return self._handle(xid, rows, "prepared")
 
     def _discard(self, conn: sa.Connection, *, rollback: bool) -> None:
-        """Undo an unprepared branch: closing the session rolls it back in the server."""
+        """Undo an unprepared branch (``XA END; XA ROLLBACK`` / ``ROLLBACK``), then drop
+        the session; were the rollback to fail, the server rolls back an unprepared
+        transaction when its session ends."""
         with suppress(Exception):
-            if rollback and conn.in_transaction() and conn.get_transaction() is not None:
-                tx = conn.get_transaction()
-                if tx is not None and not getattr(tx, "_is_prepared", False):
-                    tx.rollback()
+            tx = conn.get_transaction()
+            if rollback and tx is not None:
+                tx.rollback()
         with suppress(Exception):
             conn.invalidate()
         with suppress(Exception):

@@ -258,6 +258,22 @@ def test_rebuilt_by_kind_with_the_password_from_the_environment(
         t.close()
 
 
+def test_missing_create_privilege_is_reported(mariadb_server: LocalMariaDB) -> None:
+    user = f"r{uuid.uuid4().hex[:8]}"
+    mariadb_server.sql(f"CREATE USER '{user}'@'127.0.0.1'")
+    mariadb_server.sql(f"GRANT SELECT, INSERT ON twophase.* TO '{user}'@'127.0.0.1'")
+    url = f"mysql+pymysql://{user}@127.0.0.1:{mariadb_server.port}/twophase"
+    p = SqlAlchemyParticipant(url, f"t_{uuid.uuid4().hex[:8]}", marker_table="m_" + user)
+    with pytest.raises(ParticipantError) as err:
+        p.check(SCHEMA)
+    assert str(err.value) == (
+        f"{p.describe()}: cannot create table m_{user}, m_{user}_xids: (1142) CREATE command "
+        f"denied to user '{user}'@'127.0.0.1' for table `twophase`.`m_{user}` (grant CREATE "
+        "on the database, or create the tables beforehand)"
+    )
+    p.close()
+
+
 # -- the server crashes -----------------------------------------------------------------------
 
 
