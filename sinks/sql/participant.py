@@ -510,7 +510,10 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         markers = self._markers()
         rows = 0
         stage = "begin"
-        conn = self._engine_ok().connect()
+        try:
+            conn = self._engine_ok().connect()
+        except sa.exc.DBAPIError as exc:
+            raise PrepareRefused(f"{self.describe()}: cannot connect: {_message(exc)}") from exc
         try:
             tx = conn.begin_twophase(xid)
             stage = "insert"
@@ -529,8 +532,12 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
             self._discard(conn, rollback=stage != "prepare")
             if stage == "marker" and _code(exc) in _DUPLICATE:
                 return self._handle(xid, 0, "already-committed")  # another attempt landed
-            if ambiguous and xid in self._retry("read the branch state", self._recover):
-                return self._handle(xid, rows, "prepared")
+            if ambiguous:  # the PREPARE may have reached the server before the link broke
+                try:
+                    if xid in self._retry("read the branch state", self._recover):
+                        return self._handle(xid, rows, "prepared")
+                except ParticipantError:
+                    pass  # voting NO is safe: a prepared leftover is found and aborted
             if _code(exc) in (1146, "42P01"):
                 raise PrepareRefused(
                     f"{self.describe()}: {_message(exc)} (run check(schema) on the driver "

@@ -258,6 +258,23 @@ def test_rebuilt_by_kind_with_the_password_from_the_environment(
         t.close()
 
 
+def test_unreachable_server_votes_no_with_the_cause() -> None:
+    from twophase.testing.servers import free_port
+
+    port = free_port()
+    p = SqlAlchemyParticipant(f"mysql+pymysql://root@127.0.0.1:{port}/x", "t")
+    b = make_branch(p)
+    with pytest.raises(PrepareRefused) as err:
+        p.prepare(b, SCHEMA, [batch_for(b)])
+    assert str(err.value) == (
+        f"{p.describe()}: cannot read the branch state: server unreachable after 3 tries: "
+        f"(2003) Can't connect to MySQL server on '127.0.0.1' ([Errno 111] Connection refused)"
+    )
+    with pytest.raises(ParticipantError, match="cannot read the status of .* unreachable"):
+        p.status(b)
+    p.close()
+
+
 def test_missing_create_privilege_is_reported(mariadb_server: LocalMariaDB) -> None:
     user = f"r{uuid.uuid4().hex[:8]}"
     mariadb_server.sql(f"CREATE USER '{user}'@'127.0.0.1'")
