@@ -270,7 +270,7 @@ def test_unreachable_server_votes_no_with_the_cause() -> None:
         f"{p.describe()}: cannot read the branch state: server unreachable after 3 tries: "
         f"(2003) Can't connect to MySQL server on '127.0.0.1' ([Errno 111] Connection refused)"
     )
-    with pytest.raises(ParticipantError, match="cannot read the status of .* unreachable"):
+    with pytest.raises(ParticipantError, match=r"cannot read the status of .* unreachable"):
         p.status(b)
     p.close()
 
