@@ -21,11 +21,14 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
   one transaction (``--only upsert``); half the keys already exist;
 - copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
   pyarrow CSV chunks, both raw, same transaction shape;
-- iceberg: ``IcebergParticipant`` prepare of P branches (one after another here; P tasks
-  in a job) + one ``commit_batch`` against a plain pyiceberg ``table.append`` of the same
-  batch (at-least-once), fresh table each run (``--only iceberg``,
-  ``--iceberg-partitions P``); and one append of the batch against P appends (one
-  commit per branch: what a per-task commit would cost);
+    ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
+                    "(default: a private MariaDB server)")
+    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg"]
+    ap.add_argument("--only", choices=sections, nargs="*")
+    ap.add_argument("--iceberg-partitions", type=int, default=4,
+                    help="branches (P) per batch in the Iceberg section")
+    args = ap.parse_args(argv)
+    want = set(args.only or sections)
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
   write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
   atomic writer does); the no-fsync raw figure is printed too for reference.
@@ -406,6 +409,19 @@ def bench_kafka_if_present(sizes: list[int], repeats: int) -> list[Result]:
     return [Result(*r) for r in module.bench_kafka(sizes=sizes, repeats=repeats)]
 
 
+# -- sql (SqlAlchemyParticipant on MariaDB) ------------------------------------------------
+
+
+def bench_sql_section(sizes: list[int], repeats: int, url: str | None) -> list[Result]:
+    path = Path(__file__).with_name("participants_sql.py")
+    spec = importlib.util.spec_from_file_location("participants_sql", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [Result(*r) for r in module.bench_sql(sizes, repeats, make_batch, _alternate,
+                                                  _median_rps, url)]
+
+
 # -- report --------------------------------------------------------------------------------
 
 
@@ -431,12 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", help="an existing server (needs max_prepared_transactions > 0)")
     ap.add_argument("--dir", help="folder for the file benchmarks (default: a temp folder)")
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
-    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka",
-                                       "iceberg"], nargs="*")
+    ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
+                    "(default: a private MariaDB server)")
+    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg"]
+    ap.add_argument("--only", choices=sections, nargs="*")
     ap.add_argument("--iceberg-partitions", type=int, default=4,
                     help="branches (P) per batch in the Iceberg section")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "iceberg"])
+    want = set(args.only or sections)
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
@@ -455,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench_files(Path(tmp), args.sizes, args.repeats)
         if "kafka" in want:
             results += bench_kafka_if_present(args.sizes, args.repeats)
+        if "sql" in want:
+            results += bench_sql_section(args.sizes, args.repeats, args.sql_url)
         if "iceberg" in want:
             with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
                 results += bench_iceberg(Path(tmp), args.sizes, args.repeats,

@@ -44,6 +44,7 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
+from twophase.sinks.batchfiles import DATA_DIR, RUN_FILE_NAME, parse_ranges, ranges
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table
 
-__all__ = ["DATA_DIR", "FILE_NAME", "MARKER_KEYS", "IcebergParticipant"]
+__all__ = ["MARKER_KEYS", "IcebergParticipant"]
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,6 @@ MODES: Final = ("append", "complete")
 POLICIES: Final = ("fail", "add_columns")
 MARKER_KEYS: Final = ("twophase.sink", "twophase.lineage", "twophase.batch",
                       "twophase.attempt", "twophase.participant", "twophase.partitions")
-DATA_DIR: Final = "twophase"
-"""Branch files live in ``<table location>/data/twophase~<sink>/<lineage>/<batch>/``."""
-FILE_NAME: Final = re.compile(
-    r"^(?P<participant>[A-Za-z0-9_.-]+)~(?P<partition>\d{5,})~(?P<attempt>\d+)~"
-    r"(?P<run>[0-9a-f]{12})(?:~(?P<seq>\d{5,})\.parquet|\.done)$"
-)
-"""A branch's data file (``...~<run>~<seq>.parquet``) or the record of a complete
-prepare run (``...~<run>.done``: the files it wrote, written last). Each prepare has its
-own run, so a second prepare of the same branch and attempt (a Spark task retry, a
-speculative copy) never touches files the first one voted for, which the driver may be
-committing at that very moment."""
 _IDENT: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _TRANSFORM: Final = re.compile(r"^(?P<t>identity|day|month|year|hour)\((?P<c>[^()]+)\)$")
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
@@ -131,30 +121,6 @@ class _Marker:
             return True
         parts = self.attempts[(lineage, batch)][1] if done is not None else None
         return done == attempt and (parts is None or partition in parts)
-
-
-def _ranges(parts: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (a snapshot property stays short at any P)."""
-    out: list[str] = []
-    run: list[int] = []
-    for p in sorted(set(parts)):
-        if run and p == run[-1] + 1:
-            run.append(p)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [p]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-def _parse_ranges(text: str) -> frozenset[int]:
-    out: set[int] = set()
-    for item in filter(None, text.split(",")):
-        lo, _, hi = item.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return frozenset(out)
 
 
 class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
@@ -254,7 +220,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         """(file system, folder path on it, folder URI) of one batch's branch files.
         The names were validated by BranchRef/TxnKey, so they are safe path parts."""
         fs, data = self._fs(tbl)
-        rel = f"{DATA_DIR}~{sink}/{lineage}/{batch:020d}"
+        rel = f"{DATA_DIR}-{sink}/{lineage}/{batch:020d}"
         return fs, f"{data}/{rel}", f"{tbl.location().rstrip('/')}/data/{rel}"
 
     @staticmethod
@@ -272,18 +238,21 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         """Every prepare run of one branch's attempt found by name."""
         fs, folder, _ = self._batch_dir(tbl, sink, lineage, batch)
         found = _Found(fs, folder)
-        prefix = f"{self.name}~{partition:05d}~{attempt}~"
         for path in self._list(fs, folder):
             base = path.rsplit("/", 1)[-1]
-            m = FILE_NAME.match(base)
-            if m and base.startswith(prefix):
-                run = found.runs.setdefault(m["run"], _Run())
-                if m["seq"] is None:
-                    run.done = base
-                else:
-                    run.files.append(base)
-            elif base.startswith(f".{prefix}") and base.endswith(".tmp"):
+            temp = base.startswith(".") and base.endswith(".tmp")
+            m = RUN_FILE_NAME.match(base[1:-4] if temp else base)
+            if not m or m["participant"] != self.name or int(m["partition"]) != partition \
+                    or int(m["attempt"]) != attempt:
+                continue
+            if temp:
                 found.temps.append(base)
+                continue
+            run = found.runs.setdefault(m["run"], _Run())
+            if m["seq"] is None:
+                run.done = base
+            else:
+                run.files.append(base)
         return found
 
     def _markers(self, tbl: Table, sink: str) -> _Marker:
@@ -302,7 +271,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             key = (str(lineage), int(batch))
             parts = s["twophase.partitions"]
             attempts.setdefault(key, (int(attempt),
-                                      None if parts is None else _parse_ranges(str(parts))))
+                                      None if parts is None else parse_ranges(str(parts))))
             count[key] = count.get(key, 0) + 1
             top[key[0]] = max(top.get(key[0], -1), key[1])
         return _Marker(attempts, top, count)
@@ -418,7 +387,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             return {"files": "[]", "rows": "0", "bytes": "0", "committed": "yes"}
         fs, folder, _ = self._batch_dir(tbl, branch.sink, branch.lineage, branch.batch_id)
         run = uuid.uuid4().hex[:12]
-        stem = f"{self.name}~{branch.partition:05d}~{branch.attempt}~{run}"
+        stem = f"{self.name}-{branch.partition:05d}-{branch.attempt}-{run}"
         writer = _BranchWriter(fs, folder, stem, self.target_file_bytes,
                                self._grouper(tbl, schema), _writer_options(tbl))
         try:
@@ -503,7 +472,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
                         f"{key.batch_id} (attempt {key.attempt}) has no complete prepared "
                         "run to commit (its files are gone); the batch must be redone")
             for name in names:
-                if not isinstance(name, str) or not FILE_NAME.match(name) or \
+                if not isinstance(name, str) or not RUN_FILE_NAME.match(name) or \
                         name.endswith(".done"):
                     raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
                                            "which is not a branch data file")
@@ -519,7 +488,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         props = {
             "twophase.sink": key.sink, "twophase.lineage": key.lineage,
             "twophase.batch": str(key.batch_id), "twophase.attempt": str(key.attempt),
-            "twophase.participant": self.name, "twophase.partitions": _ranges(partitions),
+            "twophase.participant": self.name, "twophase.partitions": ranges(partitions),
         }
         # pyiceberg's own retry would re-apply this snapshot after a lost race without
         # reading our marker; the loop in commit_batch does that instead
@@ -585,12 +554,12 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
 
     def _unreferenced(self, tbl: Table, sink: str, marks: _Marker) -> Iterator[BranchRef]:
         fs, data = self._fs(tbl)
-        root = f"{data}/{DATA_DIR}~{sink}"
+        root = f"{data}/{DATA_DIR}-{sink}"
         for path in self._list(fs, root, recursive=True):
             parts = path[len(root) + 1:].split("/")
             if len(parts) != 3 or not parts[1].isdigit():
                 continue
-            m = FILE_NAME.match(parts[2])
+            m = RUN_FILE_NAME.match(parts[2])
             if not m or m["participant"] != self.name:
                 continue
             lineage, batch, attempt = parts[0], int(parts[1]), int(m["attempt"])
@@ -651,7 +620,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             prepared += len(set(self._unreferenced(tbl, sink, marks)))
         for path in self._list(fs, data, recursive=True):
             base = path.rsplit("/", 1)[-1]
-            if f"/{DATA_DIR}~" in path and base.startswith(".") and base.endswith(".tmp"):
+            if f"/{DATA_DIR}-" in path and base.startswith(".") and base.endswith(".tmp"):
                 temp += 1
         return ReadBack(values=values, prepared=prepared, temp=temp, commits=len(marks_all),
                         extra_commits=extra)
@@ -772,7 +741,7 @@ class _BranchWriter:
     def _start(self, key: tuple[Any, ...], schema: pa.Schema) -> None:
         import pyarrow.parquet as pq
 
-        name = f"{self.stem}~{self.seq:05d}.parquet"
+        name = f"{self.stem}-{self.seq:05d}.parquet"
         self.seq += 1
         path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
         stream = self.fs.open_output_stream(path)

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conformance import Harness, applicable_checks
 from tests.sinks.iceberg.iceberg_support import IcebergTarget
+from twophase.testing.conformance import Harness, applicable_checks
 
 HARNESS = Harness(id="iceberg", new_target=IcebergTarget)
 
