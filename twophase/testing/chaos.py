@@ -228,6 +228,7 @@ class ChaosOptions:
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
+    iceberg_local: bool = False  # IcebergParticipant on a SQL catalog in the workdir
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -326,6 +327,11 @@ class _Chaos:
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
                 delta_path=o.delta_path,
+                iceberg_table=f"chaos.orders_{tag}" if o.iceberg_local else None,
+                iceberg_catalog={
+                    "type": "sql", "uri": f"sqlite:///{self.work / 'iceberg-catalog.db'}",
+                    "warehouse": f"file://{self.work / 'iceberg'}",
+                } if o.iceberg_local else None,
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,
