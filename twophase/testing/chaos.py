@@ -6,7 +6,11 @@ three victims again and again, each time at a moment drawn from ``random.Random(
 
 - ``driver``: the job process (its JVM and Python workers die with it);
 - ``worker``: one Spark Python worker of the job (the driver lives on and retries);
-- ``coordinator``: the daemon (restarted at once on the same port and store).
+- ``coordinator``: the daemon (restarted at once on the same port and store);
+- ``broker``: the Kafka broker chaos started (a tansu on S3 storage, ``--kafka-tansu``),
+  restarted after a short random pause on the same port and storage; always a timer kill
+  while a job runs. Kafka is then judged from the partition logs with tansu's stored
+  outcomes settling a transaction whose markers the crash lost (docs/chaos.md).
 
 A kill is either a failpoint (the protocol step is known: ``after_prepare``, ...) or a
 timer that fires after a random delay (the step is read from the coordinator: the state
@@ -33,12 +37,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.errors import TwophaseError
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon, clean_env
+
+if TYPE_CHECKING:
+    from twophase.testing.localkafka import LocalTansu
 
 __all__ = [
     "COORDINATOR_POINTS",
@@ -52,7 +59,7 @@ __all__ = [
     "run_chaos",
 ]
 
-VICTIMS = ("driver", "worker", "coordinator")
+VICTIMS = ("driver", "worker", "coordinator", "broker")
 DRIVER_POINTS = ("before_begin", "before_return")
 COORDINATOR_POINTS = ("coordinator_before_decision", "after_decision")
 WORKER_POINTS = (
@@ -77,6 +84,8 @@ def points_for(victim: str, mode: str) -> tuple[str, ...]:
         return WORKER_POINTS
     if victim == "coordinator":
         return COORDINATOR_POINTS if mode == "daemon" else ()
+    if victim == "broker":
+        return ()  # the broker runs no twophase code: timer kills only
     raise ValueError(f"unknown victim {victim!r}; one of {', '.join(VICTIMS)}")
 
 
@@ -219,6 +228,10 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
+    # The Kafka broker chaos may kill (victim "broker"): a started LocalTansu on S3
+    # storage, whose kafka_bootstrap this is; None without that victim.
+    broker: LocalTansu | None = None
+    broker_down_max_s: float = 5.0  # a broker kill keeps it down uniform(0, this) seconds
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -244,6 +257,15 @@ class ChaosOptions:
         if "coordinator" in self.victims and self.coordinator_mode != "daemon":
             raise ChaosError("victim 'coordinator' needs --coordinator-mode daemon (the "
                              "embedded coordinator dies with the driver: victim 'driver')")
+        if "broker" in self.victims:
+            if self.broker is None or self.job is not None:
+                raise ChaosError("victim 'broker' needs --kafka-tansu (chaos kills and "
+                                 "restarts the tansu broker it starts itself)")
+            if not self.broker.storage.startswith("s3://"):
+                raise ChaosError("victim 'broker' needs a tansu on s3:// storage (its log "
+                                 "must survive the kill)")
+        if not 0.0 <= self.broker_down_max_s <= 60.0:
+            raise ChaosError("the broker's down time must be within 0..60 s")
         if not 0.0 <= self.failpoint_share <= 1.0:
             raise ChaosError("failpoint share must be within 0..1")
 
@@ -284,6 +306,7 @@ class _Chaos:
         self.cfg.dump(self.cfg_path)
         self.participant_names = [p.name for p in build_participants(self.cfg)]
         self.batch_seconds: list[float] = [3.0]
+        self.broker_down: list[float] = []
 
     # ------------------------------------------------------------------ setup
     def _config(self) -> JobConfig:
@@ -447,11 +470,22 @@ class _Chaos:
                         return f"pid {pid}"
                 time.sleep(0.1)
             return None
+        if victim == "broker":
+            broker = self.o.broker
+            assert broker is not None
+            pid = broker.proc.pid if broker.proc else 0
+            return f"pid {pid}" if broker.kill() else None
         assert self.daemon is not None
         pid = self.daemon.proc.pid if self.daemon.proc else 0
         return f"pid {pid}" if self.daemon.kill() else None
 
     def _after_kill(self, victim: str) -> None:
+        if victim == "broker":
+            down = self.rng.uniform(0.0, self.o.broker_down_max_s)
+            time.sleep(down)  # bounded outage, then the same port and storage again
+            assert self.o.broker is not None
+            self.o.broker.restart()
+            self.broker_down.append(round(down, 3))
         if victim == "coordinator":
             assert self.daemon is not None
             time.sleep(self.rng.uniform(0.0, 1.0))  # a short outage, then the restart
@@ -534,9 +568,12 @@ class _Chaos:
             nxt = next((t for t in commits if t > ev.at), None)
             ev.recovery_s = None if nxt is None else round(nxt - ev.at, 3)
         rec = [ev.recovery_s for ev in self.events if ev.recovery_s is not None]
-        report = verify(build_participants(self.cfg),
+        participants = build_participants(self.cfg)
+        report = verify(participants,
                         expected_ids(self.total_batches, self.o.rows_per_batch),
-                        sink=self.cfg.sink)
+                        sink=self.cfg.sink, backs=self._kafka_backs(participants))
+        for p in participants:
+            p.close()
         by_victim_step: dict[str, Counter[str]] = {}
         for ev in self.events:
             by_victim_step.setdefault(ev.victim, Counter())[ev.step] += 1
@@ -560,6 +597,8 @@ class _Chaos:
             "recovery_seconds": _summary(rec),
             "coordinator_mode": self.o.coordinator_mode,
             "coordinator_unsettled": unsettled,
+            "kafka_reuse": self.cfg.kafka_reuse,
+            "broker_down_seconds": _summary(self.broker_down),
             "duration_s": self.now(),
             "verify": json.loads(report.to_json()),
             "verify_lines": report.lines(),
@@ -574,6 +613,22 @@ class _Chaos:
         path.write_text(json.dumps(out, indent=2, default=str))
         out["json_path"] = str(path)
         return out
+
+    def _kafka_backs(self, participants: Sequence[Any]) -> dict[str, Any] | None:
+        """With a killed broker: Kafka read from its log, a transaction whose markers a
+        crash lost settled by tansu's own stored outcome and named in the note
+        (``KafkaParticipant.read_back(outcomes=...)``, docs/chaos.md "The lost marker");
+        one tansu still has open stays open. None: every system reads itself."""
+        if self.o.broker is None or "broker" not in self.o.victims:
+            return None
+        from twophase.sinks.kafka import KafkaParticipant
+
+        # tansu on S3 finds a partition's end from the objects' last_modified, which S3
+        # keeps to the second: read within the second of the last commit, it can be stale.
+        time.sleep(2.0)
+        outcomes = self.o.broker.transaction_outcomes()
+        return {p.name: p.read_back("id", outcomes=outcomes) for p in participants
+                if isinstance(p, KafkaParticipant)}
 
     def _unsettled(self) -> int | str:
         """Transactions of the sink still OPEN/PREPARING/COMMITTING (informational)."""
@@ -634,6 +689,10 @@ def render(report: dict[str, Any]) -> list[str]:
     if rec["n"]:
         lines.append(f"time to recover (kill -> next committed batch): p50 {rec['p50']:.1f}s, "
                      f"p90 {rec['p90']:.1f}s, max {rec['max']:.1f}s (n={rec['n']})")
+    down = report.get("broker_down_seconds") or {"n": 0}
+    if down["n"]:
+        lines.append(f"broker down per kill (SIGKILL -> restart): p50 {down['p50']:.1f}s, "
+                     f"max {down['max']:.1f}s (n={down['n']})")
     lines.append(f"coordinator transactions left unsettled: {report['coordinator_unsettled']}")
     lines.append("verification per system:")
     lines += ["  " + x for x in report["verify_lines"]]
