@@ -55,6 +55,39 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
 
 
+def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
+                                                               pg_dsn: str) -> None:
+    """Victim ``broker``: the tansu of ``--kafka-tansu`` runs on S3 storage (a private moto
+    server) and is SIGKILLed at a random moment of a job and restarted after a short
+    pause; the Kafka participant keeps its producers across batches. Kafka is judged from
+    the partition log (a marker tansu lost in a kill settled by its stored outcome)."""
+    out = tmp_path / "report.json"
+    res = _chaos("--kills", "4", "--seed", "1", "--victims", "driver,worker,coordinator,broker",
+                 "--coordinator-mode", "daemon", "--batches", "2", "--rows-per-batch", "40",
+                 "--pg-dsn", pg_dsn, "--kafka-tansu", "--kafka-reuse", "--broker-down-max", "3",
+                 "--workdir", str(tmp_path / "wd"), "--json-out", str(out))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "starting a private tansu broker on S3 storage" in res.stdout
+    assert "exactly-once: PASSED" in res.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["kafka_reuse"] is True
+    assert report["kills"] == 4 and report["by_victim"].get("broker", 0) >= 1, report["by_victim"]
+    down = report["broker_down_seconds"]
+    assert down["n"] == report["by_victim"]["broker"] and 0 <= down["max"] <= 3, down
+    assert "broker down per kill" in res.stdout
+    for ev in report["events"]:
+        if ev["victim"] == "broker":
+            assert ev["method"] == "timer" and ev["where"].startswith("pid "), ev
+    systems = {s["kind"]: s for s in report["verify"]["systems"]}
+    assert set(systems) == {"postgres", "files", "kafka"}
+    for s in systems.values():
+        assert s["rows"] == report["rows"] == report["batches"] * 40
+        assert (s["duplicates"], s["missing"], s["unexpected"], s["prepared_leftovers"],
+                s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0), s
+    assert "judged from the partition logs" in systems["kafka"]["note"]
+    assert report["coordinator_unsettled"] == 0
+
+
 def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:
     """``twophase demo --kafka-bootstrap local`` judges Kafka like the others (exit code 0
     only when every system, Kafka included, shows each id once and nothing open)."""
@@ -110,12 +143,27 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--kills", "-1", "--no-postgres"], "--kills must be >= 0"),
         (["--no-postgres", "--no-files"], "no participant left"),
         (["--kafka-reuse"], "--kafka-reuse needs --kafka-tansu or --kafka-bootstrap"),
+        (["--victims", "driver,broker"], "victim 'broker' needs --kafka-tansu"),
+        (["--victims", "broker", "--kafka-bootstrap", "127.0.0.1:1"],
+         "victim 'broker' needs --kafka-tansu"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
     res = _chaos("--workdir", str(tmp_path / "wd"), "--no-postgres", *args, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stderr
+
+
+def test_broker_victim_needs_a_broker_whose_log_survives(tmp_path: Path) -> None:
+    """The runner refuses a broker victim it cannot restart with its log: none given, or a
+    tansu on memory storage (a kill would lose every record: nothing left to judge)."""
+    from twophase.testing.chaos import ChaosError, ChaosOptions, _Chaos
+    from twophase.testing.localkafka import LocalTansu
+
+    with pytest.raises(ChaosError, match="victim 'broker' needs --kafka-tansu"):
+        _Chaos(ChaosOptions(workdir=tmp_path / "a", victims=("worker", "broker")))
+    with pytest.raises(ChaosError, match=r"needs a tansu on s3:// storage"):
+        _Chaos(ChaosOptions(workdir=tmp_path / "b", victims=("broker",), broker=LocalTansu()))
 
 
 def test_job_with_used_input_is_refused(tmp_path: Path) -> None:
