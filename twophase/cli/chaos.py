@@ -33,9 +33,10 @@ Victims: driver (the Spark driver process), worker (a Spark Python worker), coor
 of --kafka-tansu, then run on S3 storage in a private moto server so its log survives:
 SIGKILL, a pause of up to --broker-down-max seconds, restart on the same port). A kill
 is a failpoint at a protocol step (before_prepare, after_vote, after_decision, ...) or a
-SIGKILL after a random delay (always, for the broker); --seed makes the sequence
-reproducible. Exit code 0 only when every system shows 0 duplicates, 0 missing ids and
-nothing left prepared.
+SIGKILL after a random delay (always, for the broker). Every victim gets a kill before
+any gets a second (when --kills allows); --seed makes the sequence reproducible. Exit
+code 0 only when every system shows 0 duplicates, 0 missing ids and nothing left
+prepared.
 """
 
 

@@ -371,6 +371,15 @@ class _Chaos:
         return str(txns[0]["state"]) if txns else "none"
 
     # ------------------------------------------------------------------ kills
+    def _choose_victim(self) -> str:
+        """At random, but every victim first: until each has had a kill that landed, the
+        draw is among those still without one (a short run still hits them all)."""
+        landed = {ev.victim for ev in self.events}
+        pending = [v for v in self.o.victims if v not in landed]
+        if pending and self.o.kills - len(self.events) >= len(pending):
+            return self.rng.choice(pending)
+        return self.rng.choice(self.o.victims)
+
     def _choose_failpoint(self, victim: str) -> str | None:
         points = points_for(victim, self.o.coordinator_mode)
         if not points:
@@ -509,7 +518,7 @@ class _Chaos:
                 if attempts > 4 * o.kills + 10:
                     raise ChaosError(f"only {len(self.events)} of {o.kills} kills landed in "
                                      f"{attempts - 1} tries; see {self.work / 'logs'}")
-                victim = self.rng.choice(o.victims)
+                victim = self._choose_victim()
                 if job is not None and (not job.alive or kills_in_run >= o.max_kills_per_run):
                     self._finish_run(job)
                     job = None
