@@ -46,6 +46,7 @@ from twophase.testing.servers import LocalDaemon, clean_env
 
 if TYPE_CHECKING:
     from twophase.testing.localkafka import LocalTansu
+    from twophase.testing.verify import VerifyReport
 
 __all__ = [
     "COORDINATOR_POINTS",
@@ -583,6 +584,7 @@ class _Chaos:
                         sink=self.cfg.sink, backs=self._kafka_backs(participants))
         for p in participants:
             p.close()
+        self._keep_broker_evidence(report)
         by_victim_step: dict[str, Counter[str]] = {}
         for ev in self.events:
             by_victim_step.setdefault(ev.victim, Counter())[ev.step] += 1
@@ -638,6 +640,26 @@ class _Chaos:
         outcomes = self.o.broker.transaction_outcomes()
         return {p.name: p.read_back("id", outcomes=outcomes) for p in participants
                 if isinstance(p, KafkaParticipant)}
+
+    def _keep_broker_evidence(self, report: VerifyReport) -> None:
+        """A killed broker's own log (logs/tansu.log), and when Kafka's verdict fails,
+        the evidence (logs/kafka-evidence.txt: the partition logs batch by batch, the
+        coordinator's attempts, tansu's stored state): the broker and its bucket are
+        gone when chaos returns."""
+        broker = self.o.broker
+        if broker is None or "broker" not in self.o.victims:
+            return
+        if broker.dir is not None and (broker.dir / "tansu.log").exists():
+            (self.work / "logs" / "tansu.log").write_bytes(
+                (broker.dir / "tansu.log").read_bytes())
+        if all(s.ok for s in report.systems if s.kind == "kafka"):
+            return
+        from twophase.testing.kafka_evidence import evidence
+
+        text = evidence(broker.bootstrap, self.cfg.kafka_topic, self.store_url,
+                        self.cfg.sink, broker.s3_client())
+        (self.work / "logs" / "kafka-evidence.txt").write_text(text)
+        self.o.log(f"Kafka failed its verdict: evidence in {self.work / 'logs'}")
 
     def _unsettled(self) -> int | str:
         """Transactions of the sink still OPEN/PREPARING/COMMITTING (informational)."""
