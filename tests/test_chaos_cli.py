@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -66,6 +67,8 @@ def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
                  "--coordinator-mode", "daemon", "--batches", "1", "--rows-per-batch", "40",
                  "--pg-dsn", pg_dsn, "--kafka-tansu", "--kafka-reuse", "--broker-down-max", "3",
                  "--workdir", str(tmp_path / "wd"), "--json-out", str(out))
+    if res.returncode == 1 and out.exists():
+        _xfail_if_tansu_lost_acknowledged_records(json.loads(out.read_text()))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "starting a private tansu broker on S3 storage" in res.stdout
     assert "exactly-once: PASSED" in res.stdout
@@ -87,6 +90,46 @@ def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
                 s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0), s
     assert "judged from the partition logs" in systems["kafka"]["note"]
     assert report["coordinator_unsettled"] == 0
+
+
+def _xfail_if_tansu_lost_acknowledged_records(report: dict[str, Any]) -> None:
+    """A broker kill that lands while a Kafka task produces can make tansu drop a produce
+    batch it then calls a duplicate (docs/chaos.md, "Issue 24";
+    tests/sinks/kafka/test_tansu_produce_crash.py): only Kafka short, nothing else
+    wrong, and every batch with missing ids has a committed Kafka vote whose delivery
+    reports said offset 0 past the first batch (librdkafka's report for a duplicate
+    answer). Exactly that is an expected failure; anything else fails the test."""
+    from twophase.coordinator.store import Store
+
+    systems = {s["kind"]: s for s in report["verify"]["systems"]}
+    kafka = systems["kafka"]
+    if any(not s["ok"] for k, s in systems.items() if k != "kafka") or kafka["duplicates"] \
+            or kafka["unexpected"] or kafka["open_transactions"] or not kafka["missing"]:
+        return
+    rows = report["rows"] // report["batches"]
+    short = {i // rows for i in kafka["examples"]["missing"]}
+    store = Store(report["coordinator_store"], create=False)
+    try:
+        # batch -> {Kafka partition: first offset its delivery reports gave} over its votes
+        votes: dict[int, list[tuple[int, int]]] = {}
+        for row in store.list(sink=report["job"]["sink"], limit=100000):
+            for bid, st in row.txn.branches.items():
+                offsets = dict(st.handle or {}).get("offsets", "")
+                if bid.startswith("kafka-") and offsets:
+                    votes.setdefault(row.txn.batch_id, []).extend(
+                        (int(p), int(o)) for p, _, o in (x.partition(":")
+                                                         for x in offsets.split(",")))
+        # offset 0 reported in a partition an earlier batch had already written to
+        dupseq, seen = set(), set()
+        for batch in sorted(votes):
+            if any(o == 0 and p in seen for p, o in votes[batch]):
+                dupseq.add(batch)
+            seen |= {p for p, _ in votes[batch]}
+    finally:
+        store.close()
+    if short and short <= dupseq and kafka["missing"] <= rows * len(dupseq):
+        pytest.xfail(f"tansu lost acknowledged records of batches {sorted(short)} "
+                     "(duplicate-sequence answer after its crash; docs/chaos.md)")
 
 
 def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:

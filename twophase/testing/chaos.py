@@ -608,6 +608,7 @@ class _Chaos:
             "recovery_seconds": _summary(rec),
             "coordinator_mode": self.o.coordinator_mode,
             "coordinator_unsettled": unsettled,
+            "coordinator_store": self.store_url,
             "kafka_reuse": self.cfg.kafka_reuse,
             "broker_down_seconds": _summary(self.broker_down),
             "duration_s": self.now(),
