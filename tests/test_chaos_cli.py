@@ -190,6 +190,7 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--victims", "driver,broker"], "victim 'broker' needs --kafka-tansu"),
         (["--victims", "broker", "--kafka-bootstrap", "127.0.0.1:1"],
          "victim 'broker' needs --kafka-tansu"),
+        (["--broker-down-max", "-1"], "--broker-down-max must be within 0..60 seconds"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:

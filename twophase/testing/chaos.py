@@ -266,7 +266,8 @@ class ChaosOptions:
                 raise ChaosError("victim 'broker' needs a tansu on s3:// storage (its log "
                                  "must survive the kill)")
         if not 0.0 <= self.broker_down_max_s <= 60.0:
-            raise ChaosError("the broker's down time must be within 0..60 s")
+            raise ChaosError(f"--broker-down-max must be within 0..60 seconds, got "
+                             f"{self.broker_down_max_s:g}")
         if not 0.0 <= self.failpoint_share <= 1.0:
             raise ChaosError("failpoint share must be within 0..1")
 
