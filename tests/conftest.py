@@ -5,8 +5,8 @@
   (Debian's mariadb-server) for the whole session.
 - ``spark``: one local[2] SparkSession for the whole session.
 - ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
-  (``tests/kafka_support.py``).
-- ``s3``, ``s3_bucket``: an S3-API server (moto) on loopback (``tests/s3_support.py``).
+  (``tests/support/kafka.py``).
+- ``s3``, ``s3_bucket``: an S3-API server (moto) on loopback (``tests/support/s3.py``).
 Nothing here depends on a server that was running before the suite.
 """
 
@@ -28,7 +28,7 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 # tansu_bootstrap / real_kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
 # test module
-pytest_plugins = ["tests.kafka_support", "tests.s3_support", "tests.cluster_support"]
+pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.cluster"]
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ section), ``pyarrow.csv.write_csv`` into ``COPY ... FROM STDIN (FORMAT csv)`` is
 times faster than psycopg's ``Copy.write_row`` per row, because the whole batch is
 formatted column-wise in C++ with no Python object per value, and the server parses CSV
 about as fast as text format. Binary COPY would need per-value Python packing again.
-Round-trip rules the CSV relies on (tested in ``tests/test_postgres_participant.py``):
+Round-trip rules the CSV relies on (tested in
+``tests/sinks/postgres/test_postgres_participant.py``):
 
 - NULL is an unquoted empty field; Arrow quotes every string, so ``""`` is an empty string;
 - quotes, commas and newlines inside strings are quoted by Arrow the CSV way;

@@ -15,13 +15,15 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from twophase.errors import InvalidRequest
+
 __all__ = ["UnsupportedType", "family_of_arrow", "misfits", "sql_type_for"]
 
 KEY_STRING_LENGTH = 255
 """A string key column is VARCHAR(255): MySQL cannot index an unbounded TEXT."""
 
 
-class UnsupportedType(ValueError):
+class UnsupportedType(InvalidRequest):
     """An Arrow type that has no SQL column type in this participant."""
 
 

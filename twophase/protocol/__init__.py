@@ -12,7 +12,7 @@ package what to do next. Modules:
 - :mod:`.recovery`: the recovery rule, :func:`recovery_action`;
 - :mod:`.retry`: the driver's next step after an attempt, :func:`next_step`.
 
-The property tests in ``tests/test_protocol_properties.py`` drive this package directly.
+The property tests in ``tests/protocol/test_protocol_properties.py`` drive this package directly.
 """
 
 from twophase.errors import IllegalTransition, ProtocolError, StaleEpoch, UnknownBranch

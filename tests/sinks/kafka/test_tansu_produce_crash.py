@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kafka_support import create_topic
+from tests.support.kafka import create_topic
 from twophase.sinks.kafka.log import read_log
 from twophase.testing.localkafka import LocalTansu
 from twophase.testing.locals3 import LocalS3

@@ -1,0 +1,222 @@
+"""The decision log: SQLite and a real PostgreSQL, CAS between replicas, background work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.pg import fresh_pg_db
+from tests.support.store import decisions, new_sink
+from twophase import protocol as p
+from twophase.coordinator.background import Background, Settings, parse_duration
+from twophase.coordinator.store import Store, normalize_url
+from twophase.errors import SchemaMismatch, TransactionNotFound
+
+
+@pytest.fixture(scope="module")
+def pg_url(pg_dsn: str) -> str:
+    return fresh_pg_db(pg_dsn, "tp_store")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/log.db"
+    else:
+        url = request.getfixturevalue("pg_url")
+    st = Store(url)
+    yield st
+    st.close()
+
+
+def _begin(st: Store, sink: str, ckpt: int, epoch: int, parts: int = 2,
+           timeout: float = 300.0, lineage: str = "L") -> p.BeginResult:
+    return st.begin(p.Begin(sink, lineage, ckpt, epoch, ("pg", "files"), parts, time.time(),
+                            vote_timeout=timeout))
+
+
+
+
+def test_commit_round_and_replay(store: Store) -> None:
+    sink = new_sink()
+    epoch = store.register(sink).epoch
+    res = _begin(store, sink, 0, epoch)
+    assert res.kind == p.BeginKind.NEW and res.txn is not None
+    key = res.txn.key
+    branches = list(res.txn.branches)
+    t = store.apply(key, [p.Vote(b, epoch, True, time.time(), {"gid": b}) for b in branches])
+    assert t.state == p.State.COMMITTING
+    again = store.get(key)
+    assert again == t and again.branches["pg/0"].handle == {"gid": "pg/0"}
+    t = store.apply(key, [p.Ack(b, epoch, p.Decision.COMMIT, time.time()) for b in branches])
+    assert t.state == p.State.COMMITTED
+    rec = store.sink(sink)
+    assert rec is not None and rec.last_committed == 0
+    assert _begin(store, sink, 0, epoch).kind == p.BeginKind.COMMITTED
+    assert decisions(store, key) == 1
+    kinds = [e["kind"] for e in store.history(key)]
+    assert kinds[0] == "begin" and kinds.count("vote") == 4 and kinds.count("ack") == 4
+
+
+def test_no_vote_aborts_and_refusals_change_nothing(store: Store) -> None:
+    sink = new_sink()
+    epoch = store.register(sink).epoch
+    res = _begin(store, sink, 7, epoch)
+    assert res.txn is not None
+    key = res.txn.key
+    store.apply(key, [p.Vote("pg/0", epoch, True, time.time(), {"gid": "x"})])
+    t = store.apply(key, [p.Vote("files/1", epoch, False, time.time(), reason="disk full")])
+    assert t.state == p.State.ABORTING and "disk full" in (t.reason or "")
+    before = store.get(key)
+    with pytest.raises(p.IllegalTransition):
+        store.apply(key, [p.Ack("pg/0", epoch, p.Decision.COMMIT, time.time())])
+    with pytest.raises(p.UnknownBranch):
+        store.apply(key, [p.Vote("kafka/0", epoch, True, time.time())])
+    assert store.get(key) == before
+    with pytest.raises(TransactionNotFound):
+        store.apply((sink, "L", 99, 1), [p.Expire(time.time())])
+    t = store.apply(key, [p.Ack("pg/0", epoch, p.Decision.ABORT, time.time())])
+    assert t.state == p.State.ABORTED
+    # the next begin of the same checkpoint is a new attempt with the same partitions
+    nxt = _begin(store, sink, 7, epoch, parts=5)
+    assert nxt.kind == p.BeginKind.NEW and nxt.txn is not None
+    assert nxt.txn.attempt == 2 and nxt.txn.partitions == 2
+
+
+def test_stale_epoch_is_refused(store: Store) -> None:
+    sink = new_sink()
+    old = store.register(sink).epoch
+    res = _begin(store, sink, 0, old)
+    assert res.txn is not None
+    new = store.register(sink).epoch
+    assert new == old + 1
+    with pytest.raises(p.StaleEpoch):
+        _begin(store, sink, 0, old)
+    taken = _begin(store, sink, 0, new)  # the new writer abandons the old attempt
+    assert taken.txn is not None and taken.txn.attempt == 2
+    assert store.get(res.txn.key).state == p.State.ABORTED  # type: ignore[union-attr]
+    with pytest.raises(p.StaleEpoch):
+        store.apply(taken.txn.key, [p.Vote("pg/0", old, True, time.time())])
+
+
+def test_deadline_alert_and_retention(store: Store) -> None:
+    sink = new_sink()
+    epoch = store.register(sink).epoch
+    bg = Background(store, Settings(retention=100.0, alert_after=50.0, purge_every=0.0))
+    now = time.time()
+    slow = _begin(store, sink, 5, epoch, timeout=10.0).txn  # above last_committed: kept
+    assert slow is not None
+    store.apply(slow.key, [p.Vote("pg/0", epoch, True, now)])
+    bg.tick(now + 5)
+    assert store.get(slow.key).state == p.State.PREPARING  # type: ignore[union-attr]
+    bg.tick(now + 11)
+    expired = store.get(slow.key)
+    assert expired is not None and expired.state == p.State.ABORTING
+    assert "no vote from" in (expired.reason or "")
+    # committed but never acknowledged: flagged, never given up
+    stuck = _begin(store, sink, 1, epoch).txn
+    assert stuck is not None
+    store.apply(stuck.key, [p.Vote(b, epoch, True, now) for b in stuck.branches])
+    assert bg.tick(now + 20)["alerts"] == 0
+    assert bg.tick(now + 60)["alerts"] >= 1
+    flagged = {r.txn.key for r in store.list(sink=sink, alert=True)}
+    assert stuck.key in flagged and store.stats(now + 60)["alerts"] >= 1
+    done = store.apply(stuck.key, [p.Ack(b, epoch, p.Decision.COMMIT, now + 61)
+                                   for b in stuck.branches])
+    assert done.state == p.State.COMMITTED
+    assert stuck.key not in {r.txn.key for r in store.list(sink=sink, alert=True)}
+    # retention: the committed checkpoint goes; the aborted, never-committed one stays
+    store.apply(slow.key, [p.Ack("pg/0", epoch, p.Decision.ABORT, now + 62)])
+    bg.tick(now + 62 + 50)
+    assert store.get(stuck.key) is not None  # younger than retention
+    purged = bg.tick(time.time() + 1000)["purged"]
+    assert purged >= 1
+    assert store.get(stuck.key) is None and store.history(stuck.key) == []
+    assert store.get(slow.key) is not None
+    assert _begin(store, sink, 1, epoch).kind == p.BeginKind.COMMITTED  # from the sink row
+
+
+def test_schema_version_is_checked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/v.db"
+    Store(url).close()
+    st = Store(url)  # same version: fine
+    with st.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE twophase_meta SET value='999' WHERE key='schema_version'")
+    st.close()
+    with pytest.raises(SchemaMismatch, match="schema version 999"):
+        Store(url)
+    with pytest.raises(SchemaMismatch, match="no twophase schema"):
+        Store(f"sqlite:///{tmp_path}/empty.db", create=False)
+
+
+def test_urls() -> None:
+    assert normalize_url("postgresql://u@h:1/d") == "postgresql+psycopg://u@h:1/d"
+    assert normalize_url("postgres://u@h/d") == "postgresql+psycopg://u@h/d"
+    with pytest.raises(ValueError, match="in-memory"):
+        normalize_url("sqlite:///:memory:")
+    with pytest.raises(ValueError, match="unsupported store URL"):
+        normalize_url("mysql://x")
+
+
+def test_replicas_race_one_decision_each(pg_url: str) -> None:
+    """Two stores (two replicas) on one PostgreSQL database, voters racing on both."""
+    a, b = Store(pg_url), Store(pg_url)
+    decided: dict[tuple[str, str, int, int], int] = {}
+    lock = threading.Lock()
+
+    def count(before: p.Transaction | None, after: p.Transaction) -> None:
+        if after.decision is not None and (before is None or before.decision is None):
+            with lock:
+                decided[after.key] = decided.get(after.key, 0) + 1
+
+    a.on_change = b.on_change = count
+    sink = new_sink()
+    epoch = a.register(sink).epoch
+    txns = []
+    for ckpt in range(12):
+        res = _begin(a if ckpt % 2 else b, sink, ckpt, epoch, parts=4)
+        assert res.txn is not None
+        txns.append(res.txn)
+    jobs = []
+    for i, t in enumerate(txns):
+        for j, bid in enumerate(t.branches):
+            yes = not (i % 3 == 0 and j == 5)  # every third transaction gets one NO
+            jobs.append((a if (i + j) % 2 else b, t.key, bid, yes))
+    errors: list[BaseException] = []
+
+    def run(chunk: list[tuple[Store, tuple[str, str, int, int], str, bool]]) -> None:
+        try:
+            for st, key, bid, yes in chunk:
+                st.apply(key, [p.Vote(bid, epoch, yes, time.time(), reason="no")])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(jobs[k::8],)) for k in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for i, t in enumerate(txns):
+        final = a.get(t.key)
+        assert final is not None
+        if i % 3 == 0:  # ABORTED when the NO came before every YES (no ack pending)
+            assert final.state in (p.State.ABORTING, p.State.ABORTED), (i, final.state)
+            assert final.decision == p.Decision.ABORT
+        else:
+            assert final.state == p.State.COMMITTING, (i, final.state, final.reason)
+        assert decided.get(t.key) == 1
+        assert decisions(a, t.key) == 1
+    a.close()
+    b.close()
+
+
+def test_parse_duration() -> None:
+    assert parse_duration("3d") == 3 * 86400
+    assert parse_duration("90") == 90
+    with pytest.raises(ValueError, match="cannot read duration"):
+        parse_duration("soon")

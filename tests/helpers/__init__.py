@@ -1,1 +1,0 @@
-"""Small scripts the tests run in child processes."""

@@ -1,0 +1,108 @@
+"""How the sink splits a batch into partitions: Spark's own split (no shuffle) only where
+a replay of the batch splits it the same way, proven here by replaying batches."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from twophase.driver import TransactionalSink, _input_partitions
+from twophase.sinks.files import StagedFileParticipant
+from twophase.testing.job import EVENT_DDL, write_input
+
+pytestmark = pytest.mark.spark
+
+
+def _run(spark: Any, inp: Path, ckpt: Path, sink: TransactionalSink) -> None:
+    try:
+        q = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 2)
+             .parquet(str(inp)).writeStream.foreachBatch(sink)
+             .option("checkpointLocation", str(ckpt)).trigger(availableNow=True).start())
+        q.awaitTermination()
+    finally:
+        sink.close()
+
+
+def _partitions(out: Path) -> dict[tuple[int, int], list[int]]:
+    """(batch, partition) -> the ids of that branch's committed file, in file order."""
+    got: dict[tuple[int, int], list[int]] = {}
+    for f in sorted(out.glob("part-*.parquet")):
+        m = re.search(r"-(\d{20})-.+-(\d{5})$", f.stem)
+        assert m, f.name
+        batch, partition = int(m[1]), int(m[2])
+        got[(batch, partition)] = pq.read_table(f).column("id").to_pylist()
+    return got
+
+
+def test_replayed_batches_split_the_same_rows_into_the_same_partitions(
+    spark: Any, tmp_path: Path
+) -> None:
+    inp, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    write_input(inp, batches=4, rows_per_batch=300)  # 2 files per batch: 2 input partitions
+    first = TransactionalSink("split_a", [StagedFileParticipant(str(tmp_path / "a"))],
+                              f"sqlite:///{tmp_path / 'a.db'}")
+    _run(spark, inp, ckpt, first)
+    assert [(r.rows, r.partitions, r.split) for r in first.history] == [(600, 2, "input")] * 2
+    # Spark forgets it finished batch 1 and runs it again from the offset log, as after a
+    # crash; a second sink (same query lineage) writes the replay somewhere else.
+    for name in ("1", ".1.crc"):
+        (ckpt / "commits" / name).unlink()
+    again = TransactionalSink("split_b", [StagedFileParticipant(str(tmp_path / "b"))],
+                              f"sqlite:///{tmp_path / 'b.db'}")
+    _run(spark, inp, ckpt, again)
+    assert [(r.batch_id, r.split) for r in again.history] == [(1, "input")]
+    a, b = _partitions(tmp_path / "a"), _partitions(tmp_path / "b")
+    assert sorted(a) == [(0, 0), (0, 1), (1, 0), (1, 1)] and sorted(b) == [(1, 0), (1, 1)]
+    assert {k: v for k, v in a.items() if k[0] == 1} == b  # same rows, partition, order
+    # no shuffle: each partition is one input file's rows, in the file's order
+    files = {tuple(pq.read_table(f).column("id").to_pylist()) for f in inp.glob("*.parquet")}
+    assert {tuple(ids) for ids in a.values()} == files
+
+
+def test_plans_with_a_shuffle_or_a_union_keep_the_hash_split(spark: Any) -> None:
+    df = spark.range(100)
+    assert _input_partitions(df) is not None
+    assert _input_partitions(df.groupBy((df.id % 3).alias("k")).count()) is None
+    assert _input_partitions(df.union(spark.range(5))) is None
+    assert _input_partitions(df.repartition(3)) is None
+
+
+def test_an_empty_relation_commits_without_a_spark_job(spark: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # preflight=False: the executors' check is one Spark job per sink start, not per
+    # batch (tests/spark/test_user_job.py covers it); this test counts the batch's own jobs.
+    sink = TransactionalSink("empty_rel", [StagedFileParticipant(str(out))],
+                             f"sqlite:///{tmp_path / 'c.db'}", lineage="batch-job-1",
+                             preflight=False)
+    empty = spark.createDataFrame([], EVENT_DDL)
+    sc = spark.sparkContext
+    sc.setJobGroup("twophase-empty-relation", "empty")
+    try:
+        sink(empty, 0)
+        jobs = sc.statusTracker().getJobIdsForGroup("twophase-empty-relation")
+    finally:
+        sc.setJobGroup("", "")
+        sink.close()
+    assert jobs == []
+    assert [(r.outcome, r.rows, r.split) for r in sink.history] == [("committed", 0, "none")]
+    assert not list(out.glob("part-*"))
+
+
+def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    sink = TransactionalSink("one_row", [StagedFileParticipant(str(out))],
+                             f"sqlite:///{tmp_path / 'd.db'}", lineage="batch-job-2",
+                             partitions=2)
+    df = spark.createDataFrame(pa.table({"id": [7]}).to_pandas())
+    try:
+        sink(df, 0)
+    finally:
+        sink.close()
+    assert [(r.outcome, r.rows, r.partitions) for r in sink.history] == [("committed", 1, 2)]
+    files = list(out.glob("part-*"))
+    assert len(files) == 1 and pq.read_table(files[0]).column("id").to_pylist() == [7]

@@ -1,0 +1,94 @@
+"""The conformance suite (twophase/testing/conformance.py) against the Kafka participant.
+
+Kafka prepare is not durable, so the cross-process checks do not apply (``durable=False``),
+and ``status``/``in_doubt`` cannot see another object's open transaction. The rows a
+reader sees are the topic's committed records rebuilt from its partition logs (COMMIT and
+ABORT markers, ``twophase.sinks.kafka.log``): tansu shows aborted records to read_committed
+consumers, the log does not lie. Two runs of the same checks: every non-durable check
+except the pickled-clone commit, which a non-durable participant answers with "must be
+redone" by design (see docs/kafka.md):
+
+- tansu (always);
+- a real broker (``real_kafka``, whenever ``KAFKA_BOOTSTRAP_SERVERS`` is set), where the
+  rows read from the log are also compared with a read_committed consumer's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.support.kafka import (
+    create_topic,
+    read_all,
+    real_kafka_bootstrap,
+    tansu_bootstrap,
+    unique_topic,
+)
+from twophase.participant import Participant
+from twophase.sinks.kafka import KafkaParticipant
+from twophase.sinks.kafka.log import read_log
+from twophase.testing.conformance import (
+    Harness,
+    applicable_checks,
+    check_participant_pickles_before_and_after_use,
+)
+
+__all__ = ["real_kafka_bootstrap", "tansu_bootstrap"]
+
+
+class KafkaTarget:
+    """A fresh topic; rows are its committed records, rebuilt from the partition logs
+    (and, on a real broker, equal to what a read_committed reader sees)."""
+
+    def __init__(self, bootstrap: str, cross_check: bool) -> None:
+        self.bootstrap = bootstrap
+        self.cross_check = cross_check
+        self.topic = unique_topic("conf")
+        create_topic(bootstrap, self.topic)
+
+    def participant(self) -> Participant:
+        return KafkaParticipant(self.topic, {"bootstrap.servers": self.bootstrap},
+                                connect_timeout_s=10)
+
+    def rows(self) -> list[dict[str, Any]]:
+        log = read_log({"bootstrap.servers": self.bootstrap}, self.topic)
+        rows = [json.loads(v) for v in log.committed if v]
+        if self.cross_check and not log.open_transactions:
+            seen = [json.loads(m.value())
+                    for m in read_all(self.bootstrap, self.topic, idle_s=1.0)]
+            assert sorted(map(_key, seen)) == sorted(map(_key, rows)), (
+                "read_committed consumer and partition log disagree")
+        return rows
+
+    def close(self) -> None:
+        pass
+
+
+def _key(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True)
+
+
+def _harness(bootstrap: str, id: str, cross_check: bool = False) -> Harness:
+    return Harness(id=id, new_target=lambda: KafkaTarget(bootstrap, cross_check),
+                   durable=False, status_sees_prepared=True, in_doubt_finds_prepared=False)
+
+
+CHECKS = [c for c in applicable_checks(Harness("x", lambda: None,  # type: ignore[arg-type,return-value]
+                                                           durable=False))
+                      if c is not check_participant_pickles_before_and_after_use]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_conformance_on_tansu(check: Callable[[Harness], None], tansu_bootstrap: str) -> None:
+    check(_harness(tansu_bootstrap, "kafka-tansu"))
+
+
+@pytest.mark.real_kafka  # deselected by tests/conftest.py unless KAFKA_BOOTSTRAP_SERVERS is set
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_conformance_on_real_broker(check: Callable[[Harness], None],
+                                    real_kafka_bootstrap: str) -> None:
+    check(_harness(real_kafka_bootstrap, "kafka", cross_check=True))
