@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -28,7 +29,7 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from twophase.errors import InvalidRequest
+from twophase.errors import Failure, InvalidRequest, TargetProblem, classify
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -78,13 +79,27 @@ def _identifier(kind: str, value: str) -> str:
 
 
 def _transient(exc: BaseException) -> bool:
-    """Connection-level failures, where nothing in the server changed because of us."""
+    """Connection-level failures, where nothing in the server changed because of us
+    (an authentication or authorization refusal is permanent: twophase.errors.classify)."""
     if isinstance(exc, pgerr.OperationalError) and not isinstance(
         exc, (pgerr.QueryCanceled, pgerr.LockNotAvailable)
     ):
         state = exc.sqlstate
-        return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+        if not (state is None or state.startswith("08") or state in ("57P01", "57P02",
+                                                                      "57P03")):
+            return False
+        return not classify(exc).permanent
     return False
+
+
+_FIXES: Final = {
+    Failure.AUTHENTICATION: "check the user and password in dsn= (the role must exist and "
+    "pg_hba.conf must let it log in from this host)",
+    Failure.AUTHORIZATION: "grant the role what the sink needs: CONNECT on the database, "
+    "USAGE and CREATE on the schema (or INSERT, SELECT, UPDATE, DELETE on existing tables)",
+    Failure.MISSING: "create it, or fix dsn= / schema= / table=",
+    Failure.CONFIGURATION: "fix the setting named above (dsn= or the server's configuration)",
+}
 
 
 def _describe_error(exc: psycopg.Error) -> str:
@@ -261,6 +276,9 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             try:
                 return fn()
             except psycopg.Error as exc:
+                kind = classify(exc)
+                if kind.permanent:  # a retry meets the same refusal: say so at once
+                    raise self._refused(exc, kind, what) from None
                 if not _transient(exc) or attempt == _RETRIES:
                     if _transient(exc):
                         raise ParticipantError(
@@ -272,6 +290,65 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
+
+    def _refused(self, exc: psycopg.Error, kind: Failure, what: str) -> TargetProblem:
+        """A permanent refusal by the server as one sentence: cause, where, fix."""
+        text = " ".join(str(exc).split())
+        cause = text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else _describe_error(exc)
+        return TargetProblem(self.describe(), f"cannot {what}: {kind.value}: {cause}",
+                             _FIXES[kind], host=socket.gethostname(), kind=kind)
+
+    def probe(self) -> None:
+        """The server accepts the credentials, allows PREPARE TRANSACTION
+        (``max_prepared_transactions > 0``) and lets the role create or write the table
+        and the marker table (run on the driver and on every executor)."""
+        self._idempotent("log in", self._probe)
+
+    def _probe(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        if row is None or row[0] <= 0:
+            raise self._no_prepared(row[0] if row else None)
+        missing: list[str] = []
+        schema_ok = conn.execute(
+            "SELECT has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE')"
+            " FROM pg_namespace n WHERE nspname = %s", (self.schema,)).fetchone()
+        if schema_ok is None:
+            raise TargetProblem(self.describe(), f"schema {self.schema!r} does not exist",
+                                f"create it (CREATE SCHEMA {self.schema}) or pass schema=",
+                                host=socket.gethostname(), kind=Failure.MISSING)
+        if not schema_ok[0]:
+            missing.append(f"USAGE on schema {self.schema}")
+        for table, needs in ((self.table, ("SELECT", "INSERT", "UPDATE", "DELETE")),
+                             (self.marker_table, ("SELECT", "INSERT"))):
+            name = f"{self.schema}.{table}"
+            found = conn.execute("SELECT to_regclass(%s)", (f'"{self.schema}"."{table}"',)
+                                 ).fetchone()
+            if found is None or found[0] is None:
+                if not schema_ok[1]:
+                    missing.append(f"CREATE on schema {self.schema} (to create {name})")
+                continue
+            for priv in needs:
+                ok = conn.execute("SELECT has_table_privilege(to_regclass(%s), %s)",
+                                  (f'"{self.schema}"."{table}"', priv)).fetchone()
+                if not (ok and ok[0]):
+                    missing.append(f"{priv} on {name}")
+        if missing:
+            user = conn.execute("SELECT current_user").fetchone()
+            raise TargetProblem(
+                self.describe(),
+                f"role {user[0] if user else '?'!r} lacks " + ", ".join(missing),
+                "GRANT " + "; GRANT ".join(missing).replace(" on schema ", " ON SCHEMA ")
+                .replace(" on ", " ON ") + f" TO {user[0] if user else 'the role'}",
+                host=socket.gethostname(), kind=Failure.AUTHORIZATION)
+
+    def _no_prepared(self, value: object) -> TargetProblem:
+        return TargetProblem(
+            self.describe(),
+            f"the server has max_prepared_transactions = {value if value is not None else '?'}"
+            ", so PREPARE TRANSACTION is refused",
+            "set max_prepared_transactions in postgresql.conf to at least the number of "
+            "concurrent branches (Spark tasks writing at once, over all sinks), then "
+            "restart the server", host=socket.gethostname(), kind=Failure.CONFIGURATION)
 
     def close(self) -> None:
         self._drop_conn()
@@ -344,13 +421,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
     def _check(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
         row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
         if row is None or row[0] <= 0:
-            raise ParticipantError(
-                f"{self.describe()}: the server has max_prepared_transactions = "
-                f"{row[0] if row else '?'}, so PREPARE TRANSACTION is refused. Set "
-                "max_prepared_transactions in postgresql.conf to at least the number of "
-                "concurrent branches (Spark tasks writing at once, over all sinks), then "
-                "restart the server"
-            )
+            raise self._no_prepared(row[0] if row else None)
         self._ensure_marker_table(conn)
         columns = self._columns(conn)
         if not columns:
@@ -532,6 +603,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                         self._other_attempts_prepared(c, branch))
 
             marker, prepared, others = self._idempotent("read the branch state", probe)
+        except TargetProblem:
+            raise  # permanent: not a NO vote to retry
         except ParticipantError as exc:
             raise PrepareRefused(str(exc)) from exc
         except psycopg.Error as exc:
@@ -600,6 +673,9 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 and self._idempotent("read the branch state", lambda c: self._is_prepared(c, gid))
             ):
                 return self._handle(gid, rows, "prepared")
+            kind = classify(exc)
+            if kind in (Failure.AUTHENTICATION, Failure.AUTHORIZATION):
+                raise self._refused(exc, kind, stage) from None
             raise PrepareRefused(
                 f"{self.describe()}: rows refused during {stage}: {_describe_error(exc)}"
             ) from exc
