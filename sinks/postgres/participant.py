@@ -43,7 +43,9 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.sinks.postgres.arrow import (
+    NESTED_POLICIES,
     ExistingColumn,
+    Nested,
     UnsupportedType,
     csv_chunks,
     pg_type_for,
@@ -141,8 +143,15 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         key: str | Sequence[str] | None = None,
         delete_when: str | None = None,
         on_schema_change: str = "fail",
+        nested: Nested = "json",
     ) -> None:
         self.table = _identifier("table name", table)
+        if nested not in NESTED_POLICIES:
+            raise InvalidRequest(
+                f"nested must be one of {', '.join(NESTED_POLICIES)}; got {nested!r} ('json' "
+                "stores structs and maps as jsonb and lists as arrays, 'refuse' refuses them)"
+            )
+        self.nested: Nested = nested
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if on_schema_change not in SCHEMA_POLICIES:
@@ -220,6 +229,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 "connect_timeout": self.connect_timeout, "secrets": ",".join(secrets),
                 "mode": self.mode, "key": json.dumps(list(self.key)) if self.key else None,
                 "delete_when": self.delete_when, "on_schema_change": self.on_schema_change,
+                "nested": self.nested,
             },
         }
 
@@ -242,6 +252,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             key=json.loads(str(o["key"])) if o.get("key") else None,
             delete_when=str(o["delete_when"]) if o.get("delete_when") else None,
             on_schema_change=str(o.get("on_schema_change", "fail")),
+            nested="refuse" if o.get("nested") == "refuse" else "json",
         )
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -413,7 +424,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         schema = self._table_schema(schema)
         for field in schema:
             try:
-                pg_type_for(field)
+                pg_type_for(field, self.nested)
             except UnsupportedType as exc:
                 raise ParticipantError(f"{self.describe()}: {exc}") from None
         self._idempotent("check the target", lambda conn: self._check(conn, schema))
@@ -437,7 +448,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         fitting = schema
         if self.on_schema_change == "add_columns":
             fitting = pa.schema([f for f in schema if f.name in have])
-        problems = table_misfits(fitting, columns)
+        problems = table_misfits(fitting, columns, self.nested)
         if new and self.on_schema_change == "fail":
             problems.append(
                 "to add new columns to the table as they appear, pass "
@@ -488,7 +499,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 conn.execute(
                     sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
                         self._table_sql(), sql.Identifier(f.name),
-                        sql.SQL(pg_type_for(f)),  # from a fixed vocabulary
+                        sql.SQL(pg_type_for(f, self.nested)),  # from a fixed vocabulary
                     )
                 )
 
@@ -511,7 +522,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         cols = [
             sql.SQL("{} {}{}").format(
                 sql.Identifier(f.name),
-                sql.SQL(pg_type_for(f)),  # from a fixed vocabulary, not from user input
+                sql.SQL(pg_type_for(f, self.nested)),  # a fixed vocabulary, not user input
                 sql.SQL("" if f.nullable else " NOT NULL"),
             )
             for f in schema
