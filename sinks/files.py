@@ -238,7 +238,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
             "pass a path this user can create and write on the driver and on every "
             "executor (check that its parent exists, its permissions, that it is not "
             "read-only; on a cluster use a folder every host shares or an s3:// path)",
-            host=socket.gethostname(), target=str(self.path), kind=classify(exc),
+            host=socket.gethostname(), kind=classify(exc),
         )
 
     def _check_format(self, schema: pa.Schema) -> None:

@@ -371,7 +371,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
             return ParticipantError(text)
         cause, _, fix = text.removeprefix(f"{self.describe()}: ").partition("; ")
         return TargetProblem(self.describe(), cause, fix or "check the path and credentials",
-                             host=socket.gethostname(), target=self.url, kind=kind)
+                             host=socket.gethostname(), kind=kind)
 
     # -- the branch -------------------------------------------------------------------------
 
