@@ -80,7 +80,7 @@ def test_structs_maps_and_lists_land_as_jsonb_and_arrays(
         "scores": "bigint[]", "stamps": "timestamp with time zone[]", "blobs": "bytea[]",
         "points": "jsonb", "grid": "jsonb",
     }
-    got = admin.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()  # noqa: S608
+    got = admin.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()
     one, two = got
     assert one[1] == {"colour": 'red "dark", \\ odd', "size": 3, "price": "12.50",
                       "seen": "2026-01-02"}
@@ -93,7 +93,7 @@ def test_structs_maps_and_lists_land_as_jsonb_and_arrays(
     assert one[8] == [[1, 2], [], None]
     assert two[1:] == (None, None, [], None, [], [], None, [])
     # jsonb is queryable as such
-    assert admin.execute(f"SELECT attrs->>'colour' FROM {table} WHERE id = 1"  # noqa: S608
+    assert admin.execute(f"SELECT attrs->>'colour' FROM {table} WHERE id = 1"
                          ).fetchone() == ('red "dark", \\ odd',)
     p.close()
 
@@ -105,7 +105,7 @@ def test_an_existing_json_column_takes_a_struct(
     schema = pa.schema([("id", pa.int64()), ("attrs", pa.struct([("k", pa.string())]))])
     p = PostgresParticipant(pg_dsn, table)
     _write(p, schema, [{"id": 1, "attrs": {"k": "v"}}])
-    assert admin.execute(f"SELECT attrs::text FROM {table}").fetchone() == (  # noqa: S608
+    assert admin.execute(f"SELECT attrs::text FROM {table}").fetchone() == (
         '{"k": "v"}',)
     p.close()
 
