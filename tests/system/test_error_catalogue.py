@@ -57,10 +57,19 @@ df = (spark.readStream.format("rate").option("rowsPerSecond", 20).load()
       .selectExpr({columns}))
 query = (df.writeStream.foreachBatch(sink).option("checkpointLocation", "{tmp}/chk")
          .trigger(processingTime="1 second").start())
-query.processAllAvailable()
+{finish}
 query.stop()
 print("JOB DONE")
 '''
+
+FAIL = "query.processAllAvailable()  # a rate source never runs dry: returns only by failing"
+ROWS = """
+import time
+while not any(r.rows for r in sink.history):  # until a batch with rows is committed
+    if query.exception() is not None:
+        raise query.exception()
+    time.sleep(0.5)
+"""
 
 PLAIN = '"value AS id"'
 NESTED = ('"value AS id", "named_struct(\'colour\', \'red\', \'size\', value) AS attrs", '
@@ -69,10 +78,10 @@ NESTED = ('"value AS id", "named_struct(\'colour\', \'red\', \'size\', value) AS
 
 
 def _run_job(tmp: Path, participants: str, *, columns: str = PLAIN, prelude: str = "",
-             ) -> subprocess.CompletedProcess[str]:
+             finish: str = FAIL) -> subprocess.CompletedProcess[str]:
     job = tmp / "job.py"
     job.write_text(JOB.format(prelude=textwrap.dedent(prelude), participants=participants,
-                              tmp=tmp, columns=columns))
+                              tmp=tmp, columns=columns, finish=finish))
     return subprocess.run([sys.executable, str(job)], env=user_env(), cwd=tmp,
                           capture_output=True, text=True, timeout=400, check=False)
 
@@ -162,7 +171,8 @@ def test_nested_columns_reach_postgres_as_jsonb_and_arrays_and_parquet_as_they_a
     table = f"cat_{uuid.uuid4().hex[:10]}"
     parquet = tmp_path / "lake"
     out = _run_job(tmp_path, f'[PostgresParticipant("{pg_dsn}", "{table}"), '
-                             f'StagedFileParticipant(path="{parquet}")]', columns=NESTED)
+                             f'StagedFileParticipant(path="{parquet}")]', columns=NESTED,
+                   finish=ROWS)
     assert out.returncode == 0 and "JOB DONE" in out.stdout, out.stderr[-6000:]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         types = dict(conn.execute(
