@@ -21,6 +21,9 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
   one transaction (``--only upsert``); half the keys already exist;
 - copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
   pyarrow CSV chunks, both raw, same transaction shape;
+- sql: ``SqlAlchemyParticipant`` on a private MariaDB (XA) against plain SQLAlchemy bulk
+  inserts, same chunking, one transaction per batch (``bench/participants_sql.py``;
+  ``--sql-url`` for another server);
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
   write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
   atomic writer does); the no-fsync raw figure is printed too for reference.
@@ -333,6 +336,19 @@ def bench_kafka_if_present(sizes: list[int], repeats: int) -> list[Result]:
     return [Result(*r) for r in module.bench_kafka(sizes=sizes, repeats=repeats)]
 
 
+# -- sql (SqlAlchemyParticipant on MariaDB) ------------------------------------------------
+
+
+def bench_sql_section(sizes: list[int], repeats: int, url: str | None) -> list[Result]:
+    path = Path(__file__).with_name("participants_sql.py")
+    spec = importlib.util.spec_from_file_location("participants_sql", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [Result(*r) for r in module.bench_sql(sizes, repeats, make_batch, _alternate,
+                                                  _median_rps, url)]
+
+
 # -- report --------------------------------------------------------------------------------
 
 
@@ -356,10 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", help="an existing server (needs max_prepared_transactions > 0)")
     ap.add_argument("--dir", help="folder for the file benchmarks (default: a temp folder)")
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
-    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka"],
+    ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
+                    "(default: a private MariaDB server)")
+    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka", "sql"],
                     nargs="*")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka"])
+    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "sql"])
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
@@ -378,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench_files(Path(tmp), args.sizes, args.repeats)
         if "kafka" in want:
             results += bench_kafka_if_present(args.sizes, args.repeats)
+        if "sql" in want:
+            results += bench_sql_section(args.sizes, args.repeats, args.sql_url)
     finally:
         if server is not None:
             server.stop()

@@ -22,6 +22,12 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
   echo "== installing Debian's postgresql (initdb not found)"
   apt_install postgresql
 fi
+# MariaDB for the SQL participant's tests (twophase/testing/localmariadb.py starts its own
+# private server; a server the package may start is never used).
+if ! command -v mariadbd >/dev/null 2>&1 && ! [ -x /usr/sbin/mariadbd ]; then
+  echo "== installing Debian's mariadb-server (mariadbd not found)"
+  apt_install mariadb-server
+fi
 # Java for Spark (Spark 4 needs 17 or newer).
 if ! command -v java >/dev/null 2>&1; then
   echo "== installing a Java runtime (java not found)"

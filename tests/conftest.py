@@ -1,6 +1,8 @@
 """Shared fixtures: real parts only.
 
 - ``pg``: one private PostgreSQL server for the whole session (started here, stopped here).
+- ``mariadb`` (a SQLAlchemy URL), ``mariadb_server``: one private MariaDB server
+  (Debian's mariadb-server) for the whole session.
 - ``spark``: one local[2] SparkSession for the whole session.
 - ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
   (``tests/kafka_support.py``).
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from twophase.testing.localmariadb import LocalMariaDB  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
 # tansu_bootstrap / real_kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
@@ -41,6 +44,22 @@ def pg() -> Iterator[LocalPostgres]:
 @pytest.fixture(scope="session")
 def pg_dsn(pg: LocalPostgres) -> str:
     return pg.dsn
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[LocalMariaDB]:
+    server = LocalMariaDB()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mariadb(mariadb_server: LocalMariaDB) -> str:
+    """A SQLAlchemy URL (``mysql+pymysql://``) of the suite's private MariaDB server."""
+    return mariadb_server.url
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
 def test_the_tree_keeps_its_layers(tmp_path: Path) -> None:
     out = _lint(_copy(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "Contracts: 3 kept, 0 broken" in out.stdout, out.stdout
+    assert "Contracts: 4 kept, 0 broken" in out.stdout, out.stdout
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
@@ -47,6 +47,20 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     out = _lint(tree)
     assert out.returncode != 0
     assert "twophase.errors is not allowed to import twophase.coordinator" in out.stdout, (
+        out.stdout
+    )
+
+
+def test_the_sql_participant_uses_only_the_public_contract(tmp_path: Path) -> None:
+    tree = _copy(tmp_path)
+    xid = tree / "twophase" / "sinks" / "sql" / "xid.py"
+    xid.write_text(xid.read_text() + (
+        "\n\ndef _sneaky() -> None:\n"
+        "    from twophase import failpoints  # noqa: F401 - the breach under test\n"
+    ))
+    out = _lint(tree)
+    assert out.returncode != 0
+    assert "twophase.sinks.sql is not allowed to import twophase.failpoints" in out.stdout, (
         out.stdout
     )
 

@@ -20,6 +20,7 @@ examples:
   twophase chaos --kafka-tansu                      also write to a private tansu broker
                                                     (judged from its partition logs)
   twophase chaos --files-s3-local                   the files go to a private S3-API server
+  twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
                                                     (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
@@ -77,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--files-s3-local", action="store_true",
                    help="write the staged files to a private S3-API server (moto, from the "
                    "dev extra) as s3://twophase-chaos/files")
+    p.add_argument("--sql-url", default=None, metavar="URL",
+                   help="also write this SQL database through SqlAlchemyParticipant (a "
+                   "SQLAlchemy URL: mysql+pymysql://... or postgresql+psycopg://...)")
+    p.add_argument("--mariadb-local", action="store_true",
+                   help="also write a private MariaDB server (Debian's mariadb-server) "
+                   "through SqlAlchemyParticipant (XA transactions)")
     p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
                    help="run your own job config instead of the demo's")
     p.add_argument("--failpoint-share", type=float, default=0.5,
@@ -157,7 +164,20 @@ def _run_chaos(args: argparse.Namespace) -> int:
             servers.append(store)
             files_path = f"s3://{store.create_bucket('twophase-chaos')}/files"
             files_options = store.storage_options
-        if job is None and not (pg_dsn or not args.no_files or kafka):
+        sql_url = args.sql_url
+        if args.mariadb_local and job is None:
+            if sql_url:
+                print("twophase chaos: pass --sql-url or --mariadb-local, not both",
+                      file=sys.stderr)
+                return 2
+            from twophase.testing.localmariadb import LocalMariaDB
+
+            say("starting a private MariaDB server ...")
+            maria = LocalMariaDB()
+            maria.start()
+            servers.append(maria)
+            sql_url = maria.url
+        if job is None and not (pg_dsn or not args.no_files or kafka or sql_url):
             print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
                   file=sys.stderr)
             return 2
@@ -166,7 +186,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             batches=args.batches, rows_per_batch=args.rows_per_batch,
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
-            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, job=job,
+            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url, job=job,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,

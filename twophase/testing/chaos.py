@@ -219,6 +219,7 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
+    sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -312,6 +313,8 @@ class _Chaos:
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
                 kafka_reuse=o.kafka_reuse,
+                sql_urls=[o.sql_url] if o.sql_url else None,
+                sql_table=f"chaos_{tag}",
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,

@@ -61,6 +61,9 @@ class JobConfig:
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
+    # SqlAlchemyParticipant, one per URL (mysql+pymysql://..., postgresql+psycopg://...)
+    sql_urls: list[str] | None = None
+    sql_table: str = "orders"
     partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
@@ -156,8 +159,15 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
                              config={"bootstrap.servers": cfg.kafka_bootstrap},
                              reuse_clients=cfg.kafka_reuse)
         )
+    if cfg.sql_urls:
+        from twophase.sinks.sql import SqlAlchemyParticipant
+
+        for i, url in enumerate(cfg.sql_urls):
+            name = f"sql-{cfg.sql_table}" if i == 0 else f"sql{i}-{cfg.sql_table}"
+            parts.append(SqlAlchemyParticipant(url, cfg.sql_table, name=name[:64]))
     if not parts:
-        raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap")
+        raise ValueError(
+            "the job needs at least one of: pg_dsn, files_path, kafka_bootstrap, sql_urls")
     return parts
 
 

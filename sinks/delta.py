@@ -1,0 +1,567 @@
+"""Exactly-once into a Delta Lake table (deltalake, delta-rs), one table version per batch.
+
+A table commits once per batch (:class:`~twophase.participant.BatchParticipant`):
+
+- **prepare** (each task): the branch's rows become Parquet data files under
+  ``<table>/twophase-<sink>/<lineage>/<batch>/``, named after participant, partition,
+  attempt and sequence. No log entry references them, so no reader sees them. The task
+  votes a handle naming them (size, rows).
+- **commit_batch** (the driver, after COMMIT): ONE Delta commit of add actions for every
+  branch's files. It carries Delta's own ``SetTransaction(app_id, version=batch id)``
+  with ``app_id = twophase-<sink>-<lineage>``, the same idempotency state Spark's Delta
+  sink keeps as ``txnAppId``/``txnVersion``, and commit info naming sink, lineage, batch
+  and attempt.
+
+The app transaction's version is the marker. A batch is in the table once the version
+reaches its id: batches of one lineage commit in order, because a micro-batch returns
+only once committed. A commit that loses an optimistic race (another writer's version
+landed first) is not rebased by delta-rs (``max_commit_retries=0``). Our loop reads the
+marker again and commits only when the batch is still missing, so the winner may have
+been this very batch, from another process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
+from twophase.names import validate_name
+from twophase.participant import (
+    BatchParticipant,
+    BranchRef,
+    BranchStatus,
+    Descriptor,
+    Handle,
+    ReadBack,
+    Rebuildable,
+    Verifiable,
+)
+from twophase.protocol import TxnKey
+from twophase.sinks.batchfiles import DATA_DIR, FILE_NAME, parse_ranges, ranges
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyarrow import fs as pafs
+
+__all__ = ["DeltaParticipant", "app_id", "delta_schema"]
+
+log = logging.getLogger(__name__)
+
+MODES: Final = ("append", "complete")
+POLICIES: Final = ("fail", "add_columns")
+_COMMIT_TRIES: Final = 20
+_SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
+_HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
+_META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
+         "twophase.participant", "twophase.partitions")
+Commits = dict[tuple[str, int], list[tuple[int, frozenset[int]]]]
+"""(lineage, batch) -> (attempt, partitions taken) of every twophase commit of it."""
+
+
+def app_id(sink: str, lineage: str) -> str:
+    """Delta's ``txnAppId`` of a sink's query: one version sequence per lineage."""
+    return f"twophase-{sink}-{lineage}"
+
+
+class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
+    """Rows of each micro-batch appended to (or replacing, ``mode="complete"``) a Delta
+    table, once, as one table version.
+
+    ``path``: a local folder or ``s3://bucket/prefix``; ``storage_options`` as deltalake
+    takes them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_REGION``, ``AWS_ALLOW_HTTP``, ...).
+    """
+
+    kind = "delta"
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        storage_options: Mapping[str, str] | None = None,
+        name: str | None = None,
+        mode: str = "append",
+        on_schema_change: str = "fail",
+        target_file_bytes: int = 128 * 1024 * 1024,
+    ) -> None:
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidRequest(f"invalid Delta table path {path!r}")
+        if "://" in path and not path.startswith(("s3://", "s3a://", "file://")):
+            raise InvalidRequest(
+                f"Delta table path {path!r}: twophase writes local paths and s3:// URIs"
+            )
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if on_schema_change not in POLICIES:
+            raise InvalidRequest(
+                f"on_schema_change must be one of {', '.join(POLICIES)}; got {on_schema_change!r}"
+            )
+        if not isinstance(target_file_bytes, int) or target_file_bytes < 1024:
+            raise InvalidRequest(f"target_file_bytes must be >= 1024, got {target_file_bytes!r}")
+        self.remote = path.startswith(("s3://", "s3a://"))
+        self.path = path if self.remote else os.path.abspath(path.removeprefix("file://"))
+        self.storage_options = {str(k): str(v) for k, v in (storage_options or {}).items()}
+        self.mode = mode
+        self.on_schema_change = on_schema_change
+        self.target_file_bytes = target_file_bytes
+        base = self.path.rstrip("/").rsplit("/", 1)[-1] or "table"
+        super().__init__(name if name is not None else f"delta-{base}"[:64])
+
+    def describe(self) -> str:
+        return f"delta participant {self.name!r} (table {self.path})"
+
+    def required_modules(self) -> tuple[str, ...]:
+        return ("deltalake", "pyarrow.parquet")
+
+    # ------------------------------------------------------------------ plumbing
+    def _table(self) -> Any:
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        try:
+            return DeltaTable(self.path, storage_options=self.storage_options or None)
+        except TableNotFoundError:
+            raise ParticipantError(
+                f"{self.describe()}: the table does not exist; the sink creates it before "
+                "the first batch (check), or create it yourself"
+            ) from None
+
+    def _fs(self) -> tuple[pafs.FileSystem, str]:
+        """A pyarrow file system for the table's files and the table root on it."""
+        from pyarrow import fs as pafs_mod
+
+        if not self.remote:
+            return pafs_mod.LocalFileSystem(), self.path
+        from deltalake.fs import DeltaStorageHandler
+
+        handler = DeltaStorageHandler(self.path, self.storage_options or None)
+        return pafs_mod.PyFileSystem(handler), ""
+
+    @staticmethod
+    def _rel(sink: str, lineage: str, batch: int) -> str:
+        """A batch's folder relative to the table root (fields validated by BranchRef)."""
+        return f"{DATA_DIR}-{sink}/{lineage}/{batch:020d}"
+
+    @staticmethod
+    def _join(root: str, rel: str) -> str:
+        return f"{root.rstrip('/')}/{rel}" if root else rel
+
+    def _list(self, fs: pafs.FileSystem, folder: str, recursive: bool = False) -> list[str]:
+        from pyarrow import fs as pafs_mod
+
+        sel = pafs_mod.FileSelector(folder, allow_not_found=True, recursive=recursive)
+        try:
+            return [i.path for i in fs.get_file_info(sel) if i.type == pafs_mod.FileType.File]
+        except (FileNotFoundError, OSError):
+            return []
+
+    def _branch_files(self, sink: str, lineage: str, batch: int, attempt: int,
+                      partition: int) -> tuple[pafs.FileSystem, str, list[str], list[str]]:
+        """(fs, folder, data file names, torn temp names) of one branch's attempt."""
+        fs, root = self._fs()
+        folder = self._join(root, self._rel(sink, lineage, batch))
+        names, temps = [], []
+        for path in self._list(fs, folder):
+            base = path.rsplit("/", 1)[-1]
+            m = FILE_NAME.match(base)
+            if m and m["participant"] == self.name and int(m["partition"]) == partition \
+                    and int(m["attempt"]) == attempt:
+                names.append(base)
+            elif base.startswith(".") and base.endswith(".tmp") and \
+                    base[1:].startswith(f"{self.name}-{partition:05d}-{attempt}-"):
+                temps.append(base)
+        return fs, folder, sorted(names), temps
+
+    def _history(self, dt: Any, sink: str) -> Commits:
+        """Every twophase commit of ``sink`` in the log's commit infos, oldest first."""
+        out: Commits = {}
+        for info in reversed(dt.history()):
+            if info.get("twophase.sink") != sink or \
+                    info.get("twophase.participant") != self.name:
+                continue
+            key = (str(info["twophase.lineage"]), int(info["twophase.batch"]))
+            took = parse_ranges(str(info.get("twophase.partitions", "")))
+            out.setdefault(key, []).append((int(info["twophase.attempt"]), took))
+        return out
+
+    def _taken(self, dt: Any, history: Commits, sink: str, lineage: str, batch: int,
+               attempt: int, partition: int) -> bool | None:
+        """Whether the batch's commit took this branch's files: True or False, or None
+        when the batch is not in the table. A batch whose commit info is gone from the
+        log (expired) counts as taken: the files may be the table's, never deleted."""
+        if not self._committed(dt, sink, lineage, batch):
+            return None
+        commits = history.get((lineage, batch))
+        if commits is None:
+            return True
+        return any(a == attempt and partition in took for a, took in commits)
+
+    @staticmethod
+    def _committed(dt: Any, sink: str, lineage: str, batch: int) -> bool:
+        version = dt.transaction_version(app_id(sink, lineage))
+        return version is not None and version >= batch
+
+    # ------------------------------------------------------------------ check
+    def check(self, schema: pa.Schema) -> None:
+        """Create the table from the stream's schema when missing; refuse an existing
+        table that does not fit (or add the stream's new columns, ``add_columns``)."""
+        from deltalake import DeltaTable
+
+        want = delta_schema(schema)
+        if not DeltaTable.is_deltatable(self.path, storage_options=self.storage_options or None):
+            try:
+                DeltaTable.create(self.path, schema=want, mode="ignore",
+                                  storage_options=self.storage_options or None)
+            except Exception as exc:
+                raise InvalidRequest(
+                    f"{self.describe()}: cannot create the table ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0]}); check the path and storage_options"
+                ) from None
+        dt = self._table()
+        have = _arrow_schema(dt)
+        extra = [f for f in want if f.name not in have.names]
+        missing = [f.name for f in have if f.name not in want.names and not f.nullable]
+        if extra and self.on_schema_change == "add_columns" and not missing:
+            from deltalake import Field
+            from deltalake import Schema as DeltaSchema
+
+            fields = DeltaSchema.from_arrow(_pa().schema(extra)).fields
+            dt.alter.add_columns([Field(f.name, f.type, nullable=True) for f in fields])
+            dt = self._table()
+            have, extra = _arrow_schema(dt), []
+        problems = []
+        if extra:
+            problems.append(f"columns not in the table: {', '.join(f.name for f in extra)}")
+        if missing:
+            problems.append(f"non-nullable table columns the stream lacks: {', '.join(missing)}")
+        differ = [f"{f.name} (table {have.field(f.name).type}, stream {f.type})"
+                  for f in want if f.name in have.names and have.field(f.name).type != f.type]
+        if differ:
+            problems.append("column types differ: " + ", ".join(differ))
+        if problems:
+            raise InvalidRequest(
+                f"{self.describe()}: the stream does not fit the existing table: "
+                + "; ".join(problems)
+                + ". Fix: select and cast the stream's columns to the table's, or pass "
+                "on_schema_change='add_columns' to add new columns, or write to a new table"
+            )
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(
+        self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
+    ) -> Handle:
+        if branch.participant != self.name:
+            raise PrepareRefused(
+                f"branch {branch.branch_id} belongs to participant {branch.participant!r}, "
+                f"not {self.name!r}"
+            )
+        dt = self._table()
+        if self._committed(dt, branch.sink, branch.lineage, branch.batch_id):
+            return {"files": "[]", "rows": "0", "committed": "yes"}  # the marker: no write
+        target = _arrow_schema(dt)
+        fs, root = self._fs()
+        folder = self._join(root, self._rel(branch.sink, branch.lineage, branch.batch_id))
+        stem = f"{self.name}-{branch.partition:05d}-{branch.attempt}"
+        writer = _BranchWriter(fs, folder, stem, self.target_file_bytes, not self.remote)
+        try:
+            for batch in batches:
+                writer.write(_conform(batch, target))
+            files = writer.close()
+        except BaseException:
+            writer.discard()
+            raise
+        listed = json.dumps(files, separators=(",", ":"))
+        rows = sum(f[2] for f in files)
+        # too many files to vote: the batch commit finds them by name instead
+        return {"files": listed if len(listed) <= _HANDLE_CHARS else "*", "rows": str(rows)}
+
+    # ------------------------------------------------------------------ commit
+    def commit_batch(self, key: TxnKey, handles: Mapping[int, Handle]) -> None:
+        from deltalake.exceptions import CommitFailedError
+        from deltalake.transaction import CommitProperties, Transaction
+
+        delay = 0.05
+        for _ in range(_COMMIT_TRIES):
+            dt = self._table()
+            if self._committed(dt, key.sink, key.lineage, key.batch_id):
+                return  # by this attempt, or (the log says which) another process
+            actions = self._actions(key, handles)
+            props = CommitProperties(
+                custom_metadata=dict(zip(_META, (key.sink, key.lineage, str(key.batch_id),
+                                                 str(key.attempt), self.name,
+                                                 ranges(handles)), strict=True)),
+                app_transactions=[Transaction(app_id(key.sink, key.lineage), key.batch_id)],
+                max_commit_retries=0,  # our loop re-reads the marker before trying again
+            )
+            try:
+                if self.mode == "complete":
+                    dt.create_write_transaction(actions, "overwrite", _arrow_schema(dt),
+                                                commit_properties=props)
+                else:
+                    dt.create_write_transaction(actions, "append", _arrow_schema(dt),
+                                                commit_properties=props)
+                return
+            except CommitFailedError as exc:
+                log.info("%s: batch %d lost a commit race (%s); reading the marker again",
+                         self.describe(), key.batch_id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise ParticipantError(
+            f"{self.describe()}: batch {key.batch_id} lost the commit race "
+            f"{_COMMIT_TRIES} times in a row (other writers commit to the table "
+            "continuously); the driver finishes the batch again"
+        )
+
+    def _actions(self, key: TxnKey, handles: Mapping[int, Handle]) -> list[Any]:
+        from deltalake.transaction import AddAction
+
+        rel = self._rel(key.sink, key.lineage, key.batch_id)
+        now = int(time.time() * 1000)
+        actions = []
+        for partition, handle in sorted(handles.items()):
+            voted = handle.get("files") if handle else None
+            if voted is not None and voted != "*":
+                files = [tuple(f) for f in json.loads(voted)]
+            else:  # a recovery without the vote, or too many to vote: found by name
+                fs, folder, names, _ = self._branch_files(key.sink, key.lineage,
+                                                          key.batch_id, key.attempt, partition)
+                files = [(n, fs.get_file_info(f"{folder}/{n}").size, None) for n in names]
+            for name, size, rows in files:
+                if not isinstance(name, str) or not FILE_NAME.match(name):
+                    raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
+                                           "which is not a branch data file")
+                stats = json.dumps({"numRecords": rows}) if rows is not None else ""
+                actions.append(AddAction(f"{rel}/{name}", int(size), {}, now, True, stats))
+        return actions
+
+    # ------------------------------------------------------------------ status, abort
+    def status(self, branch: BranchRef) -> BranchStatus:
+        dt = self._table()
+        history = self._history(dt, branch.sink)
+        taken = self._taken(dt, history, branch.sink, branch.lineage, branch.batch_id,
+                            branch.attempt, branch.partition)
+        if taken:
+            return BranchStatus.COMMITTED
+        mine = self._branch_files(branch.sink, branch.lineage, branch.batch_id,
+                                  branch.attempt, branch.partition)[2]
+        if mine:
+            return BranchStatus.PREPARED  # (of a superseded attempt: abort sweeps them)
+        by = {a for a, _ in history.get((branch.lineage, branch.batch_id), ())}
+        if taken is False and branch.attempt not in by:
+            # another attempt committed the batch; this one left nothing: its share of
+            # the batch is in the table already (a replay writes nothing)
+            return BranchStatus.COMMITTED
+        return BranchStatus.ABSENT
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        dt = self._table()
+        if self._taken(dt, self._history(dt, branch.sink), branch.sink, branch.lineage,
+                       branch.batch_id, branch.attempt, branch.partition):
+            return  # the files are the table's now
+        fs, folder, names, temps = self._branch_files(
+            branch.sink, branch.lineage, branch.batch_id, branch.attempt, branch.partition)
+        for base in names + temps:
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(f"{folder}/{base}")
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        validate_name("sink name", sink)
+        dt = self._table()
+        return sorted(set(self._unreferenced(dt, sink, self._history(dt, sink))))
+
+    def _unreferenced(self, dt: Any, sink: str, history: Commits) -> Iterator[BranchRef]:
+        fs, root = self._fs()
+        top = self._join(root, f"{DATA_DIR}-{sink}")
+        for path in self._list(fs, top, recursive=True):
+            parts = path[len(top) + 1:].split("/")
+            if len(parts) != 3 or not parts[1].isdigit():
+                continue
+            m = FILE_NAME.match(parts[2])
+            if not m or m["participant"] != self.name:
+                continue
+            lineage, batch, attempt = parts[0], int(parts[1]), int(m["attempt"])
+            if self._taken(dt, history, sink, lineage, batch, attempt, int(m["partition"])):
+                continue  # the table's files
+            yield BranchRef(sink, lineage, batch, attempt, self.name, int(m["partition"]))
+
+    # ------------------------------------------------------------------ operators
+    def descriptor(self) -> Descriptor:
+        secret = sorted(k for k in self.storage_options if _SECRET_KEYS.search(k))
+        options: dict[str, Any] = {
+            "mode": self.mode, "on_schema_change": self.on_schema_change,
+            "target_file_bytes": self.target_file_bytes, "secrets": ",".join(secret),
+        }
+        for k, v in self.storage_options.items():
+            if k not in secret:
+                options[f"storage.{k}"] = v
+        return {"kind": self.kind, "name": self.name, "target": self.path, "options": options}
+
+    @classmethod
+    def from_descriptor(
+        cls, descriptor: Descriptor, secrets: Mapping[str, str]
+    ) -> DeltaParticipant:
+        from twophase.participant import required_secret
+
+        o = descriptor["options"]
+        storage = {k.removeprefix("storage."): str(v) for k, v in o.items()
+                   if k.startswith("storage.")}
+        for key in filter(None, str(o.get("secrets", "")).split(",")):
+            storage[key] = required_secret(descriptor["name"], secrets, key)
+        return cls(descriptor["target"], storage_options=storage, name=descriptor["name"],
+                   mode=o["mode"], on_schema_change=o["on_schema_change"],
+                   target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)))
+
+    def read_back(self, column: str) -> ReadBack:
+        dt = self._table()
+        values = tuple(dt.to_pyarrow_table(columns=[column]).column(column).to_pylist())
+        sinks = {str(info["twophase.sink"]) for info in dt.history()
+                 if info.get("twophase.participant") == self.name}
+        commits = extra = prepared = 0
+        for sink in sinks:
+            history = self._history(dt, sink)
+            commits += sum(len(a) for a in history.values())
+            extra += sum(len(a) - 1 for a in history.values())
+            prepared += len(set(self._unreferenced(dt, sink, history)))
+        fs, root = self._fs()
+        temp = sum(1 for p in self._list(fs, root or "", recursive=True)
+                   if f"/{DATA_DIR}-" in f"/{p}" and p.rsplit("/", 1)[-1].startswith(".")
+                   and p.endswith(".tmp"))
+        return ReadBack(values=values, prepared=prepared, temp=temp, commits=commits,
+                        extra_commits=extra)
+
+
+# ---------------------------------------------------------------------- Arrow <-> Delta
+def _pa() -> Any:
+    import pyarrow as pa
+
+    return pa
+
+
+def delta_schema(schema: pa.Schema) -> pa.Schema:
+    """The stream's Arrow schema as Delta stores it: timestamps with a zone become UTC
+    (the same instants; Delta's ``timestamp`` is UTC), without one ``timestamp_ntz``
+    (microseconds), nested types alike."""
+    pa = _pa()
+    return pa.schema([pa.field(f.name, _delta_type(f.type), f.nullable) for f in schema])
+
+
+def _delta_type(t: Any) -> Any:
+    pa = _pa()
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz="UTC" if t.tz else None)
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(pa.field(t.value_field.name, _delta_type(t.value_type),
+                                 t.value_field.nullable))
+    if pa.types.is_map(t):
+        return pa.map_(_delta_type(t.key_type),
+                       pa.field("value", _delta_type(t.item_type), t.item_field.nullable))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _delta_type(f.type), f.nullable) for f in t])
+    return t
+
+
+def _arrow_schema(dt: Any) -> pa.Schema:
+    return _pa().schema(dt.schema().to_arrow())
+
+
+def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:
+    """The batch in the table's schema: its column order and types (same instants for
+    timestamps), nulls for nullable table columns the stream lacks."""
+    pa = _pa()
+    cols = []
+    for f in target:
+        if f.name in batch.schema.names:
+            col = batch.column(f.name)
+            cols.append(col if col.type == f.type else col.cast(f.type))
+        else:
+            cols.append(pa.nulls(batch.num_rows, f.type))
+    return pa.RecordBatch.from_arrays(cols, schema=target)
+
+
+class _BranchWriter:
+    """Streams one branch's rows into Parquet files rolled at ``target`` bytes. A local
+    file is written under a ``.tmp`` name, fsynced and renamed when whole (a kill leaves
+    litter, never a torn data file); an object store shows an object only once its
+    upload completed."""
+
+    def __init__(self, fs: pafs.FileSystem, folder: str, stem: str, target: int,
+                 local: bool) -> None:
+        self.fs, self.folder, self.stem, self.target, self.local = fs, folder, stem, target, local
+        self.open: tuple[Any, Any, str, int] | None = None
+        self.files: list[tuple[str, int, int]] = []  # (name, bytes, rows)
+        self.seq = 0
+        if local:
+            fs.create_dir(folder, recursive=True)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        if self.open is None:
+            self._start(batch.schema)
+        assert self.open is not None
+        stream, writer, name, rows = self.open
+        writer.write_batch(batch)
+        self.open = (stream, writer, name, rows + batch.num_rows)
+        if stream.tell() >= self.target:
+            self._finish()
+
+    def _start(self, schema: pa.Schema) -> None:
+        import pyarrow.parquet as pq
+
+        name = f"{self.stem}-{self.seq:05d}.parquet"
+        self.seq += 1
+        path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
+        stream = self.fs.open_output_stream(path)
+        self.open = (stream, pq.ParquetWriter(stream, schema), name, 0)
+
+    def _finish(self) -> None:
+        assert self.open is not None
+        stream, writer, name, rows = self.open
+        self.open = None
+        writer.close()
+        stream.close()
+        if self.local:
+            tmp, final = f"{self.folder}/.{name}.tmp", f"{self.folder}/{name}"
+            _fsync(tmp)
+            self.fs.move(tmp, final)
+        size = self.fs.get_file_info(f"{self.folder}/{name}").size
+        self.files.append((name, int(size), rows))
+
+    def close(self) -> list[tuple[str, int, int]]:
+        if self.open is not None:
+            self._finish()
+        if self.local and self.files:
+            _fsync(self.folder)
+        return self.files
+
+    def discard(self) -> None:
+        if self.open is not None:
+            stream, writer, name, _ = self.open
+            for closer in (writer.close, stream.close):
+                with contextlib.suppress(Exception):  # failing already; the files go next
+                    closer()
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.delete_file(f"{self.folder}/.{name}.tmp" if self.local
+                                    else f"{self.folder}/{name}")
+            self.open = None
+        for name, _, _ in self.files:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.delete_file(f"{self.folder}/{name}")
+        self.files.clear()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

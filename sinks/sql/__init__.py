@@ -1,0 +1,5 @@
+"""SQL databases through SQLAlchemy's two-phase API (MySQL/MariaDB XA, PostgreSQL)."""
+
+from twophase.sinks.sql.participant import SqlAlchemyParticipant
+
+__all__ = ["SqlAlchemyParticipant"]
