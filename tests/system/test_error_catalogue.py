@@ -40,8 +40,6 @@ JOB = '''
 import logging, sys
 from pyspark.sql import SparkSession
 from twophase import TransactionalSink
-from twophase.errors import TargetProblem
-from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
 
@@ -207,6 +205,8 @@ def test_nested_refuse_names_the_column_and_the_other_policy(
 
 
 TASK_SIDE = '''
+from twophase.errors import TargetProblem
+
 class Refusing(StagedFileParticipant):
     """Its target takes the probe but refuses the rows, on the executors."""
 
