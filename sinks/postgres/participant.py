@@ -319,7 +319,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
         if row is None or row[0] <= 0:
             raise self._no_prepared(row[0] if row else None)
-        missing: list[str] = []
+        missing: list[str] = []  # what the role lacks, and the GRANTs that fix it
+        grants: dict[str, None] = {}
         schema_ok = conn.execute(
             "SELECT has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE')"
             " FROM pg_namespace n WHERE nspname = %s", (self.schema,)).fetchone()
@@ -329,27 +330,29 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                                 host=socket.gethostname(), kind=Failure.MISSING)
         if not schema_ok[0]:
             missing.append(f"USAGE on schema {self.schema}")
+            grants[f"USAGE ON SCHEMA {self.schema}"] = None
         for table, needs in ((self.table, ("SELECT", "INSERT", "UPDATE", "DELETE")),
                              (self.marker_table, ("SELECT", "INSERT"))):
             name = f"{self.schema}.{table}"
-            found = conn.execute("SELECT to_regclass(%s)", (f'"{self.schema}"."{table}"',)
-                                 ).fetchone()
+            regclass = f'"{self.schema}"."{table}"'
+            found = conn.execute("SELECT to_regclass(%s)", (regclass,)).fetchone()
             if found is None or found[0] is None:
                 if not schema_ok[1]:
                     missing.append(f"CREATE on schema {self.schema} (to create {name})")
+                    grants[f"CREATE ON SCHEMA {self.schema}"] = None
                 continue
-            for priv in needs:
-                ok = conn.execute("SELECT has_table_privilege(to_regclass(%s), %s)",
-                                  (f'"{self.schema}"."{table}"', priv)).fetchone()
-                if not (ok and ok[0]):
-                    missing.append(f"{priv} on {name}")
+            lacking = [priv for priv in needs if not (conn.execute(
+                "SELECT has_table_privilege(to_regclass(%s), %s)", (regclass, priv)
+            ).fetchone() or (False,))[0]]
+            if lacking:
+                missing.append(f"{', '.join(lacking)} on {name}")
+                grants[f"{', '.join(lacking)} ON {name}"] = None
         if missing:
-            user = conn.execute("SELECT current_user").fetchone()
+            row = conn.execute("SELECT current_user").fetchone()
+            user = str(row[0]) if row else "?"
             raise TargetProblem(
-                self.describe(),
-                f"role {user[0] if user else '?'!r} lacks " + ", ".join(missing),
-                "GRANT " + "; GRANT ".join(missing).replace(" on schema ", " ON SCHEMA ")
-                .replace(" on ", " ON ") + f" TO {user[0] if user else 'the role'}",
+                self.describe(), f"role {user!r} lacks " + "; ".join(missing),
+                "; ".join(f"GRANT {g} TO {user}" for g in grants) + " (as the owner)",
                 host=socket.gethostname(), kind=Failure.AUTHORIZATION)
 
     def _no_prepared(self, value: object) -> TargetProblem:

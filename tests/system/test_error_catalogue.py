@@ -419,3 +419,74 @@ def test_the_bad_input_catalogue_as_a_user_meets_it(tmp_path: Path) -> None:
         assert cls == "InvalidRequest", (case, cls, first)
         assert re.search(expected[case], first), (case, first)
     assert not list(tmp_path.glob("*.db"))  # nothing was created by a refused constructor
+
+
+# --------------------------------------------------------------------------- the probes
+
+
+def _executor_only_refusal(path: str, driver_pid: int) -> Any:
+    from twophase.sinks.files import StagedFileParticipant
+
+    class ExecutorsRefused(StagedFileParticipant):
+        def probe(self) -> None:
+            import os
+
+            if os.getpid() != driver_pid:
+                raise TargetProblem(self.describe(), "this host may not write there",
+                                    "mount the folder on every executor",
+                                    host=socket.gethostname(), kind=Failure.AUTHORIZATION)
+
+    return ExecutorsRefused(path=path, name="lake")
+
+
+@pytest.mark.spark
+def test_the_executors_probe_each_target_in_the_preflight_job(spark: Any,
+                                                              tmp_path: Path) -> None:
+    import os
+
+    from twophase.preflight import check_executors
+    from twophase.testing.servers import free_port
+
+    part = _executor_only_refusal(str(tmp_path / "out"), os.getpid())
+    part.probe()  # the driver may write there
+    with socket.create_server(("127.0.0.1", free_port())) as srv:  # a coordinator's port
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        with pytest.raises(TargetProblem) as err:
+            check_executors(spark.sparkContext, "probed", [part], url)
+    first = str(err.value).splitlines()[0]
+    assert first == (f"files participant 'lake' (parquet in {tmp_path / 'out'}): this host "
+                     f"may not write there (on host {HOST}). Fix: mount the folder on every "
+                     "executor.")
+    assert not any((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_a_role_without_privileges_is_named_with_the_grants(pg_dsn: str) -> None:
+    from twophase.sinks.postgres import PostgresParticipant
+
+    role, schema = f"r{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"CREATE SCHEMA {schema}")
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+    params = conninfo_to_dict(pg_dsn)
+    params["user"] = role
+    p = PostgresParticipant(make_conninfo(**params), "orders", schema=schema)
+    with pytest.raises(TargetProblem) as err:
+        p.probe()
+    assert str(err.value) == (
+        f"postgres participant 'postgres-orders' ({schema}.orders at {p._where}): role "
+        f"'{role}' lacks CREATE on schema {schema} (to create {schema}.orders); CREATE on "
+        f"schema {schema} (to create {schema}.twophase_markers) (on host {HOST}). Fix: "
+        f"GRANT CREATE ON SCHEMA {schema} TO {role} (as the owner).")
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {schema}.orders (id bigint)")
+        admin.execute(f"GRANT SELECT ON {schema}.orders TO {role}")
+        admin.execute(f"GRANT CREATE ON SCHEMA {schema} TO {role}")
+    with pytest.raises(TargetProblem, match=re.escape(
+            f"lacks INSERT, UPDATE, DELETE on {schema}.orders (on host {HOST}). Fix: GRANT "
+            f"INSERT, UPDATE, DELETE ON {schema}.orders TO {role} (as the owner).")):
+        p.probe()
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(f"GRANT INSERT, UPDATE, DELETE ON {schema}.orders TO {role}")
+    p.probe()  # all granted: the probe passes
+    p.close()
