@@ -436,6 +436,8 @@ def _executor_only_refusal(path: str, driver_pid: int) -> Any:
                                     "mount the folder on every executor",
                                     host=socket.gethostname(), kind=Failure.AUTHORIZATION)
 
+    # as if defined in a job script: shipped by value, not imported by the executors
+    ExecutorsRefused.__module__ = "__main__"
     return ExecutorsRefused(path=path, name="lake")
 
 
