@@ -492,3 +492,27 @@ def test_a_role_without_privileges_is_named_with_the_grants(pg_dsn: str) -> None
         admin.execute(f"GRANT INSERT, UPDATE, DELETE ON {schema}.orders TO {role}")
     p.probe()  # all granted: the probe passes
     p.close()
+
+
+def test_the_kafka_probe_against_a_real_broker(tansu_bootstrap: str) -> None:
+    """Brokers answering: a missing topic is left to check() (it creates it), an existing
+    one passes; brokers not answering are a transient ParticipantError naming the host."""
+    import pyarrow as pa
+
+    from twophase.participant import ParticipantError
+    from twophase.sinks.kafka import KafkaParticipant
+    from twophase.testing.servers import free_port
+
+    topic = f"probe-{uuid.uuid4().hex[:8]}"
+    p = KafkaParticipant(topic, {"bootstrap.servers": tansu_bootstrap})
+    p.probe()  # the topic does not exist yet
+    p.check(pa.schema([("value", pa.string())]))  # creates it
+    p.probe()
+    p.close()
+    down = KafkaParticipant(topic, {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
+                            connect_timeout_s=2)
+    with pytest.raises(ParticipantError) as err:
+        down.probe()
+    assert not isinstance(err.value, TargetProblem)
+    assert "cannot reach Kafka at 127.0.0.1:" in str(err.value) and HOST in str(err.value)
+    down.close()
