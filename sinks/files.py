@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from contextlib import suppress
@@ -31,7 +32,7 @@ from typing import IO, Any, Final
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from twophase.errors import InvalidRequest
+from twophase.errors import InvalidRequest, TargetProblem, classify
 from twophase.jsoncodec import json_rows
 from twophase.participant import (
     BranchRef,
@@ -213,15 +214,32 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
 
     def check(self, schema: pa.Schema) -> None:
         """Create the folders and prove they are writable; JSON lines need JSON-able types."""
+        self.probe()
+        self._check_format(schema)
+        self._check_folder_schema(schema)
+
+    def probe(self) -> None:
+        """The folder and its staging folder exist or can be created, and a file can be
+        created and removed there (run on the driver and on every executor)."""
+        doing = "create the folder"
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
+            doing = "write a file in"
             probe = self.staging / f".probe-{uuid.uuid4().hex}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise ParticipantError(f"{self.describe()}: cannot write there: {exc}") from exc
-        self._check_format(schema)
-        self._check_folder_schema(schema)
+            raise self._unwritable(exc, doing) from None
+
+    def _unwritable(self, exc: OSError, doing: str) -> TargetProblem:
+        return TargetProblem(
+            self.describe(),
+            f"cannot {doing} {self.staging}: {exc.strerror or exc}",
+            "pass a path this user can create and write on the driver and on every "
+            "executor (check that its parent exists, its permissions, that it is not "
+            "read-only; on a cluster use a folder every host shares or an s3:// path)",
+            host=socket.gethostname(), kind=classify(exc),
+        )
 
     def _check_format(self, schema: pa.Schema) -> None:
         if self.format == "jsonl":
@@ -266,7 +284,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise PrepareRefused(f"{self.describe()}: cannot create staging: {exc}") from exc
+            raise self._unwritable(exc, "create the folder") from None
         self._remove_torn(branch, every_attempt=True)  # left by a killed earlier attempt
         tmp = staged.with_name(f".{staged.name}.{uuid.uuid4().hex}.tmp")
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -31,7 +32,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 
-from twophase.errors import InvalidRequest
+from twophase.errors import Failure, InvalidRequest, TargetProblem, classify
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -341,6 +342,11 @@ class S3StagedFileParticipant(StagedFileParticipant):
         """Prove the bucket exists and the key may start (and abort) uploads there, before
         any write; leaves nothing behind."""
         self._check_format(schema)
+        self.probe()
+
+    def probe(self) -> None:
+        """The bucket exists and these credentials may start (and abort) an upload in the
+        staging area (run on the driver and on every executor); leaves nothing behind."""
         doing = f"checking bucket {self.bucket!r}"
         try:
             self.client.head_bucket(Bucket=self.bucket)
@@ -352,7 +358,20 @@ class S3StagedFileParticipant(StagedFileParticipant):
         except Exception as exc:
             if isinstance(exc, ParticipantError):
                 raise
-            raise ParticipantError(self._explain(exc, doing)) from exc
+            raise self._problem(exc, doing) from None
+
+    def _problem(self, exc: BaseException, doing: str) -> ParticipantError:
+        """A store error as a permanent :class:`TargetProblem` (credentials, permissions,
+        no bucket) or a plain, retried :class:`ParticipantError` (the endpoint down)."""
+        text = self._explain(exc, doing)
+        kind = classify(exc)
+        if type(exc).__name__ == "NoCredentialsError":
+            kind = Failure.AUTHENTICATION
+        if not kind.permanent:
+            return ParticipantError(text)
+        cause, _, fix = text.removeprefix(f"{self.describe()}: ").partition("; ")
+        return TargetProblem(self.describe(), cause, fix or "check the path and credentials",
+                             host=socket.gethostname(), kind=kind)
 
     # -- the branch -------------------------------------------------------------------------
 

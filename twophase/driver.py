@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.connection import check_coordinator
-from twophase.errors import BatchFailed, InvalidRequest
-from twophase.names import validate_lineage, validate_name
+from twophase.errors import BatchFailed, InvalidRequest, TwophaseError, headline
+from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
 from twophase.participant import (
     EMPTY_BRANCH,
     Handle,
@@ -138,7 +138,7 @@ class TransactionalSink:
             raise InvalidRequest(
                 f"sink {name!r}: under Spark Connect foreachBatch runs in a server-side "
                 "Python process that cannot see the streaming query's id; pass "
-                "lineage='<1-64 of A-Z a-z 0-9 - _ .>' naming this query's checkpoint "
+                f"lineage='<{LINEAGE_RULE}>' naming this query's checkpoint "
                 "(a new checkpoint location needs a new lineage; docs/cluster.md)"
             )
         if not participants:
@@ -340,6 +340,20 @@ class TransactionalSink:
 
     # ------------------------------------------------------------------ the batch
     def __call__(self, df: DataFrame, batch_id: int) -> None:
+        """Write one micro-batch exactly once (foreachBatch calls this). A failure is
+        logged as one ERROR line, ``sink S batch N failed: <participant>: <cause>. Fix:
+        <fix>``, and raised with that sentence as its first line, before Spark wraps it."""
+        try:
+            self._batch(df, batch_id)
+        except TwophaseError as exc:
+            first, failed = _failure(self.name, batch_id, exc)
+            log.error("%s", first)
+            raise failed from None
+        except Exception as exc:
+            log.error("sink %s batch %d failed: %s", self.name, batch_id, _short_error(exc))
+            raise
+
+    def _batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         lineage = self._lineage(df)
         slots = _default_partitions(df)
@@ -359,9 +373,10 @@ class TransactionalSink:
         if not self._preflighted:
             # Once per sink start: the executors' interpreter (the driver's own in local
             # mode), then the probe job that checks it can run our tasks.
-            from twophase.preflight import check_executors, choose_worker_python
+            from twophase.preflight import check_executors, choose_worker_python, probe_targets
 
             assert self._conn is not None
+            probe_targets(self.participants)  # the driver first: no job needed to say why
             sc = _jvm_context(df)
             if sc is None:  # Spark Connect: no SparkContext to run the probe job with
                 log.info("sink %s: Spark Connect, the executors' preflight is skipped",
@@ -784,8 +799,13 @@ def _input_partitions(df: DataFrame) -> int | None:
 
 
 def _short_error(exc: BaseException) -> str:
-    """The first meaningful line of a (possibly huge) Spark/Py4J error."""
+    """The first meaningful line of a (possibly huge) Spark/Py4J error: a participant's
+    cause-and-fix sentence (:func:`~twophase.errors.headline`) wherever it is, else the
+    first line naming an error."""
     text = str(exc)
+    found = headline(text)
+    if found:
+        return found[:2000]
     for marker in ("ModuleNotFoundError:", "ImportError:", "InvalidRequest:",
                    "BatchFailed:", "PrepareRefused:", "ParticipantError:", "Error:"):
         idx = text.find(marker)
@@ -793,6 +813,27 @@ def _short_error(exc: BaseException) -> str:
             line = text[idx:].splitlines()[0]
             return line[:500]
     return (text.splitlines() or [type(exc).__name__])[0][:500]
+
+
+def _failure(sink: str, batch_id: int, exc: TwophaseError) -> tuple[str, TwophaseError]:
+    """The sentence a failed batch is reported with, and the error to raise: the same
+    class, its first line that sentence, the original message (attempts, other hosts)
+    below it. The participant's cause and fix come first, wherever the task put them."""
+    text = str(exc)
+    cause = headline(text)
+    if cause is None:
+        cause = text.splitlines()[0] if text.strip() else type(exc).__name__
+        for prefix in (f"sink {sink!r} batch {batch_id}: ", f"sink {sink!r}: "):
+            cause = cause.removeprefix(prefix)
+    first = f"sink {sink} batch {batch_id} failed: {cause}"
+    lines = text.splitlines() or [""]
+    rest = text if lines[0] != cause and headline(text) else "\n".join(lines[1:])
+    message = first + ("\n" + rest if rest.strip() else "")
+    try:
+        failed = type(exc)(message)
+    except TypeError:  # a class of its own with another constructor
+        failed = BatchFailed(message)
+    return first, failed
 
 
 # The coordinator's bounds (coordinator/models.py refuses more): checked here so that a

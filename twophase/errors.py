@@ -13,7 +13,10 @@ the driver or the codec raises has its own branch of the tree.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import enum
+import errno
+import re
+from typing import Any, ClassVar
 
 __all__ = [
     "BatchFailed",
@@ -21,6 +24,7 @@ __all__ = [
     "CoordinatorUnavailable",
     "EnvironmentProblem",
     "FailpointHit",
+    "Failure",
     "IllegalTransition",
     "InvalidRequest",
     "ParticipantError",
@@ -30,11 +34,14 @@ __all__ = [
     "SchemaMismatch",
     "StaleEpoch",
     "StoreError",
+    "TargetProblem",
     "TransactionNotFound",
     "TwophaseError",
     "UnknownBranch",
     "WireError",
+    "classify",
     "error_class",
+    "headline",
 ]
 
 
@@ -175,6 +182,45 @@ class PrepareRefused(ParticipantError):
     code = "prepare_refused"
 
 
+class TargetProblem(ParticipantError):
+    """A participant's target refuses the sink for a reason running again cannot heal
+    (credentials, permissions, a missing object, a bad setting), found by its
+    :meth:`~twophase.participant.Participant.probe` or :meth:`check` before anything is
+    written, or by a write. Never retried. The message is one sentence: the participant,
+    the cause (with the host and the target when known), then ``Fix:`` and the fix."""
+
+    code = "target_problem"
+
+    def __init__(
+        self, participant: str = "", cause: str = "", fix: str = "", *, host: str = "",
+        target: str = "", kind: Failure | None = None, status: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        if not cause:  # rebuilt from an HTTP answer or a pickle: the message only
+            super().__init__(participant, status=status, code=code)
+            self.participant, self.cause, self.fix, self.host, self.target = (
+                "", participant, "", "", "")
+            self.kind = kind
+            return
+        where = ", ".join(x for x in (f"target {target}" if target else "",
+                                      f"on host {host}" if host else "") if x)
+        text = f"{participant}: {cause.rstrip('.')}" + (f" ({where})" if where else "")
+        super().__init__(f"{text}. Fix: {fix.rstrip('.')}." if fix else f"{text}.",
+                         status=status, code=code)
+        self.participant, self.cause, self.fix = participant, cause, fix
+        self.host, self.target, self.kind = host, target, kind
+
+    def __reduce__(self) -> Any:  # across processes (Spark, the preflight job) as a message
+        return (type(self), (self.message,))
+
+    def on_host(self, host: str) -> TargetProblem:
+        """The same problem, saying where it was found (an executor's host)."""
+        if not self.cause or self.host:
+            return self
+        return TargetProblem(self.participant, self.cause, self.fix, host=host,
+                             target=self.target, kind=self.kind)
+
+
 class BatchFailed(TwophaseError, RuntimeError):
     """A micro-batch could not be committed; the message names participant, partition
     and cause. The query stops; restarting it replays the batch."""
@@ -186,6 +232,162 @@ class FailpointHit(TwophaseError, RuntimeError):
     """Raised by a failpoint whose action is ``raise``."""
 
     code = "failpoint"
+
+
+# --------------------------------------------------------------------------- classifying
+
+
+class Failure(str, enum.Enum):
+    """What kind of failure an exception is: the one place that decides whether running
+    again can help. The first four are permanent (no retry, one clear message); a
+    transient failure is retried within the retry budget; ``UNKNOWN`` is treated as
+    transient (the retry rule bounds it)."""
+
+    AUTHENTICATION = "authentication"
+    AUTHORIZATION = "authorization"
+    MISSING = "missing object"
+    CONFIGURATION = "bad configuration"
+    TRANSIENT = "transient"
+    UNKNOWN = "unknown"
+
+    @property
+    def permanent(self) -> bool:
+        return self not in (Failure.TRANSIENT, Failure.UNKNOWN)
+
+
+_PERMANENT_ERRNO = {
+    errno.EACCES: Failure.AUTHORIZATION, errno.EPERM: Failure.AUTHORIZATION,
+    errno.EROFS: Failure.AUTHORIZATION, errno.ENOENT: Failure.MISSING,
+    errno.ENOTDIR: Failure.CONFIGURATION, errno.EISDIR: Failure.CONFIGURATION,
+    errno.ENAMETOOLONG: Failure.CONFIGURATION, errno.EEXIST: Failure.CONFIGURATION,
+}
+_TRANSIENT_ERRNO = {
+    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+    errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EINTR,
+    errno.ENOSPC,  # space can be freed; the retry budget bounds the wait
+}
+
+# PostgreSQL SQLSTATE classes and codes (errcodes appendix of the PostgreSQL manual)
+_SQLSTATE_PERMANENT = {
+    "28": Failure.AUTHENTICATION, "42501": Failure.AUTHORIZATION,
+    "3D": Failure.MISSING, "3F": Failure.MISSING, "42P01": Failure.MISSING,
+    "42883": Failure.MISSING, "55000": Failure.CONFIGURATION, "22023": Failure.CONFIGURATION,
+    "42": Failure.CONFIGURATION,
+}
+_SQLSTATE_TRANSIENT = ("08", "57P01", "57P02", "57P03", "53", "40001", "40P01", "55P03",
+                       "57014")
+# A refused connection has no SQLSTATE in libpq's message: the server's FATAL line says it
+_PG_FATAL = (
+    (re.compile(r"password authentication failed|role \".*\" does not exist|"
+                r"no pg_hba\.conf entry|authentication failed|"
+                r"no password supplied|GSSAPI|certificate", re.I), Failure.AUTHENTICATION),
+    (re.compile(r"permission denied|must be superuser|not permitted to log in", re.I),
+     Failure.AUTHORIZATION),
+    (re.compile(r"database \".*\" does not exist", re.I), Failure.MISSING),
+    (re.compile(r"invalid (value|connection option)|unrecognized configuration", re.I),
+     Failure.CONFIGURATION),
+)
+_KAFKA_PERMANENT = {
+    "SASL_AUTHENTICATION_FAILED": Failure.AUTHENTICATION,
+    "_AUTHENTICATION": Failure.AUTHENTICATION, "_SSL": Failure.AUTHENTICATION,
+    "TOPIC_AUTHORIZATION_FAILED": Failure.AUTHORIZATION,
+    "TRANSACTIONAL_ID_AUTHORIZATION_FAILED": Failure.AUTHORIZATION,
+    "CLUSTER_AUTHORIZATION_FAILED": Failure.AUTHORIZATION,
+    "GROUP_AUTHORIZATION_FAILED": Failure.AUTHORIZATION,
+    "UNKNOWN_TOPIC_OR_PART": Failure.MISSING, "_UNKNOWN_TOPIC": Failure.MISSING,
+    "_UNKNOWN_PARTITION": Failure.MISSING, "INVALID_CONFIG": Failure.CONFIGURATION,
+    "_INVALID_ARG": Failure.CONFIGURATION, "INVALID_TRANSACTION_TIMEOUT": Failure.CONFIGURATION,
+    "UNSUPPORTED_VERSION": Failure.CONFIGURATION,
+}
+_S3_PERMANENT = {
+    "InvalidAccessKeyId": Failure.AUTHENTICATION, "SignatureDoesNotMatch":
+    Failure.AUTHENTICATION, "ExpiredToken": Failure.AUTHENTICATION,
+    "InvalidToken": Failure.AUTHENTICATION, "AccessDenied": Failure.AUTHORIZATION,
+    "AllAccessDisabled": Failure.AUTHORIZATION, "403": Failure.AUTHORIZATION,
+    "NoSuchBucket": Failure.MISSING, "404": Failure.MISSING,
+    "InvalidBucketName": Failure.CONFIGURATION, "AuthorizationHeaderMalformed":
+    Failure.CONFIGURATION, "PermanentRedirect": Failure.CONFIGURATION,
+}
+
+
+def classify(exc: BaseException) -> Failure:
+    """The kind of ``exc``: every participant asks here whether to retry.
+
+    Read from what the error carries (no client library is imported): an OS errno, a
+    PostgreSQL SQLSTATE or FATAL line, a librdkafka error name, an S3 error code, or a
+    twophase class. Its causes are followed (``raise ... from``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        kind = _classify_one(cur)
+        if kind is not Failure.UNKNOWN:
+            return kind
+        cur = cur.__cause__ or cur.__context__
+    return Failure.UNKNOWN
+
+
+def _classify_one(exc: BaseException) -> Failure:
+    if isinstance(exc, TargetProblem):
+        return exc.kind or Failure.CONFIGURATION
+    if isinstance(exc, (InvalidRequest, EnvironmentProblem)):
+        return Failure.CONFIGURATION
+    if isinstance(exc, CoordinatorUnavailable):
+        return Failure.TRANSIENT
+    state = getattr(exc, "sqlstate", None)
+    if isinstance(state, str) and state:
+        for prefix, kind in sorted(_SQLSTATE_PERMANENT.items(), key=lambda kv: -len(kv[0])):
+            if state.startswith(prefix) and not state.startswith(_SQLSTATE_TRANSIENT):
+                return kind
+        return Failure.TRANSIENT if state.startswith(_SQLSTATE_TRANSIENT) else Failure.UNKNOWN
+    if type(exc).__module__.startswith("psycopg"):
+        text = str(exc)
+        if "FATAL:" in text and "starting up" not in text and "shutting down" not in text \
+                and "too many" not in text and "terminating connection" not in text:
+            for pattern, kind in _PG_FATAL:
+                if pattern.search(text):
+                    return kind
+        if type(exc).__name__ == "OperationalError":
+            return Failure.TRANSIENT  # no server answer: refused, reset, timed out
+    name = _kafka_name(exc)
+    if name is not None:
+        return _KAFKA_PERMANENT.get(name, Failure.TRANSIENT if _kafka_retriable(exc)
+                                    else Failure.UNKNOWN)
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+        code = str(response["Error"].get("Code", ""))
+        return _S3_PERMANENT.get(code, Failure.UNKNOWN)
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return Failure.TRANSIENT
+    if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.errno in _TRANSIENT_ERRNO:
+            return Failure.TRANSIENT
+        return _PERMANENT_ERRNO.get(exc.errno, Failure.UNKNOWN)
+    return Failure.UNKNOWN
+
+
+def _kafka_name(exc: BaseException) -> str | None:
+    err = exc.args[0] if exc.args else None
+    name = getattr(err, "name", None)
+    if type(exc).__name__ == "KafkaException" and callable(name):
+        return str(name())
+    return None
+
+
+def _kafka_retriable(exc: BaseException) -> bool:
+    err = exc.args[0]
+    return bool(getattr(err, "retriable", lambda: False)())
+
+
+_SENTENCE = re.compile(r"((?:[\w.-]+ )?participant '[^'\n]*'(?: \([^)\n]*\))?: [^\n]*?"
+                       r"\. Fix: [^\n]*)")
+
+
+def headline(text: str) -> str | None:
+    """The first ``<participant>: <cause>. Fix: <fix>.`` sentence in ``text`` (an abort
+    reason or a Spark job error, however wrapped), or None."""
+    m = _SENTENCE.search(text)
+    return m.group(1) if m else None
 
 
 def _codes() -> dict[str, type[TwophaseError]]:

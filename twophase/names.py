@@ -16,7 +16,9 @@ from twophase.errors import InvalidRequest
 __all__ = [
     "BRANCH_PATTERN",
     "LINEAGE_PATTERN",
+    "LINEAGE_RULE",
     "NAME_PATTERN",
+    "NAME_RULE",
     "validate_lineage",
     "validate_name",
 ]
@@ -27,6 +29,12 @@ NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
 LINEAGE_PATTERN: Final = r"^[A-Za-z0-9-]{1,64}$"
 """A lineage (Spark's streaming query id, a UUID, or the sink's ``lineage=``). Narrower
 than names: ``_``, ``.`` and ``:`` separate fields in gids and file names."""
+
+NAME_RULE: Final = "1-64 characters from A-Z a-z 0-9 _ . -"
+""":data:`NAME_PATTERN` in words, for messages (one copy, so no message can drift)."""
+
+LINEAGE_RULE: Final = "1-64 characters from A-Z a-z 0-9 -"
+""":data:`LINEAGE_PATTERN` in words."""
 
 BRANCH_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,6}$"
 """A branch id: ``participant/partition`` (a name, then the partition's index)."""
@@ -40,7 +48,7 @@ def validate_name(kind: str, value: str) -> str:
     :class:`~twophase.errors.InvalidRequest` naming ``kind`` and the rule."""
     if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", ".."):
         raise InvalidRequest(
-            f"invalid {kind} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+            f"invalid {kind} {value!r}: use {NAME_RULE}"
         )
     return value
 
@@ -49,6 +57,6 @@ def validate_lineage(value: str) -> str:
     """Return ``value`` if it is a valid lineage, else raise ``InvalidRequest``."""
     if not isinstance(value, str) or not _LINEAGE_RE.match(value):
         raise InvalidRequest(
-            f"invalid lineage {value!r}: use 1-64 characters from A-Z a-z 0-9 - "
+            f"invalid lineage {value!r}: use {LINEAGE_RULE}"
         )
     return value

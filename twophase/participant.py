@@ -206,6 +206,12 @@ class Participant(abc.ABC):
         """Driver side, before the first batch: verify the target (create the table,
         compare columns, read server settings) so a misfit fails before any write."""
 
+    def probe(self) -> None:  # noqa: B027 - optional hook
+        """Before the first batch, on the driver and on every executor (the preflight
+        job): can this process reach the target and write there? Raise
+        :class:`~twophase.errors.TargetProblem` (cause and fix) when not; write nothing
+        that stays (a probe file is removed again)."""
+
     def redo(
         self,
         branch: BranchRef,

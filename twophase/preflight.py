@@ -8,8 +8,12 @@ Spark application, interpreter, coordinator and module set), one cheap Spark job
 probe on ``defaultParallelism`` tasks, spread over the executors; each task imports
 twophase, pyarrow and every participant's modules, compares their versions with the
 driver's, opens a TCP connection to the coordinator, and reports its host name and
-interpreter. The reports are grouped per (host, interpreter), so the error names where
-to look, and :class:`~twophase.errors.EnvironmentProblem` says what is missing and the fix.
+interpreter; then each participant checks its target from there (its
+:meth:`~twophase.participant.Participant.probe`: the folder or bucket writable, the
+database login and privileges, the Kafka topic), since the executors, not the driver,
+write. The reports are grouped per (host, interpreter), so the error names where to look:
+:class:`~twophase.errors.EnvironmentProblem` says what is missing and the fix, a target's
+refusal is its participant's :class:`~twophase.errors.TargetProblem`.
 
 The probe is compiled from source in a namespace no module owns, so cloudpickle ships it
 by value: it runs even on an executor where twophase itself cannot be imported.
@@ -27,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from twophase.errors import EnvironmentProblem
+from twophase.errors import EnvironmentProblem, TargetProblem
 from twophase.participant import Participant
 
 __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
-           "modules_to_check"]
+           "modules_to_check", "probe_targets"]
 
 log = logging.getLogger("twophase.preflight")
 
@@ -49,12 +53,12 @@ FIX = (
 )
 
 _PROBE_SOURCE = '''
-def make_probe(modules, host, port, url, timeout):
+def make_probe(modules, host, port, url, timeout, targets):
     def probe(index, rows):
         import importlib, json, socket, sys
         out = {"host": socket.gethostname(), "executable": sys.executable,
                "python": "%d.%d.%d" % sys.version_info[:3], "versions": {},
-               "problems": [], "coordinator": ""}
+               "problems": [], "coordinator": "", "targets": []}
         for mod in modules:
             try:
                 m = importlib.import_module(mod)
@@ -67,6 +71,26 @@ def make_probe(modules, host, port, url, timeout):
             socket.create_connection((host, port), timeout=timeout).close()
         except OSError as exc:
             out["coordinator"] = "%s: %s" % (type(exc).__name__, exc)
+        if targets and not out["problems"]:  # each participant checks its target from here
+            try:
+                import pickle
+                parts = pickle.loads(targets)
+            except BaseException as exc:
+                parts = []
+                out["problems"].append("cannot load the participants: %s: %s"
+                                       % (type(exc).__name__, exc))
+            for part in parts:
+                try:
+                    part.probe()
+                except BaseException as exc:
+                    out["targets"].append({"error": type(exc).__name__,
+                                           "message": str(exc) or type(exc).__name__,
+                                           "participant": part.describe()})
+                finally:
+                    try:
+                        part.close()
+                    except BaseException:
+                        pass
         yield json.dumps(out)
     return probe
 '''
@@ -89,6 +113,9 @@ class HostReport:
     tasks: int = 0
     versions: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    targets: list[dict[str, str]] = field(default_factory=list)
+    """Participants whose :meth:`~twophase.participant.Participant.probe` failed here:
+    ``error`` (its class), ``message``, ``participant``."""
 
 
 @dataclass
@@ -101,7 +128,15 @@ class PreflightReport:
 
     @property
     def ok(self) -> bool:
-        return not any(h.problems for h in self.hosts)
+        return not any(h.problems or h.targets for h in self.hosts)
+
+    def target_problem(self) -> TargetProblem | None:
+        """The executors reached the participants' targets and one refused for good: its
+        sentence first, then any other host's."""
+        found = [t["message"] for h in self.hosts for t in h.targets
+                 if t["error"] == TargetProblem.__name__]
+        unique = list(dict.fromkeys(found))
+        return TargetProblem("\n".join(unique)) if unique else None
 
     def message(self, sink: str) -> str:
         lines = [f"sink {sink!r}: the executors cannot run this sink's tasks (checked before "
@@ -111,7 +146,12 @@ class PreflightReport:
                 lines.append(f"  on host {h.host}, interpreter {h.executable} "
                              f"(Python {h.python}, {h.tasks} task(s)):")
                 lines.extend(f"    - {p}" for p in h.problems)
-        if not self.only_unreachable:  # the interpreter fix; reachability names its own
+            if h.targets:
+                lines.append(f"  on host {h.host}, a participant cannot use its target:")
+                lines.extend(f"    - {t['participant']}: {t['error']}: {t['message']}"
+                             for t in h.targets)
+        # the interpreter fix; reachability and targets name their own
+        if any(h.problems for h in self.hosts) and not self.only_unreachable:
             lines.append(FIX.format(driver=self.driver_executable))
         return "\n".join(lines)
 
@@ -179,6 +219,21 @@ def choose_worker_python(sc: Any) -> str:
 _CACHE: dict[tuple[Any, ...], PreflightReport] = {}
 
 
+def probe_targets(participants: Sequence[Participant]) -> None:
+    """Each participant checks its target from this process (the driver), before the
+    executors do: a refusal here needs no Spark job to be named."""
+    for p in participants:
+        p.probe()
+
+
+def _targets(participants: Sequence[Participant]) -> bytes:
+    """The participants, pickled once for the probe tasks (by cloudpickle: a participant
+    class defined in the job script travels by value, as it does for the batch's tasks)."""
+    from pyspark import cloudpickle
+
+    return bytes(cloudpickle.dumps(list(participants)))  # type: ignore[no-untyped-call]
+
+
 def check_executors(
     sc: Any, sink: str, participants: Sequence[Participant], coordinator_url: str,
     *, wait_s: float = 0.0,
@@ -191,12 +246,13 @@ def check_executors(
     sink's retry budget) before that is reported."""
     choose_worker_python(sc)
     modules = modules_to_check(participants)
-    key = (sc.applicationId, sc.pythonExec, coordinator_url, modules)
+    targets = _targets(participants)
+    key = (sc.applicationId, sc.pythonExec, coordinator_url, modules, targets)
     report = _CACHE.get(key)
     deadline = time.monotonic() + wait_s
     outage = warned = False
     while report is None:
-        report = _probe(sc, modules, coordinator_url)
+        report = _probe(sc, modules, coordinator_url, targets)
         if report.ok:
             _CACHE[key] = report
             log.info("sink %s: executors checked in %.1fs: %s", sink, report.seconds,
@@ -216,6 +272,9 @@ def check_executors(
                 outage = False
                 report = None
     if not report.ok:
+        refused = report.target_problem()
+        if refused is not None:
+            raise refused
         raise EnvironmentProblem(report.message(sink))
     return report
 
@@ -234,14 +293,14 @@ def _reachable(url: str) -> bool:
         return False
 
 
-def _probe(sc: Any, modules: tuple[str, ...], url: str) -> PreflightReport:
+def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"") -> PreflightReport:
     import json
 
     parts = urlsplit(url)
     host = parts.hostname or "localhost"
     port = parts.port or (443 if parts.scheme == "https" else 80)
     n = max(1, int(sc.defaultParallelism))
-    probe = _compile_probe()(modules, host, port, url, CONNECT_TIMEOUT)
+    probe = _compile_probe()(modules, host, port, url, CONNECT_TIMEOUT, targets)
     started = time.perf_counter()
     try:
         rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
@@ -268,6 +327,7 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str) -> PreflightReport:
         if r["coordinator"]:
             found.append(_unreachable(url, host, r["coordinator"]))
         h.problems.extend(p for p in found if p not in h.problems)
+        h.targets.extend(t for t in r.get("targets", []) if t not in h.targets)
     return PreflightReport(sorted(grouped.values(), key=lambda h: (h.host, h.executable)),
                            sys.executable, seconds)
 

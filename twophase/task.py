@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.digest import KINDS, RowsDigest, digest_kind, rows_digest
-from twophase.errors import RedoMismatch
+from twophase.errors import RedoMismatch, TargetProblem
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
@@ -336,7 +336,15 @@ def _run_attempt(
                                 metrics=measured, digest=digest.value()))
     if unexpected is not None:
         _vote_and_abort(plan, client, votes, prepared)
-        raise unexpected
+        if not isinstance(unexpected, TargetProblem):
+            raise unexpected
+        # A target's permanent refusal is said in full by the NO vote (the driver leads
+        # its error with it): end the task quietly rather than add Spark's wall of frames.
+        _acknowledge(plan, client, out, [(ref.branch_id, Decision.ABORT)
+                                         for _, ref, _ in prepared], {})
+        out.decision = Decision.ABORT.value
+        out.error = next((v.reason or "" for v in votes if not v.yes), "")
+        return
     out.prepare_s = time.perf_counter() - t0
     answer = client.vote(plan.key, plan.epoch, votes)
     failpoints.hit("after_vote", None, partition)

@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.types as pat
 
-from twophase.errors import ParticipantError
+from twophase.errors import Failure, ParticipantError, TargetProblem, classify
 from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS
 from twophase.sinks.kafka.errors import describe_error, kafka_error
 
-__all__ = ["check_columns", "check_topic"]
+__all__ = ["check_columns", "check_topic", "probe_topic"]
 
 
 def check_columns(who: str, schema: pa.Schema, key: str | None, value: str | None) -> None:
@@ -84,6 +84,56 @@ def check_topic(
     topic_cfg = _configs(who, bootstrap, admin, "TOPIC", topic, timeout)
     limit = topic_cfg.get("max.message.bytes") or broker_cfg.get("message.max.bytes")
     return int(limit) if limit is not None else None
+
+
+_KAFKA_FIXES = {
+    Failure.AUTHENTICATION: "check the security settings in config= (sasl.*, ssl.*) and "
+    "the principal's credentials",
+    Failure.AUTHORIZATION: "grant the principal Describe and Write on the topic and "
+    "Write/Describe on transactional ids (ACLs on the cluster)",
+    Failure.MISSING: "create the topic, or fix topic=",
+    Failure.CONFIGURATION: "fix the setting named above in config=",
+}
+
+
+def probe_topic(who: str, config: Mapping[str, object], topic: str, *, timeout: float) -> None:
+    """The brokers answer with these settings; an existing topic has partitions and is
+    not refused to this principal. Raises :class:`TargetProblem` for a permanent refusal,
+    :class:`ParticipantError` for brokers that do not answer."""
+    import socket
+
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = str(config["bootstrap.servers"])
+    host = socket.gethostname()
+    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    try:
+        md = admin.list_topics(topic=topic, timeout=timeout)
+    except Exception as exc:
+        kind = classify(exc)
+        if kind.permanent:
+            raise TargetProblem(who, f"Kafka at {bootstrap} refused: {describe_error(exc)}",
+                                _KAFKA_FIXES[kind], host=host, kind=kind) from None
+        raise ParticipantError(
+            f"{who}: cannot reach Kafka at {bootstrap} from host {host} within "
+            f"{timeout:g}s: {describe_error(exc)}"
+        ) from None
+    found = md.topics.get(topic)
+    if found is None or found.error is None:
+        if found is not None and not found.partitions:
+            raise TargetProblem(who, f"topic {topic!r} at {bootstrap} has no partitions",
+                                "recreate the topic with at least one partition",
+                                host=host, kind=Failure.CONFIGURATION)
+        return
+    name = found.error.name()
+    if name in ("UNKNOWN_TOPIC_OR_PART", "_UNKNOWN_TOPIC", "LEADER_NOT_AVAILABLE"):
+        return  # created by check() on the driver (or by the broker on first use)
+    from confluent_kafka import KafkaException
+
+    kind = classify(KafkaException(found.error))
+    if kind.permanent:
+        raise TargetProblem(who, f"topic {topic!r} at {bootstrap}: {name}: {found.error.str()}",
+                            _KAFKA_FIXES[kind], host=host, kind=kind)
 
 
 def _configs(

@@ -53,7 +53,7 @@ from twophase.participant import (
     Verifiable,
     required_secret,
 )
-from twophase.sinks.kafka.admin import check_columns, check_topic
+from twophase.sinks.kafka.admin import check_columns, check_topic, probe_topic
 from twophase.sinks.kafka.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RECORD_OVERHEAD_BYTES,
@@ -353,6 +353,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         )
         if limit is not None:
             self.broker_max_message_bytes = limit
+
+    def probe(self) -> None:
+        """The brokers answer this process with these settings, and the topic, when it
+        exists already, is readable by this principal with at least one partition (run on
+        the driver and on every executor; :meth:`check` creates a missing topic)."""
+        probe_topic(self.describe(), self._common_config(), self.topic,
+                    timeout=self.connect_timeout_s)
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)

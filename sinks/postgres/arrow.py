@@ -14,12 +14,21 @@ Round-trip rules the CSV relies on (tested in
   timestamps are read as UTC too;
 - floats use the shortest round-trip form (``nan``, ``inf``, ``-inf`` are accepted by
   PostgreSQL);
-- binary columns are turned into bytea hex text (``\\x...``) first: raw bytes are not CSV.
+- binary columns are turned into bytea hex text (``\\x...``) first: raw bytes are not CSV;
+- nested columns (``nested="json"``, the default): a struct or a map becomes ``jsonb`` (JSON
+  text per value; a map's keys become strings), a list of a scalar type becomes that
+  type's PostgreSQL array (array literal text, ``{1,NULL,3}``), a list of nested values
+  ``jsonb``, as most tools store them. In JSON, NaN and infinities become the strings
+  ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, decimals, dates and timestamps strings, bytes
+  ``"\\x..."`` hex strings. ``nested="refuse"`` refuses nested columns instead.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,7 +38,9 @@ import pyarrow.types as pat
 from twophase.errors import InvalidRequest
 
 __all__ = [
+    "NESTED_POLICIES",
     "ExistingColumn",
+    "Nested",
     "UnsupportedType",
     "csv_chunks",
     "pg_type_for",
@@ -40,6 +51,9 @@ CHUNK_ROWS = 65_536
 """Rows per CSV chunk handed to COPY: bounds memory, large enough to amortise calls."""
 
 _WRITE = pacsv.WriteOptions(include_header=False, batch_size=CHUNK_ROWS)
+
+Nested = Literal["json", "refuse"]
+NESTED_POLICIES: Final = ("json", "refuse")
 
 
 class UnsupportedType(InvalidRequest):
@@ -54,9 +68,8 @@ class ExistingColumn:
     has_default: bool
 
 
-def pg_type_for(field: pa.Field) -> str:
-    """The column type a missing table is created with."""
-    t = field.type
+def _scalar_type(t: pa.DataType) -> str | None:
+    """The PostgreSQL type of a non-nested Arrow type, None when there is none."""
     if pat.is_dictionary(t):
         t = t.value_type
     if pat.is_int64(t) or pat.is_uint32(t):
@@ -81,21 +94,57 @@ def pg_type_for(field: pa.Field) -> str:
         return f"numeric({t.precision},{t.scale})"
     if pat.is_binary(t) or pat.is_large_binary(t) or pat.is_fixed_size_binary(t):
         return "bytea"
+    return None
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return bool(pat.is_list(t) or pat.is_large_list(t) or pat.is_fixed_size_list(t))
+
+
+def _is_nested(t: pa.DataType) -> bool:
+    return bool(_is_list(t) or pat.is_struct(t) or pat.is_map(t))
+
+
+def _as_array(t: pa.DataType) -> bool:
+    """A list whose elements have a scalar PostgreSQL type: stored as that type's array."""
+    return _is_list(t) and _scalar_type(t.value_type) is not None
+
+
+def pg_type_for(field: pa.Field, nested: Nested = "json") -> str:
+    """The column type a missing table is created with."""
+    t = field.type.value_type if pat.is_dictionary(field.type) else field.type
+    scalar = _scalar_type(t)
+    if scalar is not None:
+        return scalar
+    if _is_nested(t):
+        if nested == "refuse":
+            raise UnsupportedType(
+                f"column {field.name!r} has the nested Arrow type {t}, and nested='refuse' "
+                "refuses nested columns: flatten or serialize it before the sink (e.g. "
+                "to_json), or pass nested='json' to store structs and maps as jsonb and "
+                "lists as arrays"
+            )
+        if _as_array(t):
+            return f"{_scalar_type(t.value_type)}[]"
+        return "jsonb"
     raise UnsupportedType(
         f"column {field.name!r} has Arrow type {t} which has no PostgreSQL mapping "
-        "(supported: integers, floats, string, bool, timestamp, date, decimal, binary)"
+        "(supported: integers, floats, string, bool, timestamp, date, decimal, binary, "
+        "and with nested='json' structs, maps and lists): cast it before the sink"
     )
 
 
 _INTS = {"smallint": 2, "integer": 4, "bigint": 8}
 
 
-def _accepts(pg: str, field: pa.Field) -> bool:
+def _accepts(pg: str, field: pa.Field, nested: Nested = "json") -> bool:
     """Can every value of the Arrow field be stored in a column of type ``pg``?"""
     t = field.type.value_type if pat.is_dictionary(field.type) else field.type
-    want = pg_type_for(field)
+    want = pg_type_for(field, nested)
     if pg == want:
         return True
+    if want == "jsonb":
+        return pg == "json"
     if pat.is_integer(t):
         width = _INTS.get(want, 8)
         return (pg in _INTS and _INTS[pg] >= width) or pg == "numeric" or (
@@ -123,7 +172,9 @@ def _numeric_digits(pg: str) -> tuple[int, int]:
     return int(p), int(s or 0)
 
 
-def table_misfits(schema: pa.Schema, columns: list[ExistingColumn]) -> list[str]:
+def table_misfits(
+    schema: pa.Schema, columns: list[ExistingColumn], nested: Nested = "json"
+) -> list[str]:
     """Every reason the existing table cannot take rows of ``schema`` (empty: it fits)."""
     by_name = {c.name: c for c in columns}
     problems: list[str] = []
@@ -133,14 +184,14 @@ def table_misfits(schema: pa.Schema, columns: list[ExistingColumn]) -> list[str]
             problems.append(f"column {field.name!r} is missing from the table")
             continue
         try:
-            ok = _accepts(col.type, field)
+            ok = _accepts(col.type, field, nested)
         except UnsupportedType as exc:
             problems.append(str(exc))
             continue
         if not ok:
             problems.append(
                 f"column {field.name!r} is {col.type} in the table but the data is Arrow "
-                f"{field.type} (expected {pg_type_for(field)})"
+                f"{field.type} (expected {pg_type_for(field, nested)})"
             )
     names = set(schema.names)
     for col in columns:
@@ -158,6 +209,66 @@ def _hex_bytea(column: pa.Array) -> pa.Array:
     )
 
 
+def _jsonable(value: Any, t: pa.DataType) -> Any:
+    """A Python value of Arrow type ``t`` as plain JSON data (see the module docstring)."""
+    if value is None:
+        return None
+    if pat.is_dictionary(t):
+        t = t.value_type
+    if pat.is_struct(t):
+        return {t.field(i).name: _jsonable(value.get(t.field(i).name), t.field(i).type)
+                for i in range(t.num_fields)}
+    if pat.is_map(t):
+        return {k if isinstance(k, str) else json.dumps(_jsonable(k, t.key_type)):
+                _jsonable(v, t.item_type) for k, v in value}
+    if _is_list(t):
+        return [_jsonable(v, t.value_type) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (bytes, bytearray)):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)  # Decimal, timedelta: their exact text
+
+
+def _array_item(value: Any) -> str:
+    """One element of a PostgreSQL array literal."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return repr(value) if math.isfinite(value) else (
+            "Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        text = "\\x" + bytes(value).hex()
+    elif hasattr(value, "isoformat"):
+        text = value.isoformat()
+    else:
+        text = str(value)
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _nested_text(column: pa.Array) -> pa.Array:
+    """A nested column as the text PostgreSQL reads into its column: an array literal
+    for a list of scalars, JSON otherwise."""
+    t = column.type
+    values = column.to_pylist()
+    if _as_array(t):
+        return pa.array([None if v is None else "{" + ",".join(map(_array_item, v)) + "}"
+                         for v in values], pa.string())
+    return pa.array([None if v is None else json.dumps(_jsonable(v, t), ensure_ascii=False,
+                                                       allow_nan=False)
+                     for v in values], pa.string())
+
+
 def _prepare_for_csv(batch: pa.RecordBatch) -> pa.RecordBatch:
     """Replace columns whose Arrow CSV form PostgreSQL cannot read."""
     arrays: list[pa.Array] = []
@@ -168,6 +279,8 @@ def _prepare_for_csv(batch: pa.RecordBatch) -> pa.RecordBatch:
             column, t, changed = column.dictionary_decode(), column.type.value_type, True
         if pat.is_binary(t) or pat.is_large_binary(t) or pat.is_fixed_size_binary(t):
             column, changed = _hex_bytea(column), True
+        elif _is_nested(t):
+            column, changed = _nested_text(column), True
         elif pat.is_large_string(t):
             column, changed = pc.cast(column, pa.string()), True
         arrays.append(column)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -28,7 +29,7 @@ from psycopg import errors as pgerr
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from twophase.errors import InvalidRequest
+from twophase.errors import Failure, InvalidRequest, TargetProblem, classify
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -42,7 +43,9 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.sinks.postgres.arrow import (
+    NESTED_POLICIES,
     ExistingColumn,
+    Nested,
     UnsupportedType,
     csv_chunks,
     pg_type_for,
@@ -78,13 +81,27 @@ def _identifier(kind: str, value: str) -> str:
 
 
 def _transient(exc: BaseException) -> bool:
-    """Connection-level failures, where nothing in the server changed because of us."""
+    """Connection-level failures, where nothing in the server changed because of us
+    (an authentication or authorization refusal is permanent: twophase.errors.classify)."""
     if isinstance(exc, pgerr.OperationalError) and not isinstance(
         exc, (pgerr.QueryCanceled, pgerr.LockNotAvailable)
     ):
         state = exc.sqlstate
-        return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+        if not (state is None or state.startswith("08") or state in ("57P01", "57P02",
+                                                                      "57P03")):
+            return False
+        return not classify(exc).permanent
     return False
+
+
+_FIXES: Final = {
+    Failure.AUTHENTICATION: "check the user and password in dsn= (the role must exist and "
+    "pg_hba.conf must let it log in from this host)",
+    Failure.AUTHORIZATION: "grant the role what the sink needs: CONNECT on the database, "
+    "USAGE and CREATE on the schema (or INSERT, SELECT, UPDATE, DELETE on existing tables)",
+    Failure.MISSING: "create it, or fix dsn= / schema= / table=",
+    Failure.CONFIGURATION: "fix the setting named above (dsn= or the server's configuration)",
+}
 
 
 def _describe_error(exc: psycopg.Error) -> str:
@@ -126,8 +143,15 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         key: str | Sequence[str] | None = None,
         delete_when: str | None = None,
         on_schema_change: str = "fail",
+        nested: Nested = "json",
     ) -> None:
         self.table = _identifier("table name", table)
+        if nested not in NESTED_POLICIES:
+            raise InvalidRequest(
+                f"nested must be one of {', '.join(NESTED_POLICIES)}; got {nested!r} ('json' "
+                "stores structs and maps as jsonb and lists as arrays, 'refuse' refuses them)"
+            )
+        self.nested: Nested = nested
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if on_schema_change not in SCHEMA_POLICIES:
@@ -205,6 +229,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 "connect_timeout": self.connect_timeout, "secrets": ",".join(secrets),
                 "mode": self.mode, "key": json.dumps(list(self.key)) if self.key else None,
                 "delete_when": self.delete_when, "on_schema_change": self.on_schema_change,
+                "nested": self.nested,
             },
         }
 
@@ -227,6 +252,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             key=json.loads(str(o["key"])) if o.get("key") else None,
             delete_when=str(o["delete_when"]) if o.get("delete_when") else None,
             on_schema_change=str(o.get("on_schema_change", "fail")),
+            nested="refuse" if o.get("nested") == "refuse" else "json",
         )
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -261,6 +287,9 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             try:
                 return fn()
             except psycopg.Error as exc:
+                kind = classify(exc)
+                if kind.permanent:  # a retry meets the same refusal: say so at once
+                    raise self._refused(exc, kind, what) from None
                 if not _transient(exc) or attempt == _RETRIES:
                     if _transient(exc):
                         raise ParticipantError(
@@ -272,6 +301,68 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
+
+    def _refused(self, exc: psycopg.Error, kind: Failure, what: str) -> TargetProblem:
+        """A permanent refusal by the server as one sentence: cause, where, fix."""
+        text = " ".join(str(exc).split())
+        cause = text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else _describe_error(exc)
+        return TargetProblem(self.describe(), f"cannot {what}: {kind.value}: {cause}",
+                             _FIXES[kind], host=socket.gethostname(), kind=kind)
+
+    def probe(self) -> None:
+        """The server accepts the credentials, allows PREPARE TRANSACTION
+        (``max_prepared_transactions > 0``) and lets the role create or write the table
+        and the marker table (run on the driver and on every executor)."""
+        self._idempotent("log in", self._probe)
+
+    def _probe(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        if row is None or row[0] <= 0:
+            raise self._no_prepared(row[0] if row else None)
+        missing: list[str] = []  # what the role lacks, and the GRANTs that fix it
+        grants: dict[str, None] = {}
+        schema_ok = conn.execute(
+            "SELECT has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE')"
+            " FROM pg_namespace n WHERE nspname = %s", (self.schema,)).fetchone()
+        if schema_ok is None:
+            raise TargetProblem(self.describe(), f"schema {self.schema!r} does not exist",
+                                f"create it (CREATE SCHEMA {self.schema}) or pass schema=",
+                                host=socket.gethostname(), kind=Failure.MISSING)
+        if not schema_ok[0]:
+            missing.append(f"USAGE on schema {self.schema}")
+            grants[f"USAGE ON SCHEMA {self.schema}"] = None
+        for table, needs in ((self.table, ("SELECT", "INSERT", "UPDATE", "DELETE")),
+                             (self.marker_table, ("SELECT", "INSERT"))):
+            name = f"{self.schema}.{table}"
+            regclass = f'"{self.schema}"."{table}"'
+            found = conn.execute("SELECT to_regclass(%s)", (regclass,)).fetchone()
+            if found is None or found[0] is None:
+                if not schema_ok[1]:
+                    missing.append(f"CREATE on schema {self.schema} (to create {name})")
+                    grants[f"CREATE ON SCHEMA {self.schema}"] = None
+                continue
+            lacking = [priv for priv in needs if not (conn.execute(
+                "SELECT has_table_privilege(to_regclass(%s), %s)", (regclass, priv)
+            ).fetchone() or (False,))[0]]
+            if lacking:
+                missing.append(f"{', '.join(lacking)} on {name}")
+                grants[f"{', '.join(lacking)} ON {name}"] = None
+        if missing:
+            row = conn.execute("SELECT current_user").fetchone()
+            user = str(row[0]) if row else "?"
+            raise TargetProblem(
+                self.describe(), f"role {user!r} lacks " + "; ".join(missing),
+                "; ".join(f"GRANT {g} TO {user}" for g in grants) + " (as the owner)",
+                host=socket.gethostname(), kind=Failure.AUTHORIZATION)
+
+    def _no_prepared(self, value: object) -> TargetProblem:
+        return TargetProblem(
+            self.describe(),
+            f"the server has max_prepared_transactions = {value if value is not None else '?'}"
+            ", so PREPARE TRANSACTION is refused",
+            "set max_prepared_transactions in postgresql.conf to at least the number of "
+            "concurrent branches (Spark tasks writing at once, over all sinks), then "
+            "restart the server", host=socket.gethostname(), kind=Failure.CONFIGURATION)
 
     def close(self) -> None:
         self._drop_conn()
@@ -336,7 +427,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         schema = self._table_schema(schema)
         for field in schema:
             try:
-                pg_type_for(field)
+                pg_type_for(field, self.nested)
             except UnsupportedType as exc:
                 raise ParticipantError(f"{self.describe()}: {exc}") from None
         self._idempotent("check the target", lambda conn: self._check(conn, schema))
@@ -344,13 +435,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
     def _check(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
         row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
         if row is None or row[0] <= 0:
-            raise ParticipantError(
-                f"{self.describe()}: the server has max_prepared_transactions = "
-                f"{row[0] if row else '?'}, so PREPARE TRANSACTION is refused. Set "
-                "max_prepared_transactions in postgresql.conf to at least the number of "
-                "concurrent branches (Spark tasks writing at once, over all sinks), then "
-                "restart the server"
-            )
+            raise self._no_prepared(row[0] if row else None)
         self._ensure_marker_table(conn)
         columns = self._columns(conn)
         if not columns:
@@ -366,7 +451,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         fitting = schema
         if self.on_schema_change == "add_columns":
             fitting = pa.schema([f for f in schema if f.name in have])
-        problems = table_misfits(fitting, columns)
+        problems = table_misfits(fitting, columns, self.nested)
         if new and self.on_schema_change == "fail":
             problems.append(
                 "to add new columns to the table as they appear, pass "
@@ -417,7 +502,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 conn.execute(
                     sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
                         self._table_sql(), sql.Identifier(f.name),
-                        sql.SQL(pg_type_for(f)),  # from a fixed vocabulary
+                        sql.SQL(pg_type_for(f, self.nested)),  # from a fixed vocabulary
                     )
                 )
 
@@ -440,7 +525,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         cols = [
             sql.SQL("{} {}{}").format(
                 sql.Identifier(f.name),
-                sql.SQL(pg_type_for(f)),  # from a fixed vocabulary, not from user input
+                sql.SQL(pg_type_for(f, self.nested)),  # a fixed vocabulary, not user input
                 sql.SQL("" if f.nullable else " NOT NULL"),
             )
             for f in schema
@@ -532,6 +617,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                         self._other_attempts_prepared(c, branch))
 
             marker, prepared, others = self._idempotent("read the branch state", probe)
+        except TargetProblem:
+            raise  # permanent: not a NO vote to retry
         except ParticipantError as exc:
             raise PrepareRefused(str(exc)) from exc
         except psycopg.Error as exc:
@@ -600,6 +687,9 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 and self._idempotent("read the branch state", lambda c: self._is_prepared(c, gid))
             ):
                 return self._handle(gid, rows, "prepared")
+            kind = classify(exc)
+            if kind in (Failure.AUTHENTICATION, Failure.AUTHORIZATION):
+                raise self._refused(exc, kind, stage) from None
             raise PrepareRefused(
                 f"{self.describe()}: rows refused during {stage}: {_describe_error(exc)}"
             ) from exc

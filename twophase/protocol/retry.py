@@ -22,7 +22,7 @@ MAX_DELAY = 30.0  # seconds: the backoff's cap
 # module, the same configuration is refused again. Matched in the abort reason / job
 # error text, as they arrive from executors (class names survive Spark's wrapping).
 _PERMANENT = re.compile(
-    r"\b(ModuleNotFoundError|ImportError|InvalidRequest|EnvironmentProblem"
+    r"\b(ModuleNotFoundError|ImportError|InvalidRequest|EnvironmentProblem|TargetProblem"
     r"|PYTHON_VERSION_MISMATCH|Cannot run program)\b"
 )
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
+from twophase.errors import TargetProblem, classify
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
 from twophase.sinks.files import STAGING_DIR, StagedFileParticipant
 
@@ -138,10 +139,13 @@ def test_unwritable_target_fails_check_and_votes_no(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     p = StagedFileParticipant(str(blocker / "out"))
-    with pytest.raises(ParticipantError, match="cannot write there"):
+    # permanent (issue 26): the participant, the cause, the host and the fix, no retry
+    fix = r"Not a directory \(on host [^)]+\)\. Fix: pass a path this user can create"
+    with pytest.raises(TargetProblem, match=r"cannot create the folder .*" + fix):
         p.check(SCHEMA)
-    with pytest.raises(PrepareRefused, match="cannot create staging"):
+    with pytest.raises(TargetProblem, match=r"cannot create the folder .*" + fix):
         p.prepare(_branch(p), SCHEMA, [_batch([1])])
+    assert classify(TargetProblem("x")).permanent
 
 
 def test_jsonl_check_refuses_types_without_json_form(tmp_path: Path) -> None:
