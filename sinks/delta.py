@@ -27,11 +27,19 @@ import json
 import logging
 import os
 import re
+import socket
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
+from twophase.errors import (
+    InvalidRequest,
+    ParticipantError,
+    PrepareRefused,
+    TargetProblem,
+    classify,
+)
 from twophase.names import validate_name
 from twophase.participant import (
     BatchParticipant,
@@ -209,6 +217,29 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         return version is not None and version >= batch
 
     # ------------------------------------------------------------------ check
+    def probe(self) -> None:
+        """The table's folder (or bucket) can be written: a probe file created and
+        removed where the branch files go (run on the driver and on every executor)."""
+        fs, root = self._fs()
+        folder = self._join(root, f"{DATA_DIR}-probe")
+        path = f"{folder}/probe-{uuid.uuid4().hex}"
+        try:
+            if not self.remote:
+                fs.create_dir(folder, recursive=True)
+            with fs.open_output_stream(path) as out:
+                out.write(b"")
+            fs.delete_file(path)
+        except Exception as exc:
+            kind = classify(exc)
+            raise TargetProblem(
+                self.describe(),
+                f"cannot write a file in the table's folder: {kind.value}: "
+                f"{str(exc).strip().splitlines()[0][:300]}",
+                "pass a path (or bucket and storage_options) this user can write on the "
+                "driver and on every executor",
+                host=socket.gethostname(), target=self.path, kind=kind,
+            ) from None
+
     def check(self, schema: pa.Schema) -> None:
         """Create the table from the stream's schema when missing; refuse an existing
         table that does not fit (or add the stream's new columns, ``add_columns``)."""

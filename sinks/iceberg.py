@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,7 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused
+from twophase.errors import (
+    InvalidRequest,
+    ParticipantError,
+    PrepareRefused,
+    TargetProblem,
+    classify,
+)
 from twophase.names import validate_name
 from twophase.participant import (
     BatchParticipant,
@@ -277,6 +284,22 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         return _Marker(attempts, top, count)
 
     # ------------------------------------------------------------------ check
+    def probe(self) -> None:
+        """The catalog answers (run on the driver and on every executor before the
+        first batch); the table and its folder are checked by ``check``."""
+        try:
+            self._cat().list_namespaces()
+        except Exception as exc:
+            kind = classify(exc)
+            raise TargetProblem(
+                self.describe(),
+                f"cannot reach the catalog: {kind.value}: "
+                f"{str(exc).strip().splitlines()[0][:300]}",
+                "check the catalog properties (type, uri, warehouse, credentials) and that "
+                "this host can reach the catalog",
+                host=socket.gethostname(), kind=kind,
+            ) from None
+
     def check(self, schema: pa.Schema) -> None:
         """Create the namespace and table from the stream's schema when missing; refuse
         an existing table that does not fit (or evolve it, ``add_columns``)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -31,7 +32,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
-from twophase.errors import InvalidRequest
+from twophase.errors import InvalidRequest, TargetProblem, classify
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -333,6 +334,22 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         """Upsert: rows of one key land in one branch (two prepared branches writing one
         key would block each other)."""
         return self.key if self.mode == "upsert" else None
+
+    def probe(self) -> None:
+        """The server answers and accepts these credentials (run on the driver and on
+        every executor before the first batch); a refusal is permanent and named."""
+        try:
+            with self._engine_ok().connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+        except Exception as exc:
+            kind = classify(exc)
+            raise TargetProblem(
+                self.describe(),
+                f"cannot connect: {kind.value}: {str(exc).strip().splitlines()[0][:300]}",
+                "check the URL's host, port, database, user and password, and that the "
+                "server accepts connections from this host",
+                host=socket.gethostname(), kind=kind,
+            ) from None
 
     def check(self, schema: pa.Schema) -> None:
         """Create the marker tables and the data table, or compare an existing one."""

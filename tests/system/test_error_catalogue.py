@@ -1,7 +1,7 @@
 """The error catalogue (issue 26): a failing job says what is wrong before it writes.
 
 Each case runs as a user runs a job: a job script in a plain interpreter (no
-``PYSPARK_PYTHON``, nothing twophase-internal in the environment; tests/user_support.py),
+``PYSPARK_PYTHON``, nothing twophase-internal in the environment; tests/support/user.py),
 the public API, a rate source into PostgreSQL and Parquet under a local[2] master. For
 each it asserts the one ERROR line the sink logs, ``sink S batch N failed: <participant>:
 <cause>. Fix: <fix>``, that this line comes before Spark's wall of frames, that the raised
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests.user_support import user_env
+from tests.support.user import user_env
 from twophase.errors import Failure, TargetProblem, classify, headline
 from twophase.names import LINEAGE_RULE
 
@@ -354,7 +354,7 @@ def test_the_lineage_rule_is_stated_once() -> None:
 # --------------------------------------------------------------------------- bad inputs
 
 # The API rows of docs/bad-inputs.md as a job script writes them (the CLI and HTTP rows
-# already run as a user does in tests/test_bad_inputs.py: a real process, a real daemon).
+# already run as a user does in tests/system/test_bad_inputs.py: a real process, a real daemon).
 USER_CASES = {
     "sink-name": 'TransactionalSink("my orders", [F("/tmp/x")], coordinator="sqlite:///x.db")',
     "sink-no-participants": 'TransactionalSink("o", [], coordinator="sqlite:///x.db")',
