@@ -5,6 +5,7 @@ reader of the files the table references."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -231,9 +232,12 @@ def test_a_table_on_the_s3_api_server(s3: Any, s3_bucket: str) -> None:
     desc = p.descriptor()
     assert s3.secret_key not in repr(desc)
     again = rebuild(desc, {"AWS_SECRET_ACCESS_KEY": s3.secret_key})
-    again.commit_batch(key, handles)  # type: ignore[attr-defined]
+    # branch 1 without its vote: found by name, its add action from the object's footer
+    again.commit_batch(key, {0: handles[0], 1: {}})  # type: ignore[attr-defined]
     dt = DeltaTable(path, storage_options=opts)
     assert len(dt.to_pyarrow_table().to_pylist()) == 10
+    assert [a["num_records"] for a in pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+            ] == [5, 5]
     assert p.in_doubt("orders") == [] and p.read_back("id").commits == 1
 
 
@@ -246,3 +250,58 @@ def test_hostile_paths_and_options_are_refused() -> None:
         DeltaParticipant("/tmp/x", name="../etc")
     with pytest.raises(InvalidRequest, match="invalid lineage"):
         make_branch(DeltaParticipant("/tmp/x", name="dl"), lineage="a/../b")
+
+
+def test_stats_in_the_add_actions_serve_readers_filters(table: DeltaParticipant) -> None:
+    key = TxnKey("orders", "L-st", 0, 1)
+    handles = {p: _prepare(table, BranchRef(*key, "dl", p), 6) for p in range(2)}
+    # partition 1 committed from its footer only (a recovery that lost the vote)
+    table.commit_batch(key, {0: handles[0], 1: {}})
+    dt = DeltaTable(table.path)
+    adds = sorted(pa.table(dt.get_add_actions(flatten=True)).to_pylist(),
+                  key=lambda a: a["path"])
+    by_branch = [sorted(r["id"] for r in batch_for(BranchRef(*key, "dl", p), 6).to_pylist())
+                 for p in range(2)]
+    assert [(a["num_records"], a["min.id"], a["max.id"], a["null_count.label"])
+            for a in adds] == [(6, ids[0], ids[-1], 1) for ids in by_branch]
+    lo = by_branch[1][0]
+    got = dt.to_pyarrow_table(columns=["id"], filters=[("id", ">=", lo)]).column("id")
+    assert sorted(got.to_pylist()) == [i for ids in by_branch for i in ids if i >= lo]
+
+
+def test_a_partitioned_table(tmp_path: Path) -> None:
+    schema = pa.schema([("id", pa.int64()), ("region", pa.string()), ("day", pa.date32())])
+    path = str(tmp_path / "parts")
+    p = DeltaParticipant(path, name="dl", partition_by=["region", "day"])
+    p.check(schema)
+    assert DeltaTable(path).metadata().partition_columns == ["region", "day"]
+    import datetime as dt
+
+    d1, d2 = dt.date(2026, 1, 1), dt.date(2026, 1, 2)
+    rows = [{"id": i, "region": ["eu", "us", None][i % 3], "day": [d1, d2][i % 2]}
+            for i in range(12)]
+    key = TxnKey("s", "L-part", 0, 1)
+    b0, b1 = BranchRef(*key, "dl", 0), BranchRef(*key, "dl", 1)
+    h0 = dict(p.prepare(b0, schema, [pa.RecordBatch.from_pylist(rows[:6], schema=schema),
+                                     pa.RecordBatch.from_pylist(rows[6:9], schema=schema)]))
+    p.prepare(b1, schema, [pa.RecordBatch.from_pylist(rows[9:], schema=schema)])
+    assert len(json.loads(h0["files"])) == 6  # one file per (region, day) the branch met
+    p.commit_batch(key, {0: h0, 1: {}})  # branch 1 found by name, values from its footers
+    table = DeltaTable(path)
+    got = sorted(table.to_pyarrow_table().to_pylist(), key=lambda r: r["id"])
+    assert got == rows
+    adds = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert {(a["partition.region"], a["partition.day"]) for a in adds} == {
+        (r, d) for r in ("eu", "us", None) for d in (d1, d2)}
+    eu = table.to_pyarrow_table(filters=[("region", "=", "eu")]).column("id").to_pylist()
+    assert sorted(eu) == [r["id"] for r in rows if r["region"] == "eu"]
+    # a sink partitioned otherwise does not fit; neither does a type Delta cannot partition by
+    with pytest.raises(InvalidRequest, match=r"the table is partitioned by \['region', "
+                       r"'day'\], the sink by \['day'\]"):
+        DeltaParticipant(path, name="dl", partition_by=["day"]).check(schema)
+    ts = pa.schema([("id", pa.int64()), ("amount", pa.float64())])
+    with pytest.raises(InvalidRequest, match=r"partition columns must be integers, strings, "
+                       r"booleans or dates: amount \(double\)"):
+        DeltaParticipant(str(tmp_path / "t2"), name="dl", partition_by="amount").check(ts)
+    with pytest.raises(InvalidRequest, match="invalid partition column"):
+        DeltaParticipant(path, name="dl", partition_by=["a/b"])
