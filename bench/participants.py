@@ -24,6 +24,9 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
 - sql: ``SqlAlchemyParticipant`` on a private MariaDB (XA) against plain SQLAlchemy bulk
   inserts, same chunking, one transaction per batch (``bench/participants_sql.py``;
   ``--sql-url`` for another server);
+- delta: ``DeltaParticipant`` (P=2 branch prepares + one ``commit_batch``) against plain
+  ``write_deltalake(mode="append")`` of the same batch (at-least-once), as one commit per
+  batch and as P commits (``bench/participants_delta.py``);
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
   write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
   atomic writer does); the no-fsync raw figure is printed too for reference.
@@ -349,6 +352,19 @@ def bench_sql_section(sizes: list[int], repeats: int, url: str | None) -> list[R
                                                   _median_rps, url)]
 
 
+# -- delta (DeltaParticipant vs write_deltalake) ---------------------------------------------
+
+
+def bench_delta_section(root: Path, sizes: list[int], repeats: int) -> list[Result]:
+    path = Path(__file__).with_name("participants_delta.py")
+    spec = importlib.util.spec_from_file_location("participants_delta", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [Result(*r) for r in module.bench_delta(root, sizes, repeats, make_batch,
+                                                   _alternate, _median_rps)]
+
+
 # -- report --------------------------------------------------------------------------------
 
 
@@ -374,10 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
     ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
                     "(default: a private MariaDB server)")
-    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka", "sql"],
+    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka", "sql",
+                                        "delta"],
                     nargs="*")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "sql"])
+    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "sql", "delta"])
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
@@ -398,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_kafka_if_present(args.sizes, args.repeats)
         if "sql" in want:
             results += bench_sql_section(args.sizes, args.repeats, args.sql_url)
+        if "delta" in want:
+            with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
+                results += bench_delta_section(Path(tmp), args.sizes, args.repeats)
     finally:
         if server is not None:
             server.stop()

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -66,6 +67,7 @@ _FOOTER_KEY: Final = "twophase.add"  # a data file's partition values and stats,
 _STAT_CHARS: Final = 32  # longer strings get no min/max (a prefix would be a wrong max)
 _META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
          "twophase.participant", "twophase.partitions")
+_OPEN = threading.local()  # this thread's open tables: (path, options) -> DeltaTable
 Commits = dict[tuple[str, int], list[tuple[int, frozenset[int]]]]
 """(lineage, batch) -> (attempt, partitions taken) of every twophase commit of it."""
 
@@ -137,13 +139,31 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
+        # An open table catches up by reading only the log entries after its version; a
+        # fresh open replays the log from the last checkpoint (up to 100 entries), which
+        # on a long stream costs more than the batch. One cache per thread: a DeltaTable
+        # is not shared across threads.
+        cache: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = _OPEN.__dict__.setdefault(
+            "tables", {})
+        key = (self.path, tuple(sorted(self.storage_options.items())))
+        dt = cache.get(key)
+        if dt is not None:
+            try:
+                dt.update_incremental()
+                return dt
+            except Exception:  # replaced or gone: open it afresh
+                cache.pop(key, None)
         try:
-            return DeltaTable(self.path, storage_options=self.storage_options or None)
+            dt = DeltaTable(self.path, storage_options=self.storage_options or None)
         except TableNotFoundError:
             raise ParticipantError(
                 f"{self.describe()}: the table does not exist; the sink creates it before "
                 "the first batch (check), or create it yourself"
             ) from None
+        if len(cache) >= 16:
+            cache.clear()
+        cache[key] = dt
+        return dt
 
     def _fs(self) -> tuple[pafs.FileSystem, str]:
         """A pyarrow file system for the table's files and the table root on it."""
