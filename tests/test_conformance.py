@@ -1,4 +1,4 @@
-"""The conformance suite (tests/conformance.py) against every durable participant."""
+"""The conformance suite (twophase/testing/conformance.py) against every durable participant."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import psycopg
 import pyarrow.dataset as ds
 import pytest
 
-from tests.conformance import Harness, applicable_checks
 from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
+from twophase.testing.conformance import Harness, applicable_checks
 
 
 class PgTarget:

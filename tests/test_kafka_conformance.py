@@ -1,4 +1,4 @@
-"""The conformance suite (tests/conformance.py) against the Kafka participant.
+"""The conformance suite (twophase/testing/conformance.py) against the Kafka participant.
 
 Kafka prepare is not durable, so the cross-process checks do not apply (``durable=False``),
 and ``status``/``in_doubt`` cannot see another object's open transaction. The rows a
@@ -21,11 +21,6 @@ from typing import Any
 
 import pytest
 
-from tests.conformance import (
-    Harness,
-    applicable_checks,
-    check_participant_pickles_before_and_after_use,
-)
 from tests.kafka_support import (
     create_topic,
     read_all,
@@ -36,6 +31,11 @@ from tests.kafka_support import (
 from twophase.participant import Participant
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import read_log
+from twophase.testing.conformance import (
+    Harness,
+    applicable_checks,
+    check_participant_pickles_before_and_after_use,
+)
 
 __all__ = ["real_kafka_bootstrap", "tansu_bootstrap"]
 

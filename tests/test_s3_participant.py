@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from tests.conformance import Harness, applicable_checks
 from tests.s3_support import keys, read_rows, unique_prefix
 from twophase.errors import InvalidRequest
 from twophase.participant import (
@@ -29,6 +28,7 @@ from twophase.participant import (
 )
 from twophase.sinks.files import STAGING_DIR, StagedFileParticipant
 from twophase.sinks.s3 import BRANCH_META, S3StagedFileParticipant
+from twophase.testing.conformance import Harness, applicable_checks
 from twophase.testing.locals3 import LocalS3
 from twophase.testing.servers import free_port
 

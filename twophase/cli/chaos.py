@@ -21,6 +21,8 @@ examples:
                                                     (judged from its partition logs)
   twophase chaos --files-s3-local                   the files go to a private S3-API server
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
+  twophase chaos --delta-local                      also write a Delta table (one version per
+                                                    batch; delta extra)
                                                     (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
@@ -84,6 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--mariadb-local", action="store_true",
                    help="also write a private MariaDB server (Debian's mariadb-server) "
                    "through SqlAlchemyParticipant (XA transactions)")
+    p.add_argument("--delta-local", action="store_true",
+                   help="also write a Delta table (deltalake) in WORKDIR/delta: one table "
+                   "version per batch, judged for extra commits too")
     p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
                    help="run your own job config instead of the demo's")
     p.add_argument("--failpoint-share", type=float, default=0.5,
@@ -177,7 +182,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             maria.start()
             servers.append(maria)
             sql_url = maria.url
-        if job is None and not (pg_dsn or not args.no_files or kafka or sql_url):
+        delta_path = str(workdir / "delta") if args.delta_local and job is None else None
+        if job is None and not (pg_dsn or not args.no_files or kafka or sql_url or delta_path):
             print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
                   file=sys.stderr)
             return 2
@@ -186,7 +192,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             batches=args.batches, rows_per_batch=args.rows_per_batch,
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
-            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url, job=job,
+            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url,
+            delta_path=delta_path, job=job,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,

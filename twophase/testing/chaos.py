@@ -37,12 +37,14 @@ from typing import Any
 
 from twophase import failpoints
 from twophase.errors import TwophaseError
+from twophase.protocol import CommitScope
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon, clean_env
 
 __all__ = [
     "COORDINATOR_POINTS",
     "DRIVER_POINTS",
+    "TABLE_POINTS",
     "VICTIMS",
     "WORKER_POINTS",
     "ChaosError",
@@ -54,6 +56,9 @@ __all__ = [
 
 VICTIMS = ("driver", "worker", "coordinator")
 DRIVER_POINTS = ("before_begin", "before_return")
+TABLE_POINTS = ("before_batch_commit", "after_batch_commit")
+"""Driver points around a table's once-per-batch commit: chosen only when the job writes
+a participant that commits per batch (Iceberg, Delta)."""
 COORDINATOR_POINTS = ("coordinator_before_decision", "after_decision")
 WORKER_POINTS = (
     "before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit",
@@ -68,11 +73,13 @@ class ChaosError(TwophaseError, RuntimeError):
     """The chaos run itself could not go on (bad options, a job that never finishes)."""
 
 
-def points_for(victim: str, mode: str) -> tuple[str, ...]:
-    """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode."""
+def points_for(victim: str, mode: str, tables: bool = False) -> tuple[str, ...]:
+    """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode
+    (``tables``: the job writes a participant that commits once per batch)."""
     if victim == "driver":
         # The embedded coordinator lives in the driver: its points kill the driver.
-        return DRIVER_POINTS + (COORDINATOR_POINTS if mode == "embedded" else ())
+        return (DRIVER_POINTS + (TABLE_POINTS if tables else ())
+                + (COORDINATOR_POINTS if mode == "embedded" else ()))
     if victim == "worker":
         return WORKER_POINTS
     if victim == "coordinator":
@@ -220,6 +227,7 @@ class ChaosOptions:
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
+    delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -283,7 +291,9 @@ class _Chaos:
         self.cfg = self._config()
         self.cfg_path = self.work / "job.json"
         self.cfg.dump(self.cfg_path)
-        self.participant_names = [p.name for p in build_participants(self.cfg)]
+        built = build_participants(self.cfg)
+        self.participant_names = [p.name for p in built]
+        self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
         self.batch_seconds: list[float] = [3.0]
 
     # ------------------------------------------------------------------ setup
@@ -315,6 +325,7 @@ class _Chaos:
                 kafka_reuse=o.kafka_reuse,
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
+                delta_path=o.delta_path,
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,
@@ -352,7 +363,7 @@ class _Chaos:
 
     # ------------------------------------------------------------------ kills
     def _choose_failpoint(self, victim: str) -> str | None:
-        points = points_for(victim, self.o.coordinator_mode)
+        points = points_for(victim, self.o.coordinator_mode, self.tables)
         if not points:
             return None
         point = self.rng.choice(points)

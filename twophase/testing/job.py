@@ -64,6 +64,8 @@ class JobConfig:
     # SqlAlchemyParticipant, one per URL (mysql+pymysql://..., postgresql+psycopg://...)
     sql_urls: list[str] | None = None
     sql_table: str = "orders"
+    delta_path: str | None = None  # DeltaParticipant: a local folder or s3://bucket/prefix
+    delta_options: dict[str, str] | None = None  # its storage_options (s3:// only)
     partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
@@ -165,9 +167,15 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
         for i, url in enumerate(cfg.sql_urls):
             name = f"sql-{cfg.sql_table}" if i == 0 else f"sql{i}-{cfg.sql_table}"
             parts.append(SqlAlchemyParticipant(url, cfg.sql_table, name=name[:64]))
+    if cfg.delta_path:
+        from twophase.sinks.delta import DeltaParticipant
+
+        parts.append(DeltaParticipant(cfg.delta_path, storage_options=cfg.delta_options,
+                                      mode="complete" if cfg.aggregate == "complete"
+                                      else "append"))
     if not parts:
-        raise ValueError(
-            "the job needs at least one of: pg_dsn, files_path, kafka_bootstrap, sql_urls")
+        raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap, "
+                         "sql_urls, delta_path")
     return parts
 
 

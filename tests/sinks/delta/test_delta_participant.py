@@ -18,11 +18,11 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from tests.conformance import Harness, applicable_checks, batch_for, make_branch
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Participant, rebuild
 from twophase.protocol import TxnKey
 from twophase.sinks.delta import DeltaParticipant, app_id
+from twophase.testing.conformance import Harness, applicable_checks, batch_for, make_branch
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string()), ("amount", pa.float64())])
 

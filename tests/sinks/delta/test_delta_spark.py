@@ -1,21 +1,26 @@
-"""Spark exactly-once into a Delta table and PostgreSQL through one TransactionalSink:
-real Spark (local[2], 2 partitions), real PostgreSQL, a real Delta table. The tasks
-prepare Delta data files, the driver commits each batch as one Delta version carrying
-Delta's app transaction (txnAppId = twophase-<sink>-<query id>, txnVersion = batch id);
-a replayed batch adds no version; a driver SIGKILLed just before or just after the Delta
-commit is restarted and finishes the batch once. Read back by deltalake, DuckDB and the
-verifier."""
+"""Spark exactly-once into a Delta table and PostgreSQL through one sink, as a user runs
+it: the reference job is a separate driver process (real Spark local[2]) and Delta's
+commit is the driver's, once per batch. The driver is SIGKILLed around that commit
+(``before_batch_commit``: the decision is COMMIT, the table untouched; ``after_batch_commit``:
+the table committed, the branches not acknowledged) or a worker after its branch's files
+are written; the job restarts from its checkpoint with one more batch. Every id is then
+once in both systems, read back by deltalake and independently by DuckDB; the table has
+exactly one version per batch; no branch file is left unreferenced.
+
+Also in the test process itself (the ``spark`` fixture, as a notebook runs it): one
+version per batch with ``txnVersion`` = batch id, each file's row count in the log, and a
+batch Spark replays adds no version."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -24,7 +29,7 @@ from twophase import failpoints
 from twophase.participant import Participant
 from twophase.sinks.delta import DeltaParticipant, app_id
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.testing.job import JobConfig, expected_ids, run, write_input
+from twophase.testing.job import JobConfig, build_participants, expected_ids, run, write_input
 from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
@@ -32,36 +37,121 @@ pytestmark = pytest.mark.spark
 BATCHES, ROWS = 3, 40
 
 
-def test_delta_and_postgres_exactly_once(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
+def _run_job(cfg_path: Path, env_extra: dict[str, str],
+             log: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
+    env.update(env_extra)
+    with open(log, "a") as err:
+        return subprocess.run([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=600, check=False)
+
+
+def _duckdb_ids(dt: DeltaTable) -> list[int]:
+    import duckdb
+
+    rows = duckdb.sql(f"SELECT id FROM read_parquet({dt.file_uris()!r})").fetchall()
+    return sorted(r[0] for r in rows)
+
+
+@pytest.mark.parametrize(("victim", "spec"), [
+    ("none", ""),
+    ("driver", "before_batch_commit=kill*1"),
+    ("driver", "after_batch_commit=kill*1"),
+    ("worker", "after_prepare@{delta}/1=kill*1"),
+])
+def test_delta_and_postgres_exactly_once_one_version_per_batch(
+    tmp_path: Path, pg_dsn: str, victim: str, spec: str
+) -> None:
+    tag = f"d{secrets.token_hex(3)}"
+    cfg = JobConfig(
+        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"dl_{tag}", partitions=2,
+        vote_timeout=60.0, max_attempts=4, pg_dsn=pg_dsn, pg_table=f"dl_{tag}",
+        delta_path=str(tmp_path / "lake" / "orders"),
+    )
+    pg, delta = build_participants(cfg)
+    cfg_path, log, once = tmp_path / "job.json", tmp_path / "job.log", tmp_path / "once"
+    cfg.dump(cfg_path)
+    write_input(cfg.input_dir, BATCHES, ROWS)
+    batches = BATCHES
+    if spec:
+        env = {failpoints.ENV: spec.format(delta=delta.name),
+               failpoints.ONCE_DIR_ENV: str(once)}
+        first = _run_job(cfg_path, env, log)
+        assert len(failpoints.fired(str(once))) == 1, log.read_text()[-3000:]
+        if victim == "driver":
+            assert first.returncode == -9, log.read_text()[-3000:]
+        write_input(cfg.input_dir, 1, ROWS, first=BATCHES)
+        batches += 1
+    second = _run_job(cfg_path, {}, log)
+    assert second.returncode == 0, log.read_text()[-3000:]
+    assert [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")][-1] == \
+        {"done": True}
+
+    report = verify([pg, delta], expected_ids(batches, ROWS), sink=cfg.sink)
+    assert report.ok, report.lines()
+    table = next(s for s in report.systems if s.kind == "delta")
+    assert table.commits == batches and table.extra_commits == 0, report.lines()
+    dt = DeltaTable(cfg.delta_path)
+    assert dt.version() == batches  # the create, then one version per batch
+    assert dt.transaction_version(app_id(cfg.sink, _lineage(dt, cfg.sink))) == batches - 1
+    assert _duckdb_ids(dt) == expected_ids(batches, ROWS)
+    assert delta.in_doubt(cfg.sink) == []
+
+
+def _lineage(dt: DeltaTable, sink: str) -> str:
+    lineages = {i["twophase.lineage"] for i in dt.history() if i.get("twophase.sink") == sink}
+    assert len(lineages) == 1, lineages
+    return str(lineages.pop())
+
+
+def test_chaos_cli_delta(tmp_path: Path) -> None:
+    """``twophase chaos --delta-local``: random driver and worker kills (the batch-commit
+    failpoints among them), then verified, one table version per batch included."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "twophase.cli", "chaos", "--delta-local", "--no-postgres",
+         "--no-files", "--kills", "3", "--seed", "3", "--batches", "2",
+         "--rows-per-batch", "30", "--workdir", str(tmp_path / "w"), "--json-out", str(out),
+         "--quiet"],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True, report["verify_lines"]
+    [system] = report["verify"]["systems"]
+    assert system["kind"] == "delta" and system["extra_commits"] == 0, report["verify_lines"]
+    assert system["commits"] >= 1 and system["prepared_leftovers"] == 0, report["verify_lines"]
+
+
+def test_a_query_in_this_process_and_its_replay(spark: Any, tmp_path: Path,
+                                                pg_dsn: str) -> None:
     job = JobConfig(
         input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
         coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink="dlorders",
         partitions=2, vote_timeout=60.0,
     )
-    table = str(tmp_path / "lake" / "orders")
+    path = str(tmp_path / "lake" / "orders")
 
     def parts() -> list[Participant]:
         return [PostgresParticipant(dsn=pg_dsn, table="dl_orders"),
-                DeltaParticipant(table, name="dl")]
+                DeltaParticipant(path, name="dl")]
 
     write_input(job.input_dir, batches=BATCHES, rows_per_batch=ROWS)
     sink = run(job, spark, participants=parts())
     assert [r.outcome for r in sink.history] == ["committed"] * BATCHES
     want = expected_ids(BATCHES, ROWS)
-
-    dt = DeltaTable(table)
-    # version 0 created the table (check, before the first batch); then one per batch
-    assert dt.version() == BATCHES
-    infos = sorted(dt.history(), key=lambda i: int(i["version"]))
-    ours = [i for i in infos if "twophase.batch" in i]
+    dt = DeltaTable(path)
+    assert dt.version() == BATCHES  # the create (check), then one version per batch
+    ours = sorted((i for i in dt.history() if "twophase.batch" in i),
+                  key=lambda i: int(i["version"]))
     assert [int(i["twophase.batch"]) for i in ours] == list(range(BATCHES))
     assert {i["twophase.partitions"] for i in ours} == {"0-1"}  # both branches in each
-    lineage = ours[0]["twophase.lineage"]
-    assert dt.transaction_version(app_id("dlorders", lineage)) == BATCHES - 1
+    assert dt.transaction_version(app_id("dlorders", _lineage(dt, "dlorders"))) == BATCHES - 1
     assert sorted(dt.to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == want
-    files = dt.file_uris()
-    got = duckdb.sql(f"SELECT id FROM read_parquet({files!r})").fetchall()
-    assert sorted(r[0] for r in got) == want
+    assert _duckdb_ids(dt) == want
     assert sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records").to_pylist()
                ) == len(want)  # each file's row count is in the log (stats)
     report = verify(parts(), want, sink="dlorders")
@@ -73,62 +163,5 @@ def test_delta_and_postgres_exactly_once(spark: Any, tmp_path: Path, pg_dsn: str
         (Path(job.checkpoint) / "commits" / name).unlink(missing_ok=True)
     again = run(job, spark, participants=parts())
     assert [(r.batch_id, r.outcome) for r in again.history] == [(BATCHES - 1, "replay")]
-    assert DeltaTable(table).version() == BATCHES
+    assert DeltaTable(path).version() == BATCHES
     assert verify(parts(), want, sink="dlorders").ok
-
-
-JOB = """
-import json, sys
-from twophase.sinks.delta import DeltaParticipant
-from twophase.sinks.postgres import PostgresParticipant
-from twophase.testing.job import JobConfig, run
-
-cfg = JobConfig.load(sys.argv[1])
-sink = run(cfg, participants=[PostgresParticipant(dsn=cfg.pg_dsn, table=cfg.pg_table),
-                              DeltaParticipant(sys.argv[2], name="dl")])
-print(json.dumps({"done": [r.outcome for r in sink.history]}), flush=True)
-"""
-
-
-@pytest.mark.parametrize("point", ["before_batch_commit", "after_batch_commit"])
-def test_driver_killed_around_the_delta_commit(tmp_path: Path, pg_dsn: str, point: str) -> None:
-    """A driver process SIGKILLed after the COMMIT decision, just before (nothing in the
-    table) or just after (committed, not acknowledged) the Delta commit; its restart
-    finishes the batch from the coordinator's record: one version per batch."""
-    table = str(tmp_path / "lake" / "orders")
-    job = JobConfig(
-        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
-        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink="dlkill",
-        pg_dsn=pg_dsn, pg_table=f"dl_kill_{point}", partitions=2, vote_timeout=60.0,
-    )
-    cfg, script = tmp_path / "job.json", tmp_path / "job.py"
-    job.dump(cfg)
-    script.write_text(JOB)
-    write_input(job.input_dir, batches=BATCHES, rows_per_batch=ROWS)
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
-
-    def child(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(script), str(cfg), table],
-                              env={**env, **extra}, capture_output=True, text=True,
-                              timeout=300, check=False)
-
-    first = child({failpoints.ENV: f"{point}@dl=kill*1",
-                   failpoints.ONCE_DIR_ENV: str(tmp_path / "once")})
-    assert first.returncode == -9, first.stderr[-3000:]
-    killed_at = DeltaTable(table).version()
-    assert killed_at == (0 if point == "before_batch_commit" else 1)  # batch 0's commit
-    done = child({})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1])["done"][-1] == "committed"
-    dt = DeltaTable(table)
-    assert dt.version() == BATCHES
-    ours = [i for i in dt.history() if "twophase.batch" in i]
-    assert sorted(int(i["twophase.batch"]) for i in ours) == list(range(BATCHES))
-    want = expected_ids(BATCHES, ROWS)
-    got = duckdb.sql(f"SELECT id FROM read_parquet({dt.file_uris()!r})").fetchall()
-    assert sorted(r[0] for r in got) == want
-    parts: list[Participant] = [PostgresParticipant(dsn=pg_dsn, table=job.pg_table),
-                                DeltaParticipant(table, name="dl")]
-    report = verify(parts, want, sink="dlkill")
-    assert report.ok, report.lines()

@@ -10,8 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conformance import ALL_CHECKS, CROSS_PROCESS_CHECKS, Harness, applicable_checks
 from tests.sinks.sql.sql_support import SqlTarget, pg_url
+from twophase.testing.conformance import (
+    ALL_CHECKS,
+    CROSS_PROCESS_CHECKS,
+    Harness,
+    applicable_checks,
+)
 
 CHECKS = list(ALL_CHECKS) + list(CROSS_PROCESS_CHECKS)
 LONG = "sql-participant-with-a-long-name-that-forces-hashed-xids"

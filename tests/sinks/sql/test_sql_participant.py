@@ -16,7 +16,6 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from tests.conformance import SCHEMA, batch_for, make_branch, rows_for
 from tests.sinks.sql.sql_support import SqlTarget, pg_url
 from twophase.errors import InvalidRequest
 from twophase.participant import (
@@ -28,6 +27,7 @@ from twophase.participant import (
     secret_env_name,
 )
 from twophase.sinks.sql import SqlAlchemyParticipant
+from twophase.testing.conformance import SCHEMA, batch_for, make_branch, rows_for
 from twophase.testing.localmariadb import LocalMariaDB
 
 

@@ -1,6 +1,6 @@
 """Child process for the cross-process conformance checks.
 
-Usage: ``python prepare_and_die.py JOB.pkl HANDLE.json``. JOB holds a pickled
+Usage: ``python -m twophase.testing._prepare_and_die JOB.pkl HANDLE.json``. JOB holds a pickled
 ``(participant, branch, arrow_ipc_stream_bytes)``. The script prepares the branch, writes
 the handle (the YES vote) to HANDLE.json, then hits the ``after_prepare`` failpoint, which
 the parent sets to ``kill``: the process dies by SIGKILL with the branch prepared, exactly
@@ -23,7 +23,7 @@ def main() -> int:
 
     job_path, handle_path = sys.argv[1], sys.argv[2]
     with open(job_path, "rb") as f:
-        participant, branch, ipc = pickle.load(f)
+        participant, branch, ipc = pickle.load(f)  # noqa: S301 - written by the parent check
     reader = pa.ipc.open_stream(ipc)
     handle = participant.prepare(branch, reader.schema, list(reader))
     with open(handle_path, "w") as f:

@@ -11,11 +11,13 @@ would build one) and reads the rows a plain reader of the system sees now::
     def test_conformance(check): check(HARNESS)
 
 Checks are plain functions taking the harness; they raise ``AssertionError`` on a
-violation. The cross-process checks run :mod:`tests.helpers.prepare_and_die` in a child
-Python that prepares a branch and SIGKILLs itself through the ``after_prepare`` failpoint;
-they apply only to harnesses with ``durable=True``.
+violation, so any test runner can call them (pytest's parametrize in the examples). The
+cross-process checks run :mod:`twophase.testing._prepare_and_die` in a child Python that
+prepares a branch and SIGKILLs itself through the ``after_prepare`` failpoint; they apply
+only to harnesses with ``durable=True``.
 
-Keep these names stable: the Kafka suite imports them.
+This is the installed kit every participant must pass, built in or not
+(docs/writing-a-participant.md); keep these names stable.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ __all__ = [
     "rows_for",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-HELPER = Path(__file__).resolve().parent / "helpers" / "prepare_and_die.py"
+CHILD = "twophase.testing._prepare_and_die"
+"""The module the crash checks run in a child interpreter (``python -m``)."""
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string()), ("amount", pa.float64())])
 """The rows every check writes: ids unique per (checkpoint, partition), awkward labels."""
@@ -313,7 +315,7 @@ def check_participant_pickles_before_and_after_use(h: Harness) -> None:
     def body(t: Target, p: Participant) -> None:
         b = make_branch(p)
         handle = _prepare(p, b)  # p now holds live connections / open files
-        clone = pickle.loads(pickle.dumps(p))
+        clone = pickle.loads(pickle.dumps(p))  # noqa: S301 - our own bytes
         assert clone.name == p.name
         commit_branch(clone, b, handle)
         clone.close()
@@ -333,9 +335,10 @@ def _prepare_in_child_and_kill(p: Participant, branch: BranchRef) -> dict[str, s
         job.write_bytes(pickle.dumps((p, branch, sink.getvalue().to_pybytes())))
         env = dict(os.environ)
         env["TWOPHASE_FAILPOINTS"] = f"after_prepare@{branch.participant}={'kill'}"
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        # the child must unpickle the participant: it sees what this process imports from
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         proc = subprocess.run(
-            [sys.executable, str(HELPER), str(job), str(out)],
+            [sys.executable, "-m", CHILD, str(job), str(out)],
             env=env, capture_output=True, text=True, timeout=120, check=False,
         )
         assert proc.returncode == -signal.SIGKILL, (
