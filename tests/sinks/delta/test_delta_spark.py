@@ -128,15 +128,16 @@ def test_chaos_cli_delta(tmp_path: Path) -> None:
 
 def test_a_query_in_this_process_and_its_replay(spark: Any, tmp_path: Path,
                                                 pg_dsn: str) -> None:
+    tag = f"d{secrets.token_hex(3)}"
     job = JobConfig(
         input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
-        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink="dlorders",
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"dl_{tag}",
         partitions=2, vote_timeout=60.0,
     )
     path = str(tmp_path / "lake" / "orders")
 
     def parts() -> list[Participant]:
-        return [PostgresParticipant(dsn=pg_dsn, table="dl_orders"),
+        return [PostgresParticipant(dsn=pg_dsn, table=f"dl_{tag}"),
                 DeltaParticipant(path, name="dl")]
 
     write_input(job.input_dir, batches=BATCHES, rows_per_batch=ROWS)
@@ -149,12 +150,12 @@ def test_a_query_in_this_process_and_its_replay(spark: Any, tmp_path: Path,
                   key=lambda i: int(i["version"]))
     assert [int(i["twophase.batch"]) for i in ours] == list(range(BATCHES))
     assert {i["twophase.partitions"] for i in ours} == {"0-1"}  # both branches in each
-    assert dt.transaction_version(app_id("dlorders", _lineage(dt, "dlorders"))) == BATCHES - 1
+    assert dt.transaction_version(app_id(job.sink, _lineage(dt, job.sink))) == BATCHES - 1
     assert sorted(dt.to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == want
     assert _duckdb_ids(dt) == want
     assert sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records").to_pylist()
                ) == len(want)  # each file's row count is in the log (stats)
-    report = verify(parts(), want, sink="dlorders")
+    report = verify(parts(), want, sink=job.sink)
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [len(want)] * 2
 
@@ -164,4 +165,4 @@ def test_a_query_in_this_process_and_its_replay(spark: Any, tmp_path: Path,
     again = run(job, spark, participants=parts())
     assert [(r.batch_id, r.outcome) for r in again.history] == [(BATCHES - 1, "replay")]
     assert DeltaTable(path).version() == BATCHES
-    assert verify(parts(), want, sink="dlorders").ok
+    assert verify(parts(), want, sink=job.sink).ok
