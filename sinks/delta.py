@@ -577,17 +577,25 @@ def _split(batch: pa.RecordBatch, parts: list[str]
 
 class _Stats:
     """A data file's Delta statistics, gathered while it is written: row count, exact null
-    counts of flat columns, min/max of integers, floats (when finite), dates and strings
-    up to 32 characters. A column without a safe range is left out (readers then scan)."""
+    counts, and min/max of every column, or only the row count.
+
+    All or nothing, because delta-rs's reader skips a file for a filter on a column whose
+    min/max are missing while the file has stats for others (tested). A column gets a
+    range when its type has one and it is exact or a true bound: integers, booleans,
+    dates, finite floats, strings of at most 32 characters, timestamps as milliseconds
+    (min rounded down, max up: Delta keeps milliseconds). NaN, infinities, a longer
+    string or another type (binary, decimal, nested) leave the file with its row count."""
 
     def __init__(self, schema: pa.Schema) -> None:
         pa = _pa()
         self.rows = 0
-        self.nulls = {f.name: 0 for f in schema
-                      if not pa.types.is_nested(f.type)}
-        self.ranged = {f.name for f in schema
-                       if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
-                       or pa.types.is_string(f.type) or pa.types.is_date32(f.type)}
+        self.nulls = {f.name: 0 for f in schema}
+        self.types = {f.name: f.type for f in schema}
+        self.whole = all(
+            pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+            or pa.types.is_string(f.type) or pa.types.is_date32(f.type)
+            or pa.types.is_boolean(f.type) or pa.types.is_timestamp(f.type)
+            for f in schema)
         self.lo: dict[str, Any] = {}
         self.hi: dict[str, Any] = {}
 
@@ -598,37 +606,48 @@ class _Stats:
         self.rows += batch.num_rows
         for name in self.nulls:
             self.nulls[name] += batch.column(name).null_count
-        for name in list(self.ranged):
+        if not self.whole:
+            return
+        for name in self.nulls:
             col = batch.column(name)
             if pa.types.is_floating(col.type) and (
                     pc.any(pc.is_nan(col)).as_py() or pc.any(pc.is_inf(col)).as_py()):
-                self._drop(name)
-                continue
+                self.whole = False
+                return
+            if pa.types.is_timestamp(col.type):
+                col = col.cast(pa.int64())  # in the type's unit; milliseconds in json()
             mm = pc.min_max(col)
             lo, hi = mm["min"].as_py(), mm["max"].as_py()
             if lo is None:
                 continue  # all null here
             if isinstance(lo, str) and (len(lo) > _STAT_CHARS or len(hi) > _STAT_CHARS):
-                self._drop(name)
-                continue
+                self.whole = False
+                return
             self.lo[name] = lo if name not in self.lo else min(self.lo[name], lo)
             self.hi[name] = hi if name not in self.hi else max(self.hi[name], hi)
 
-    def _drop(self, name: str) -> None:
-        self.ranged.discard(name)
-        self.lo.pop(name, None)
-        self.hi.pop(name, None)
-
     def json(self) -> str:
-        def out(v: Any) -> Any:
-            return v.isoformat() if hasattr(v, "isoformat") else v
-
+        ranged = all(n in self.lo or self.nulls[n] == self.rows for n in self.nulls)
+        if not (self.whole and ranged):
+            return json.dumps({"numRecords": self.rows}, separators=(",", ":"))
         return json.dumps({
             "numRecords": self.rows,
-            "minValues": {k: out(v) for k, v in self.lo.items()},
-            "maxValues": {k: out(v) for k, v in self.hi.items()},
+            "minValues": {k: self._out(k, v, False) for k, v in self.lo.items()},
+            "maxValues": {k: self._out(k, v, True) for k, v in self.hi.items()},
             "nullCount": self.nulls,
         }, separators=(",", ":"))
+
+    def _out(self, name: str, v: Any, up: bool) -> Any:
+        import datetime as dt
+
+        t = self.types[name]
+        if _pa().types.is_timestamp(t):
+            per_ms = {"s": 0.001, "ms": 1, "us": 1000, "ns": 1_000_000}[t.unit]
+            ms = -(-v // per_ms) if up else v // per_ms
+            at = dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=int(ms))
+            return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}" + \
+                ("Z" if t.tz else "")
+        return v.isoformat() if hasattr(v, "isoformat") else v
 
 
 def _from_footer(fs: pafs.FileSystem, folder: str, name: str) -> tuple[Any, ...]:
