@@ -24,6 +24,9 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
 - sql: ``SqlAlchemyParticipant`` on a private MariaDB (XA) against plain SQLAlchemy bulk
   inserts, same chunking, one transaction per batch (``bench/participants_sql.py``;
   ``--sql-url`` for another server);
+- iceberg: ``IcebergParticipant`` (P=1 and ``--iceberg-partitions`` branch prepares +
+  one ``commit_batch``) against a plain pyiceberg ``table.append`` of the batch, on a SQL
+  catalog in a temporary folder;
 - delta: ``DeltaParticipant`` (P=2 branch prepares + one ``commit_batch``) against plain
   ``write_deltalake(mode="append")`` of the same batch (at-least-once), as one commit per
   batch and as P commits (``bench/participants_delta.py``);
@@ -325,6 +328,74 @@ def bench_files(root: Path, sizes: Iterable[int], repeats: int) -> list[Result]:
     return out
 
 
+# -- iceberg --------------------------------------------------------------------------------
+
+
+def _ice_catalog(root: Path) -> dict[str, str]:
+    return {"type": "sql", "uri": f"sqlite:///{root}/catalog.db", "warehouse": f"file://{root}/wh"}
+
+
+def _ice_table(root: Path, batch: pa.RecordBatch) -> tuple[dict[str, str], str]:
+    """A fresh table of the batch's schema (created outside the timing)."""
+    from twophase.sinks.iceberg import IcebergParticipant
+
+    (root / "wh").mkdir(parents=True, exist_ok=True)
+    cat = _ice_catalog(root)
+    name = f"bench.t_{uuid.uuid4().hex[:8]}"
+    IcebergParticipant(name, cat).check(batch.schema)
+    return cat, name
+
+
+def _ice_slices(batch: pa.RecordBatch, parts: int) -> list[pa.RecordBatch]:
+    step = -(-batch.num_rows // parts)
+    return [batch.slice(i * step, step) for i in range(parts)]
+
+
+def _ice_participant_run(root: Path, batch: pa.RecordBatch, parts: int) -> float:
+    """P branches prepared (as P tasks would, here one after another) + one commit_batch."""
+    from twophase.protocol import TxnKey
+    from twophase.sinks.iceberg import IcebergParticipant
+
+    cat, name = _ice_table(root, batch)
+    p = IcebergParticipant(name, cat, name="ice")
+    lineage = uuid.uuid4().hex[:16]
+    t = time.perf_counter()
+    handles = {i: p.prepare(BranchRef("bench", lineage, 0, 0, "ice", i), batch.schema, [s])
+               for i, s in enumerate(_ice_slices(batch, parts))}
+    p.commit_batch(TxnKey("bench", lineage, 0, 0), handles)
+    return time.perf_counter() - t
+
+
+def _ice_raw_run(root: Path, batch: pa.RecordBatch, appends: int) -> float:
+    """Plain pyiceberg: ``table.append`` of the batch (at-least-once), in ``appends``
+    commits (1: the whole batch at once; P: one per branch, as per-task commits would)."""
+    from pyiceberg.catalog import load_catalog
+
+    cat, name = _ice_table(root, batch)
+    t = time.perf_counter()
+    tbl = load_catalog("default", **cat).load_table(name)
+    for s in _ice_slices(batch, appends):
+        tbl.append(pa.Table.from_batches([s]))
+    return time.perf_counter() - t
+
+
+def bench_iceberg(root: Path, sizes: Iterable[int], repeats: int, parts: int = 4
+                  ) -> list[Result]:
+    out = []
+    for n in sizes:
+        batch = make_batch(n)
+        for p in sorted({1, parts}):  # P=1 isolates what twophase adds from P files
+            a, b = _alternate(repeats, partial(_ice_participant_run, root, batch, p),
+                              partial(_ice_raw_run, root, batch, 1))
+            out.append(Result(f"iceberg P={p} prepare+commit_batch", n,
+                              _median_rps(n, a), _median_rps(n, b)))
+        one, many = _alternate(repeats, partial(_ice_raw_run, root, batch, 1),
+                               partial(_ice_raw_run, root, batch, parts))
+        out.append(Result(f"iceberg 1 append vs {parts} appends (without)", n,
+                          _median_rps(n, one), _median_rps(n, many)))
+    return out
+
+
 # -- kafka (optional, from the Kafka helper's module) --------------------------------------
 
 
@@ -379,6 +450,8 @@ def print_results(results: list[Result]) -> None:
     print("(copy row: 'participant' = pyarrow CSV COPY, 'raw' = psycopg write_row per row)")
     print("(upsert row: 'participant' = mode='upsert' prepare+commit, 'raw' = psycopg "
           "executemany INSERT ... ON CONFLICT in one transaction; half the keys exist)")
+    print("(iceberg rows: 'raw' = pyiceberg table.append of the batch in one commit; the "
+          "'appends' row: 'participant' = 1 append, 'raw' = P appends, one per branch)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,11 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
     ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
                     "(default: a private MariaDB server)")
-    ap.add_argument("--only", choices=["postgres", "copy", "upsert", "files", "kafka", "sql",
-                                        "delta"],
-                    nargs="*")
+    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg", "delta"]
+    ap.add_argument("--only", choices=sections, nargs="*")
+    ap.add_argument("--iceberg-partitions", type=int, default=4,
+                    help="branches (P) per batch in the Iceberg section")
     args = ap.parse_args(argv)
-    want = set(args.only or ["postgres", "copy", "upsert", "files", "kafka", "sql", "delta"])
+    want = set(args.only or sections)
     server: LocalPostgres | None = None
     results: list[Result] = []
     try:
@@ -415,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_kafka_if_present(args.sizes, args.repeats)
         if "sql" in want:
             results += bench_sql_section(args.sizes, args.repeats, args.sql_url)
+        if "iceberg" in want:
+            with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
+                results += bench_iceberg(Path(tmp), args.sizes, args.repeats,
+                                         args.iceberg_partitions)
         if "delta" in want:
             with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
                 results += bench_delta_section(Path(tmp), args.sizes, args.repeats)

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["DATA_DIR", "FILE_NAME", "parse_ranges", "ranges"]
+__all__ = ["DATA_DIR", "FILE_NAME", "RUN_FILE_NAME", "parse_ranges", "ranges"]
 
 DATA_DIR: Final = "twophase"
 """Branch files live under ``<DATA_DIR>-<sink>/<lineage>/<batch>/``."""
@@ -22,6 +22,17 @@ FILE_NAME: Final = re.compile(
     r"^(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})-(?P<attempt>\d+)-"
     r"(?P<seq>\d{5,})\.parquet$"
 )
+
+
+RUN_FILE_NAME: Final = re.compile(
+    r"^(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})-(?P<attempt>\d+)-"
+    r"(?P<run>[0-9a-f]{12})(?:-(?P<seq>\d{5,})\.parquet|\.done)$"
+)
+"""The same with a prepare *run* (Iceberg): ``<participant>-<partition>-<attempt>-<run>-
+<seq>.parquet`` and the run's record ``...-<run>.done`` (its files, written last). Each
+prepare writes its own run, so a second prepare of a branch and attempt (a Spark task
+retry, a speculative copy) never touches files a vote names, which the driver may be
+committing at that moment."""
 
 
 def ranges(parts: Iterable[int]) -> str:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -53,6 +54,82 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
         assert ev["method"] in ("failpoint", "timer") and ev["step"]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
+
+
+def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
+                                                               pg_dsn: str) -> None:
+    """Victim ``broker``: the tansu of ``--kafka-tansu`` runs on S3 storage (a private moto
+    server) and is SIGKILLed at a random moment of a job and restarted after a short
+    pause; the Kafka participant keeps its producers across batches. Kafka is judged from
+    the partition log (a marker tansu lost in a kill settled by its stored outcome)."""
+    out = tmp_path / "report.json"
+    res = _chaos("--kills", "4", "--seed", "1", "--victims", "driver,worker,coordinator,broker",
+                 "--coordinator-mode", "daemon", "--batches", "1", "--rows-per-batch", "40",
+                 "--pg-dsn", pg_dsn, "--kafka-tansu", "--kafka-reuse", "--broker-down-max", "3",
+                 "--workdir", str(tmp_path / "wd"), "--json-out", str(out))
+    if res.returncode == 1 and out.exists():
+        _xfail_if_tansu_lost_acknowledged_records(json.loads(out.read_text()))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "starting a private tansu broker on S3 storage" in res.stdout
+    assert "exactly-once: PASSED" in res.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["kafka_reuse"] is True
+    # every victim is killed once before any twice: 4 kills, one each
+    assert report["by_victim"] == {"driver": 1, "worker": 1, "coordinator": 1, "broker": 1}
+    down = report["broker_down_seconds"]
+    assert down["n"] == report["by_victim"]["broker"] and 0 <= down["max"] <= 3, down
+    assert "broker down per kill" in res.stdout
+    for ev in report["events"]:
+        if ev["victim"] == "broker":
+            assert ev["method"] == "timer" and ev["where"].startswith("pid "), ev
+    systems = {s["kind"]: s for s in report["verify"]["systems"]}
+    assert set(systems) == {"postgres", "files", "kafka"}
+    for s in systems.values():
+        assert s["rows"] == report["rows"] == report["batches"] * 40 > 0
+        assert (s["duplicates"], s["missing"], s["unexpected"], s["prepared_leftovers"],
+                s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0), s
+    assert "judged from the partition logs" in systems["kafka"]["note"]
+    assert report["coordinator_unsettled"] == 0
+
+
+def _xfail_if_tansu_lost_acknowledged_records(report: dict[str, Any]) -> None:
+    """A broker kill that lands while a Kafka task produces can make tansu drop a produce
+    batch it then calls a duplicate (docs/chaos.md, "Issue 24";
+    tests/sinks/kafka/test_tansu_produce_crash.py): only Kafka short, nothing else
+    wrong, and every batch with missing ids has a committed Kafka vote whose delivery
+    reports said offset 0 past the first batch (librdkafka's report for a duplicate
+    answer). Exactly that is an expected failure; anything else fails the test."""
+    from twophase.coordinator.store import Store
+
+    systems = {s["kind"]: s for s in report["verify"]["systems"]}
+    kafka = systems["kafka"]
+    if any(not s["ok"] for k, s in systems.items() if k != "kafka") or kafka["duplicates"] \
+            or kafka["unexpected"] or kafka["open_transactions"] or not kafka["missing"]:
+        return
+    rows = report["rows"] // report["batches"]
+    short = {i // rows for i in kafka["examples"]["missing"]}
+    store = Store(report["coordinator_store"], create=False)
+    try:
+        # batch -> {Kafka partition: first offset its delivery reports gave} over its votes
+        votes: dict[int, list[tuple[int, int]]] = {}
+        for row in store.list(sink=report["job"]["sink"], limit=100000):
+            for bid, st in row.txn.branches.items():
+                offsets = dict(st.handle or {}).get("offsets", "")
+                if bid.startswith("kafka-") and offsets:
+                    votes.setdefault(row.txn.batch_id, []).extend(
+                        (int(p), int(o)) for p, _, o in (x.partition(":")
+                                                         for x in offsets.split(",")))
+        # offset 0 reported in a partition an earlier batch had already written to
+        dupseq, seen = set(), set()
+        for batch in sorted(votes):
+            if any(o == 0 and p in seen for p, o in votes[batch]):
+                dupseq.add(batch)
+            seen |= {p for p, _ in votes[batch]}
+    finally:
+        store.close()
+    if short and short <= dupseq and kafka["missing"] <= rows * len(dupseq):
+        pytest.xfail(f"tansu lost acknowledged records of batches {sorted(short)} "
+                     "(duplicate-sequence answer after its crash; docs/chaos.md)")
 
 
 def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:
@@ -110,12 +187,28 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--kills", "-1", "--no-postgres"], "--kills must be >= 0"),
         (["--no-postgres", "--no-files"], "no participant left"),
         (["--kafka-reuse"], "--kafka-reuse needs --kafka-tansu or --kafka-bootstrap"),
+        (["--victims", "driver,broker"], "victim 'broker' needs --kafka-tansu"),
+        (["--victims", "broker", "--kafka-bootstrap", "127.0.0.1:1"],
+         "victim 'broker' needs --kafka-tansu"),
+        (["--broker-down-max", "-1"], "--broker-down-max must be within 0..60 seconds"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
     res = _chaos("--workdir", str(tmp_path / "wd"), "--no-postgres", *args, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stderr
+
+
+def test_broker_victim_needs_a_broker_whose_log_survives(tmp_path: Path) -> None:
+    """The runner refuses a broker victim it cannot restart with its log: none given, or a
+    tansu on memory storage (a kill would lose every record: nothing left to judge)."""
+    from twophase.testing.chaos import ChaosError, ChaosOptions, _Chaos
+    from twophase.testing.localkafka import LocalTansu
+
+    with pytest.raises(ChaosError, match="victim 'broker' needs --kafka-tansu"):
+        _Chaos(ChaosOptions(workdir=tmp_path / "a", victims=("worker", "broker")))
+    with pytest.raises(ChaosError, match=r"needs a tansu on s3:// storage"):
+        _Chaos(ChaosOptions(workdir=tmp_path / "b", victims=("broker",), broker=LocalTansu()))
 
 
 def test_job_with_used_input_is_refused(tmp_path: Path) -> None:

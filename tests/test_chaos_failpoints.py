@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from twophase import failpoints
-from twophase.testing.chaos import VICTIMS, points_for
+from twophase.testing.chaos import TABLE_POINTS, VICTIMS, points_for
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +70,10 @@ def test_once_dir_in_process_and_non_matching_hits(tmp_path: Path) -> None:
 
 
 def test_victim_points_cover_every_point() -> None:
-    covered = {p for v in VICTIMS for mode in ("embedded", "daemon") for p in points_for(v, mode)}
+    covered = {p for v in VICTIMS for mode in ("embedded", "daemon")
+               for p in points_for(v, mode, tables=True)}
     assert covered == set(failpoints.POINTS)
+    assert not set(TABLE_POINTS) & set(points_for("driver", "embedded"))  # tables only
     assert points_for("coordinator", "embedded") == ()
     with pytest.raises(ValueError, match="unknown victim"):
         points_for("executor", "embedded")

@@ -40,12 +40,12 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from tests.kafka_evidence import evidence
 from tests.kafka_support import kafka_branches_committed
 from twophase import failpoints
 from twophase.errors import ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.kafka_evidence import evidence
 from twophase.testing.localkafka import KafkaUnavailable, LocalTansu, find_tansu
 from twophase.testing.locals3 import LocalS3
 from twophase.testing.verify import verify
@@ -287,7 +287,7 @@ def test_tansu_killed_and_restarted_mid_batch(
 
     def explain() -> str:
         """Why the verdict failed: the logs batch by batch, the coordinator, tansu's
-        stored state, the job's own report (tests/kafka_evidence.py)."""
+        stored state, the job's own report (twophase/testing/kafka_evidence.py)."""
         bucket = durable_tansu.storage.removeprefix("s3://").strip("/")
         text = evidence(durable_tansu.bootstrap, cfg.kafka_topic, cfg.coordinator,
                         cfg.sink, (s3.client(), bucket))

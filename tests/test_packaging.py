@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_core_dependencies_exclude_the_extras() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(meta["dependencies"]).lower()
-    for heavy in ("pyspark", "psycopg", "confluent-kafka", "pyarrow", "boto3", "moto"):
+    for heavy in ("pyspark", "psycopg", "confluent-kafka", "pyarrow", "boto3", "moto",
+                  "pyiceberg", "duckdb"):
         assert heavy not in core, f"{heavy} must stay an extra"
-    assert {"spark", "kafka", "postgres", "s3", "all", "dev"} <= set(meta["optional-dependencies"])
+    assert {"spark", "kafka", "postgres", "s3", "iceberg", "all", "dev"} <= set(
+        meta["optional-dependencies"])
     assert meta["scripts"]["twophase"] == "twophase.cli:main"
 
 

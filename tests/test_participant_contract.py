@@ -139,8 +139,8 @@ def test_built_in_kinds_come_from_the_entry_point_group() -> None:
     from importlib.metadata import entry_points
 
     eps = {ep.name for ep in entry_points(group="twophase.participants")}
-    assert {"postgres", "files", "kafka"} <= eps
-    assert {"postgres", "files", "kafka"} <= set(known_kinds())
+    assert {"postgres", "files", "kafka", "iceberg"} <= eps
+    assert {"postgres", "files", "kafka", "iceberg"} <= set(known_kinds())
 
 
 def test_rebuild_refuses_an_unknown_kind_naming_the_entry_point_group() -> None:

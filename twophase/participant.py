@@ -379,6 +379,7 @@ _BUILT_IN = {
     "postgres": "twophase.sinks.postgres:PostgresParticipant",
     "files": "twophase.sinks.files:StagedFileParticipant",
     "kafka": "twophase.sinks.kafka:KafkaParticipant",
+    "iceberg": "twophase.sinks.iceberg:IcebergParticipant",
 }
 
 

@@ -19,10 +19,15 @@ examples:
   twophase chaos --kafka-bootstrap broker:9092      also write to (and judge) a Kafka
   twophase chaos --kafka-tansu                      also write to a private tansu broker
                                                     (judged from its partition logs)
+  twophase chaos --kafka-tansu --victims driver,worker,broker
+                                                    ... and kill/restart that broker too
   twophase chaos --files-s3-local                   the files go to a private S3-API server
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
   twophase chaos --delta-local                      also write a Delta table (one version per
                                                     batch; delta extra)
+  twophase chaos --iceberg-local --delta-local --kafka-tansu --coordinator-mode daemon --kills 40
+                                                    PostgreSQL + files + Iceberg + Delta + Kafka
+                                                    in one sink (iceberg extra)
                                                     (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
@@ -30,10 +35,14 @@ examples:
                                                     (empty) input_dir
 
 Victims: driver (the Spark driver process), worker (a Spark Python worker), coordinator
-(the `twophase serve` daemon; needs --coordinator-mode daemon). A kill is a failpoint at a
-protocol step (before_prepare, after_vote, after_decision, ...) or a SIGKILL after a random
-delay; --seed makes the sequence reproducible. Exit code 0 only when every system shows
-0 duplicates, 0 missing ids and nothing left prepared.
+(the `twophase serve` daemon; needs --coordinator-mode daemon), broker (the tansu broker
+of --kafka-tansu, then run on S3 storage in a private moto server so its log survives:
+SIGKILL, a pause of up to --broker-down-max seconds, restart on the same port). A kill
+is a failpoint at a protocol step (before_prepare, after_vote, after_decision, ...) or a
+SIGKILL after a random delay (always, for the broker). Every victim gets a kill before
+any gets a second (when --kills allows); --seed makes the sequence reproducible. Exit
+code 0 only when every system shows 0 duplicates, 0 missing ids and nothing left
+prepared.
 """
 
 
@@ -50,8 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kills", type=int, default=10, help="kills that must land (default 10)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--victims", default=None,
-                   help="comma list of driver,worker,coordinator (default: driver,worker, "
-                   "plus coordinator in daemon mode)")
+                   help="comma list of driver,worker,coordinator,broker (default: "
+                   "driver,worker, plus coordinator in daemon mode; broker needs "
+                   "--kafka-tansu)")
     p.add_argument("--batches", type=int, default=3,
                    help="new input batches for every job run (default 3)")
     p.add_argument("--rows-per-batch", type=int, default=200, help="rows per batch (default 200)")
@@ -77,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the Kafka participant keeps its producers across batches "
                    "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
                    "under kills too")
+    p.add_argument("--broker-down-max", type=float, default=5.0, metavar="SECONDS",
+                   help="victim broker: it stays down a random 0..SECONDS after each kill "
+                   "(default 5)")
     p.add_argument("--files-s3-local", action="store_true",
                    help="write the staged files to a private S3-API server (moto, from the "
                    "dev extra) as s3://twophase-chaos/files")
@@ -89,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--delta-local", action="store_true",
                    help="also write a Delta table (deltalake) in WORKDIR/delta: one table "
                    "version per batch, judged for extra commits too")
+    p.add_argument("--iceberg-local", action="store_true",
+                   help="also write an Iceberg table (pyiceberg, a SQL catalog on SQLite and a "
+                   "warehouse in WORKDIR): one snapshot per batch, judged for extra commits too")
     p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
                    help="run your own job config instead of the demo's")
     p.add_argument("--failpoint-share", type=float, default=0.5,
@@ -105,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _run_chaos(args: argparse.Namespace) -> int:
-    from twophase.testing.chaos import VICTIMS, ChaosError, ChaosOptions, render, run_chaos
+    from twophase.testing.chaos import ChaosError, ChaosOptions, render, run_chaos
     from twophase.testing.job import JobConfig
     from twophase.testing.servers import ServerUnavailable
 
@@ -114,8 +130,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             print(msg, flush=True)
 
     if args.victims is None:
-        victims: tuple[str, ...] = VICTIMS if args.coordinator_mode == "daemon" else (
-            "driver", "worker")
+        victims: tuple[str, ...] = ("driver", "worker") + (
+            ("coordinator",) if args.coordinator_mode == "daemon" else ())
     else:
         victims = tuple(v.strip() for v in args.victims.split(",") if v.strip())
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="twophase-chaos-"))
@@ -126,7 +142,13 @@ def _run_chaos(args: argparse.Namespace) -> int:
         except (OSError, ValueError, TypeError) as exc:
             print(f"twophase chaos: cannot read job config {args.job}: {exc}", file=sys.stderr)
             return 2
+    if "broker" in victims and not (args.kafka_tansu and job is None):
+        print("twophase chaos: victim 'broker' needs --kafka-tansu (chaos kills and restarts "
+              "the private tansu broker it starts; it cannot restart a broker given by "
+              "--kafka-bootstrap or a --job's)", file=sys.stderr)
+        return 2
     servers: list[Any] = []
+    broker = None
     try:
         pg_dsn = args.pg_dsn
         if args.kafka_reuse and (job is not None or not (args.kafka_bootstrap
@@ -154,8 +176,22 @@ def _run_chaos(args: argparse.Namespace) -> int:
                 return 2
             from twophase.testing.localkafka import LocalTansu
 
-            say("starting a private tansu broker ...")
-            broker = LocalTansu()
+            if "broker" in victims:
+                # Its log must survive its kills: S3 storage in a private moto server.
+                from twophase.testing.locals3 import LocalS3
+
+                say("starting a private S3-API server (moto) for the broker's log ...")
+                log_store = LocalS3()
+                log_store.start()
+                servers.append(log_store)
+                bucket = log_store.create_bucket("twophase-chaos-tansu")
+                say("starting a private tansu broker on S3 storage ...")
+                broker = LocalTansu(storage=f"s3://{bucket}/", s3={
+                    "endpoint": log_store.endpoint, "access_key": log_store.access_key,
+                    "secret_key": log_store.secret_key, "region": log_store.region})
+            else:
+                say("starting a private tansu broker ...")
+                broker = LocalTansu()
             broker.start()
             servers.append(broker)
             kafka = broker.bootstrap
@@ -183,7 +219,9 @@ def _run_chaos(args: argparse.Namespace) -> int:
             servers.append(maria)
             sql_url = maria.url
         delta_path = str(workdir / "delta") if args.delta_local and job is None else None
-        if job is None and not (pg_dsn or not args.no_files or kafka or sql_url or delta_path):
+        iceberg = args.iceberg_local and job is None
+        if job is None and not (pg_dsn or not args.no_files or kafka or sql_url or delta_path
+                                or iceberg):
             print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
                   file=sys.stderr)
             return 2
@@ -193,7 +231,9 @@ def _run_chaos(args: argparse.Namespace) -> int:
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
             kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url,
-            delta_path=delta_path, job=job,
+            delta_path=delta_path, iceberg_local=iceberg, job=job,
+            broker=broker if "broker" in victims else None,
+            broker_down_max_s=args.broker_down_max,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,

@@ -6,7 +6,11 @@ three victims again and again, each time at a moment drawn from ``random.Random(
 
 - ``driver``: the job process (its JVM and Python workers die with it);
 - ``worker``: one Spark Python worker of the job (the driver lives on and retries);
-- ``coordinator``: the daemon (restarted at once on the same port and store).
+- ``coordinator``: the daemon (restarted at once on the same port and store);
+- ``broker``: the Kafka broker chaos started (a tansu on S3 storage, ``--kafka-tansu``),
+  restarted after a short random pause on the same port and storage; always a timer kill
+  while a job runs. Kafka is then judged from the partition logs with tansu's stored
+  outcomes settling a transaction whose markers the crash lost (docs/chaos.md).
 
 A kill is either a failpoint (the protocol step is known: ``after_prepare``, ...) or a
 timer that fires after a random delay (the step is read from the coordinator: the state
@@ -33,13 +37,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.errors import TwophaseError
 from twophase.protocol import CommitScope
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon, clean_env
+
+if TYPE_CHECKING:
+    from twophase.testing.localkafka import LocalTansu
+    from twophase.testing.verify import VerifyReport
 
 __all__ = [
     "COORDINATOR_POINTS",
@@ -54,7 +62,7 @@ __all__ = [
     "run_chaos",
 ]
 
-VICTIMS = ("driver", "worker", "coordinator")
+VICTIMS = ("driver", "worker", "coordinator", "broker")
 DRIVER_POINTS = ("before_begin", "before_return")
 TABLE_POINTS = ("before_batch_commit", "after_batch_commit")
 """Driver points around a table's once-per-batch commit: chosen only when the job writes
@@ -84,6 +92,8 @@ def points_for(victim: str, mode: str, tables: bool = False) -> tuple[str, ...]:
         return WORKER_POINTS
     if victim == "coordinator":
         return COORDINATOR_POINTS if mode == "daemon" else ()
+    if victim == "broker":
+        return ()  # the broker runs no twophase code: timer kills only
     raise ValueError(f"unknown victim {victim!r}; one of {', '.join(VICTIMS)}")
 
 
@@ -226,8 +236,13 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
+    # The Kafka broker chaos may kill (victim "broker"): a started LocalTansu on S3
+    # storage, whose kafka_bootstrap this is; None without that victim.
+    broker: LocalTansu | None = None
+    broker_down_max_s: float = 5.0  # a broker kill keeps it down uniform(0, this) seconds
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
+    iceberg_local: bool = False  # IcebergParticipant on a SQL catalog in the workdir
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -253,6 +268,16 @@ class ChaosOptions:
         if "coordinator" in self.victims and self.coordinator_mode != "daemon":
             raise ChaosError("victim 'coordinator' needs --coordinator-mode daemon (the "
                              "embedded coordinator dies with the driver: victim 'driver')")
+        if "broker" in self.victims:
+            if self.broker is None or self.job is not None:
+                raise ChaosError("victim 'broker' needs --kafka-tansu (chaos kills and "
+                                 "restarts the tansu broker it starts itself)")
+            if not self.broker.storage.startswith("s3://"):
+                raise ChaosError("victim 'broker' needs a tansu on s3:// storage (its log "
+                                 "must survive the kill)")
+        if not 0.0 <= self.broker_down_max_s <= 60.0:
+            raise ChaosError(f"--broker-down-max must be within 0..60 seconds, got "
+                             f"{self.broker_down_max_s:g}")
         if not 0.0 <= self.failpoint_share <= 1.0:
             raise ChaosError("failpoint share must be within 0..1")
 
@@ -295,6 +320,7 @@ class _Chaos:
         self.participant_names = [p.name for p in built]
         self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
         self.batch_seconds: list[float] = [3.0]
+        self.broker_down: list[float] = []
 
     # ------------------------------------------------------------------ setup
     def _config(self) -> JobConfig:
@@ -326,6 +352,11 @@ class _Chaos:
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
                 delta_path=o.delta_path,
+                iceberg_table=f"chaos.orders_{tag}" if o.iceberg_local else None,
+                iceberg_catalog={
+                    "type": "sql", "uri": f"sqlite:///{self.work / 'iceberg-catalog.db'}",
+                    "warehouse": f"file://{self.work / 'iceberg'}",
+                } if o.iceberg_local else None,
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,
@@ -362,6 +393,15 @@ class _Chaos:
         return str(txns[0]["state"]) if txns else "none"
 
     # ------------------------------------------------------------------ kills
+    def _choose_victim(self) -> str:
+        """At random, but every victim first: until each has had a kill that landed, the
+        draw is among those still without one (a short run still hits them all)."""
+        landed = {ev.victim for ev in self.events}
+        pending = [v for v in self.o.victims if v not in landed]
+        if pending and self.o.kills - len(self.events) >= len(pending):
+            return self.rng.choice(pending)
+        return self.rng.choice(self.o.victims)
+
     def _choose_failpoint(self, victim: str) -> str | None:
         points = points_for(victim, self.o.coordinator_mode, self.tables)
         if not points:
@@ -461,11 +501,22 @@ class _Chaos:
                         return f"pid {pid}"
                 time.sleep(0.1)
             return None
+        if victim == "broker":
+            broker = self.o.broker
+            assert broker is not None
+            pid = broker.proc.pid if broker.proc else 0
+            return f"pid {pid}" if broker.kill() else None
         assert self.daemon is not None
         pid = self.daemon.proc.pid if self.daemon.proc else 0
         return f"pid {pid}" if self.daemon.kill() else None
 
     def _after_kill(self, victim: str) -> None:
+        if victim == "broker":
+            down = self.rng.uniform(0.0, self.o.broker_down_max_s)
+            time.sleep(down)  # bounded outage, then the same port and storage again
+            assert self.o.broker is not None
+            self.o.broker.restart()
+            self.broker_down.append(round(down, 3))
         if victim == "coordinator":
             assert self.daemon is not None
             time.sleep(self.rng.uniform(0.0, 1.0))  # a short outage, then the restart
@@ -489,7 +540,7 @@ class _Chaos:
                 if attempts > 4 * o.kills + 10:
                     raise ChaosError(f"only {len(self.events)} of {o.kills} kills landed in "
                                      f"{attempts - 1} tries; see {self.work / 'logs'}")
-                victim = self.rng.choice(o.victims)
+                victim = self._choose_victim()
                 if job is not None and (not job.alive or kills_in_run >= o.max_kills_per_run):
                     self._finish_run(job)
                     job = None
@@ -548,9 +599,13 @@ class _Chaos:
             nxt = next((t for t in commits if t > ev.at), None)
             ev.recovery_s = None if nxt is None else round(nxt - ev.at, 3)
         rec = [ev.recovery_s for ev in self.events if ev.recovery_s is not None]
-        report = verify(build_participants(self.cfg),
+        participants = build_participants(self.cfg)
+        report = verify(participants,
                         expected_ids(self.total_batches, self.o.rows_per_batch),
-                        sink=self.cfg.sink)
+                        sink=self.cfg.sink, backs=self._kafka_backs(participants))
+        for p in participants:
+            p.close()
+        self._keep_broker_evidence(report)
         by_victim_step: dict[str, Counter[str]] = {}
         for ev in self.events:
             by_victim_step.setdefault(ev.victim, Counter())[ev.step] += 1
@@ -574,6 +629,9 @@ class _Chaos:
             "recovery_seconds": _summary(rec),
             "coordinator_mode": self.o.coordinator_mode,
             "coordinator_unsettled": unsettled,
+            "coordinator_store": self.store_url,
+            "kafka_reuse": self.cfg.kafka_reuse,
+            "broker_down_seconds": _summary(self.broker_down),
             "duration_s": self.now(),
             "verify": json.loads(report.to_json()),
             "verify_lines": report.lines(),
@@ -588,6 +646,42 @@ class _Chaos:
         path.write_text(json.dumps(out, indent=2, default=str))
         out["json_path"] = str(path)
         return out
+
+    def _kafka_backs(self, participants: Sequence[Any]) -> dict[str, Any] | None:
+        """With a killed broker: Kafka read from its log, a transaction whose markers a
+        crash lost settled by tansu's own stored outcome and named in the note
+        (``KafkaParticipant.read_back(outcomes=...)``, docs/chaos.md "The lost marker");
+        one tansu still has open stays open. None: every system reads itself."""
+        if self.o.broker is None or "broker" not in self.o.victims:
+            return None
+        from twophase.sinks.kafka import KafkaParticipant
+
+        # tansu on S3 finds a partition's end from the objects' last_modified, which S3
+        # keeps to the second: read within the second of the last commit, it can be stale.
+        time.sleep(2.0)
+        outcomes = self.o.broker.transaction_outcomes()
+        return {p.name: p.read_back("id", outcomes=outcomes) for p in participants
+                if isinstance(p, KafkaParticipant)}
+
+    def _keep_broker_evidence(self, report: VerifyReport) -> None:
+        """A killed broker's own log (logs/tansu.log), and when Kafka's verdict fails,
+        the evidence (logs/kafka-evidence.txt: the partition logs batch by batch, the
+        coordinator's attempts, tansu's stored state): the broker and its bucket are
+        gone when chaos returns."""
+        broker = self.o.broker
+        if broker is None or "broker" not in self.o.victims:
+            return
+        if broker.dir is not None and (broker.dir / "tansu.log").exists():
+            (self.work / "logs" / "tansu.log").write_bytes(
+                (broker.dir / "tansu.log").read_bytes())
+        if all(s.ok for s in report.systems if s.kind == "kafka"):
+            return
+        from twophase.testing.kafka_evidence import evidence
+
+        text = evidence(broker.bootstrap, self.cfg.kafka_topic, self.store_url,
+                        self.cfg.sink, broker.s3_client())
+        (self.work / "logs" / "kafka-evidence.txt").write_text(text)
+        self.o.log(f"Kafka failed its verdict: evidence in {self.work / 'logs'}")
 
     def _unsettled(self) -> int | str:
         """Transactions of the sink still OPEN/PREPARING/COMMITTING (informational)."""
@@ -648,6 +742,10 @@ def render(report: dict[str, Any]) -> list[str]:
     if rec["n"]:
         lines.append(f"time to recover (kill -> next committed batch): p50 {rec['p50']:.1f}s, "
                      f"p90 {rec['p90']:.1f}s, max {rec['max']:.1f}s (n={rec['n']})")
+    down = report.get("broker_down_seconds") or {"n": 0}
+    if down["n"]:
+        lines.append(f"broker down per kill (SIGKILL -> restart): p50 {down['p50']:.1f}s, "
+                     f"max {down['max']:.1f}s (n={down['n']})")
     lines.append(f"coordinator transactions left unsettled: {report['coordinator_unsettled']}")
     lines.append("verification per system:")
     lines += ["  " + x for x in report["verify_lines"]]

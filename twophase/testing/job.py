@@ -66,6 +66,8 @@ class JobConfig:
     sql_table: str = "orders"
     delta_path: str | None = None  # DeltaParticipant: a local folder or s3://bucket/prefix
     delta_options: dict[str, str] | None = None  # its storage_options (s3:// only)
+    iceberg_table: str | None = None  # IcebergParticipant: "namespace.name"
+    iceberg_catalog: dict[str, str] | None = None  # pyiceberg load_catalog properties
     partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
@@ -173,9 +175,15 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
         parts.append(DeltaParticipant(cfg.delta_path, storage_options=cfg.delta_options,
                                       mode="complete" if cfg.aggregate == "complete"
                                       else "append"))
+    if cfg.iceberg_table:
+        from twophase.sinks.iceberg import IcebergParticipant
+
+        parts.append(IcebergParticipant(cfg.iceberg_table, cfg.iceberg_catalog or {},
+                                        mode="complete" if cfg.aggregate == "complete"
+                                        else "append"))
     if not parts:
         raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap, "
-                         "sql_urls, delta_path")
+                         "sql_urls, delta_path, iceberg_table")
     return parts
 
 

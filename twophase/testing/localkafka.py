@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from twophase.sinks.kafka.config import TEST_BROKER_CLUSTER_ID
 from twophase.testing.servers import LocalServer, ServerUnavailable
@@ -156,6 +157,19 @@ class LocalTansu(LocalServer):
         assert self.dir is not None, "restart() needs a started broker"
         return self.start(timeout)
 
+    def s3_client(self) -> tuple[Any, str] | None:
+        """A boto3 client of the S3-API server holding the log, and the bucket (None on
+        memory storage): what :func:`twophase.testing.kafka_evidence.evidence` reads."""
+        if self._s3 is None:
+            return None
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=self._s3["endpoint"], region_name=self._s3["region"],
+            aws_access_key_id=self._s3["access_key"],
+            aws_secret_access_key=self._s3["secret_key"])
+        return client, self.storage.removeprefix("s3://").split("/", 1)[0]
+
     def transaction_outcomes(self) -> dict[tuple[int, int], bool]:
         """This broker's own record of its transactions' outcomes, read from its S3
         storage (``meta.json``, tansu 0.6.0's dynostore): (producer id, epoch) -> True
@@ -164,16 +178,12 @@ class LocalTansu(LocalServer):
         are left out. Lets the verifier settle a transaction whose marker a crash lost
         (``KafkaParticipant.read_back(outcomes=...)``, docs/chaos.md "tansu restarted
         mid-batch"). Memory storage: nothing survives a crash, so {}."""
-        if self._s3 is None:
+        found = self.s3_client()
+        if found is None:
             return {}
         import json
 
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=self._s3["endpoint"], region_name=self._s3["region"],
-            aws_access_key_id=self._s3["access_key"],
-            aws_secret_access_key=self._s3["secret_key"])
+        client = found[0]
         bucket, _, prefix = self.storage.removeprefix("s3://").partition("/")
         key = f"{prefix}clusters/{TEST_BROKER_CLUSTER_ID}/meta.json"
         try:

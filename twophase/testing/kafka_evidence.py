@@ -1,4 +1,5 @@
-"""What a failed Kafka crash test leaves to explain itself: the partition logs batch by
+"""What a failed Kafka crash test (or a ``twophase chaos`` run that kills the broker) leaves
+to explain itself: the partition logs batch by
 batch (producer id, epoch, base offset, branch tag, fate under Kafka's rule), the
 coordinator's record of every attempt, and, for a tansu on S3, its stored transaction
 state (``meta.json``) and record objects.
@@ -12,8 +13,10 @@ settled it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+__all__ = ["evidence", "log_lines", "store_lines", "tansu_s3_lines"]
 
 
 def _tag(batch: Any) -> str:
@@ -127,10 +130,12 @@ def evidence(bootstrap: str, topic: str, store_url: str, sink: str,
     """All of the above as one text, each part guarded (a dead broker still gives the
     rest)."""
     parts: list[str] = []
-    for name, fn in (("log", lambda: log_lines(bootstrap, topic)),
-                     ("coordinator", lambda: store_lines(store_url, sink)),
-                     ("tansu S3", lambda: tansu_s3_lines(s3[0], s3[1], topic, sink)
-                      if s3 else [])):
+    readers: list[tuple[str, Callable[[], list[str]]]] = [
+        ("log", lambda: log_lines(bootstrap, topic)),
+        ("coordinator", lambda: store_lines(store_url, sink)),
+        ("tansu S3", lambda: tansu_s3_lines(s3[0], s3[1], topic, sink) if s3 else []),
+    ]
+    for name, fn in readers:
         try:
             parts += [f"== {name}", *fn()]
         except Exception as exc:  # diagnostics must not hide the failure they explain
