@@ -64,7 +64,7 @@ _COMMIT_TRIES: Final = 20
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
 _HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
 _FOOTER_KEY: Final = "twophase.add"  # a data file's partition values and stats, as voted
-_STAT_CHARS: Final = 32  # longer strings get no min/max (a prefix would be a wrong max)
+_STAT_CHARS: Final = 32  # a longer string leaves its file with only a row count
 _META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
          "twophase.participant", "twophase.partitions")
 _OPEN = threading.local()  # this thread's open tables: (path, options) -> DeltaTable
@@ -642,8 +642,11 @@ class _Stats:
 
         t = self.types[name]
         if _pa().types.is_timestamp(t):
-            per_ms = {"s": 0.001, "ms": 1, "us": 1000, "ns": 1_000_000}[t.unit]
-            ms = -(-v // per_ms) if up else v // per_ms
+            if t.unit == "s":
+                ms = v * 1000
+            else:
+                per_ms = {"ms": 1, "us": 1000, "ns": 1_000_000}[t.unit]
+                ms = -(-v // per_ms) if up else v // per_ms
             at = dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=int(ms))
             return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}" + \
                 ("Z" if t.tz else "")
