@@ -21,14 +21,15 @@ What is compared (median of ``--repeats`` runs, alternating, fresh table/folder 
   one transaction (``--only upsert``); half the keys already exist;
 - copy methods (why the participant uses CSV): psycopg ``Copy.write_row`` per row against
   pyarrow CSV chunks, both raw, same transaction shape;
-    ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
-                    "(default: a private MariaDB server)")
-    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg"]
-    ap.add_argument("--only", choices=sections, nargs="*")
-    ap.add_argument("--iceberg-partitions", type=int, default=4,
-                    help="branches (P) per batch in the Iceberg section")
-    args = ap.parse_args(argv)
-    want = set(args.only or sections)
+- sql: ``SqlAlchemyParticipant`` on a private MariaDB (XA) against plain SQLAlchemy bulk
+  inserts, same chunking, one transaction per batch (``bench/participants_sql.py``;
+  ``--sql-url`` for another server);
+- iceberg: ``IcebergParticipant`` (P=1 and ``--iceberg-partitions`` branch prepares +
+  one ``commit_batch``) against a plain pyiceberg ``table.append`` of the batch, on a SQL
+  catalog in a temporary folder;
+- delta: ``DeltaParticipant`` (P=2 branch prepares + one ``commit_batch``) against plain
+  ``write_deltalake(mode="append")`` of the same batch (at-least-once), as one commit per
+  batch and as P commits (``bench/participants_delta.py``);
 - files (parquet, jsonl): ``StagedFileParticipant.prepare + commit`` against raw pyarrow
   write of the same file + fsync + ``os.replace`` + directory fsync (the least a durable
   atomic writer does); the no-fsync raw figure is printed too for reference.
@@ -422,6 +423,19 @@ def bench_sql_section(sizes: list[int], repeats: int, url: str | None) -> list[R
                                                   _median_rps, url)]
 
 
+# -- delta (DeltaParticipant vs write_deltalake) ---------------------------------------------
+
+
+def bench_delta_section(root: Path, sizes: list[int], repeats: int) -> list[Result]:
+    path = Path(__file__).with_name("participants_delta.py")
+    spec = importlib.util.spec_from_file_location("participants_delta", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [Result(*r) for r in module.bench_delta(root, sizes, repeats, make_batch,
+                                                   _alternate, _median_rps)]
+
+
 # -- report --------------------------------------------------------------------------------
 
 
@@ -449,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fsync", action="store_true", help="private server with fsync=off")
     ap.add_argument("--sql-url", help="a MySQL/MariaDB SQLAlchemy URL for the sql section "
                     "(default: a private MariaDB server)")
-    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg"]
+    sections = ["postgres", "copy", "upsert", "files", "kafka", "sql", "iceberg", "delta"]
     ap.add_argument("--only", choices=sections, nargs="*")
     ap.add_argument("--iceberg-partitions", type=int, default=4,
                     help="branches (P) per batch in the Iceberg section")
@@ -479,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
                 results += bench_iceberg(Path(tmp), args.sizes, args.repeats,
                                          args.iceberg_partitions)
+        if "delta" in want:
+            with tempfile.TemporaryDirectory(prefix="twophase-bench-", dir=args.dir) as tmp:
+                results += bench_delta_section(Path(tmp), args.sizes, args.repeats)
     finally:
         if server is not None:
             server.stop()

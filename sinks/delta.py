@@ -5,7 +5,9 @@ A table commits once per batch (:class:`~twophase.participant.BatchParticipant`)
 - **prepare** (each task): the branch's rows become Parquet data files under
   ``<table>/twophase-<sink>/<lineage>/<batch>/``, named after participant, partition,
   attempt and sequence. No log entry references them, so no reader sees them. The task
-  votes a handle naming them (size, rows).
+  votes a handle naming them with what their add actions need (size, partition values,
+  stats); each file's footer holds the same, so a recovery that finds a branch's files by
+  name, without its vote, commits the same add actions.
 - **commit_batch** (the driver, after COMMIT): ONE Delta commit of add actions for every
   branch's files. It carries Delta's own ``SetTransaction(app_id, version=batch id)``
   with ``app_id = twophase-<sink>-<lineage>``, the same idempotency state Spark's Delta
@@ -23,14 +25,16 @@ been this very batch, from another process.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase.errors import (
@@ -67,8 +71,11 @@ POLICIES: Final = ("fail", "add_columns")
 _COMMIT_TRIES: Final = 20
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
 _HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
+_FOOTER_KEY: Final = "twophase.add"  # a data file's partition values and stats, as voted
+_STAT_CHARS: Final = 32  # a longer string leaves its file with only a row count
 _META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
          "twophase.participant", "twophase.partitions")
+_OPEN = threading.local()  # this thread's open tables: (path, options) -> DeltaTable
 Commits = dict[tuple[str, int], list[tuple[int, frozenset[int]]]]
 """(lineage, batch) -> (attempt, partitions taken) of every twophase commit of it."""
 
@@ -97,6 +104,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         name: str | None = None,
         mode: str = "append",
         on_schema_change: str = "fail",
+        partition_by: Sequence[str] | str | None = None,
         target_file_bytes: int = 128 * 1024 * 1024,
     ) -> None:
         if not isinstance(path, str) or not path or "\x00" in path:
@@ -113,6 +121,12 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             )
         if not isinstance(target_file_bytes, int) or target_file_bytes < 1024:
             raise InvalidRequest(f"target_file_bytes must be >= 1024, got {target_file_bytes!r}")
+        if isinstance(partition_by, str):
+            partition_by = [partition_by]
+        self.partition_by = None if partition_by is None else tuple(
+            validate_name("partition column", c) for c in partition_by)
+        if self.partition_by is not None and len(set(self.partition_by)) != len(self.partition_by):
+            raise InvalidRequest(f"partition_by names a column twice: {list(self.partition_by)}")
         self.remote = path.startswith(("s3://", "s3a://"))
         self.path = path if self.remote else os.path.abspath(path.removeprefix("file://"))
         self.storage_options = {str(k): str(v) for k, v in (storage_options or {}).items()}
@@ -133,13 +147,31 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
+        # An open table catches up by reading only the log entries after its version; a
+        # fresh open replays the log from the last checkpoint (up to 100 entries), which
+        # on a long stream costs more than the batch. One cache per thread: a DeltaTable
+        # is not shared across threads.
+        cache: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = _OPEN.__dict__.setdefault(
+            "tables", {})
+        key = (self.path, tuple(sorted(self.storage_options.items())))
+        dt = cache.get(key)
+        if dt is not None:
+            try:
+                dt.update_incremental()
+                return dt
+            except Exception:  # replaced or gone: open it afresh
+                cache.pop(key, None)
         try:
-            return DeltaTable(self.path, storage_options=self.storage_options or None)
+            dt = DeltaTable(self.path, storage_options=self.storage_options or None)
         except TableNotFoundError:
             raise ParticipantError(
                 f"{self.describe()}: the table does not exist; the sink creates it before "
                 "the first batch (check), or create it yourself"
             ) from None
+        if len(cache) >= 16:
+            cache.clear()
+        cache[key] = dt
+        return dt
 
     def _fs(self) -> tuple[pafs.FileSystem, str]:
         """A pyarrow file system for the table's files and the table root on it."""
@@ -249,6 +281,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         if not DeltaTable.is_deltatable(self.path, storage_options=self.storage_options or None):
             try:
                 DeltaTable.create(self.path, schema=want, mode="ignore",
+                                  partition_by=list(self.partition_by or ()) or None,
                                   storage_options=self.storage_options or None)
             except Exception as exc:
                 raise InvalidRequest(
@@ -276,12 +309,25 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                   for f in want if f.name in have.names and have.field(f.name).type != f.type]
         if differ:
             problems.append("column types differ: " + ", ".join(differ))
+        parts = list(dt.metadata().partition_columns)
+        if self.partition_by is not None and list(self.partition_by) != parts:
+            problems.append(f"the table is partitioned by {parts or 'nothing'}, the sink by "
+                            f"{list(self.partition_by) or 'nothing'}")
+        bad = [f"{c} ({want.field(c).type})" for c in parts
+               if c in want.names and not _partitionable(want.field(c).type)]
+        if bad:
+            problems.append("partition columns must be integers, strings, booleans or "
+                            f"dates: {', '.join(bad)}")
+        lacking = [c for c in parts if c not in want.names]
+        if lacking:
+            problems.append(f"partition columns the stream lacks: {', '.join(lacking)}")
         if problems:
             raise InvalidRequest(
                 f"{self.describe()}: the stream does not fit the existing table: "
                 + "; ".join(problems)
                 + ". Fix: select and cast the stream's columns to the table's, or pass "
-                "on_schema_change='add_columns' to add new columns, or write to a new table"
+                "on_schema_change='add_columns' to add new columns, or partition_by= as the "
+                "table is, or write to a new table"
             )
 
     # ------------------------------------------------------------------ prepare
@@ -297,17 +343,31 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         if self._committed(dt, branch.sink, branch.lineage, branch.batch_id):
             return {"files": "[]", "rows": "0", "committed": "yes"}  # the marker: no write
         target = _arrow_schema(dt)
+        parts = list(dt.metadata().partition_columns)
         fs, root = self._fs()
         folder = self._join(root, self._rel(branch.sink, branch.lineage, branch.batch_id))
         stem = f"{self.name}-{branch.partition:05d}-{branch.attempt}"
-        writer = _BranchWriter(fs, folder, stem, self.target_file_bytes, not self.remote)
+        seq = itertools.count()  # one sequence for the branch: its files' names differ
+        writers: dict[tuple[str | None, ...], _BranchWriter] = {}
+
+        def writer_for(values: dict[str, str | None]) -> _BranchWriter:
+            key = tuple(values.values())
+            if key not in writers:
+                writers[key] = _BranchWriter(fs, folder, stem, self.target_file_bytes,
+                                             not self.remote, seq, values)
+            return writers[key]
+
         try:
             for batch in batches:
-                writer.write(_conform(batch, target))
-            files = writer.close()
+                rows_in = _conform(batch, target)
+                for values, piece in _split(rows_in, parts):
+                    writer_for(values).write(piece)
+            files = [f for w in writers.values() for f in w.close()]
         except BaseException:
-            writer.discard()
+            for w in writers.values():
+                w.discard()
             raise
+        files.sort()
         listed = json.dumps(files, separators=(",", ":"))
         rows = sum(f[2] for f in files)
         # too many files to vote: the batch commit finds them by name instead
@@ -332,12 +392,10 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                 max_commit_retries=0,  # our loop re-reads the marker before trying again
             )
             try:
-                if self.mode == "complete":
-                    dt.create_write_transaction(actions, "overwrite", _arrow_schema(dt),
-                                                commit_properties=props)
-                else:
-                    dt.create_write_transaction(actions, "append", _arrow_schema(dt),
-                                                commit_properties=props)
+                dt.create_write_transaction(
+                    actions, "overwrite" if self.mode == "complete" else "append",
+                    _arrow_schema(dt), partition_by=list(dt.metadata().partition_columns),
+                    commit_properties=props)
                 return
             except CommitFailedError as exc:
                 log.info("%s: batch %d lost a commit race (%s); reading the marker again",
@@ -363,13 +421,13 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             else:  # a recovery without the vote, or too many to vote: found by name
                 fs, folder, names, _ = self._branch_files(key.sink, key.lineage,
                                                           key.batch_id, key.attempt, partition)
-                files = [(n, fs.get_file_info(f"{folder}/{n}").size, None) for n in names]
-            for name, size, rows in files:
+                files = [_from_footer(fs, folder, n) for n in names]
+            for name, size, _rows, values, stats in files:
                 if not isinstance(name, str) or not FILE_NAME.match(name):
                     raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
                                            "which is not a branch data file")
-                stats = json.dumps({"numRecords": rows}) if rows is not None else ""
-                actions.append(AddAction(f"{rel}/{name}", int(size), {}, now, True, stats))
+                actions.append(AddAction(f"{rel}/{name}", int(size), dict(values), now, True,
+                                         str(stats)))
         return actions
 
     # ------------------------------------------------------------------ status, abort
@@ -429,6 +487,8 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             "mode": self.mode, "on_schema_change": self.on_schema_change,
             "target_file_bytes": self.target_file_bytes, "secrets": ",".join(secret),
         }
+        if self.partition_by is not None:
+            options["partition_by"] = ",".join(self.partition_by)
         for k, v in self.storage_options.items():
             if k not in secret:
                 options[f"storage.{k}"] = v
@@ -445,8 +505,10 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                    if k.startswith("storage.")}
         for key in filter(None, str(o.get("secrets", "")).split(",")):
             storage[key] = required_secret(descriptor["name"], secrets, key)
+        parts = o.get("partition_by")
         return cls(descriptor["target"], storage_options=storage, name=descriptor["name"],
                    mode=o["mode"], on_schema_change=o["on_schema_change"],
+                   partition_by=None if parts is None else [c for c in str(parts).split(",") if c],
                    target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)))
 
     def read_back(self, column: str) -> ReadBack:
@@ -504,6 +566,140 @@ def _arrow_schema(dt: Any) -> pa.Schema:
     return _pa().schema(dt.schema().to_arrow())
 
 
+def _partitionable(t: Any) -> bool:
+    pa = _pa()
+    return bool(pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_boolean(t)
+                or pa.types.is_date32(t))
+
+
+def _partition_value(v: Any) -> str | None:
+    """Delta's partition value serialization; an empty string is null, as in Spark."""
+    if v is None or v == "":
+        return None
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if hasattr(v, "isoformat"):
+        return str(v.isoformat())
+    return str(v)
+
+
+def _split(batch: pa.RecordBatch, parts: list[str]
+           ) -> Iterator[tuple[dict[str, str | None], pa.RecordBatch]]:
+    """The batch's rows per value of the table's partition columns, without those columns
+    (Delta keeps partition values in the log, not in the data files)."""
+    if not parts:
+        yield {}, batch
+        return
+    import pyarrow.compute as pc
+
+    pa = _pa()
+    keep = [n for n in batch.schema.names if n not in parts]
+    combos = pa.Table.from_batches([batch]).select(parts).group_by(
+        parts, use_threads=False).aggregate([]).to_pylist()
+    for combo in combos:
+        mask = None
+        for c in parts:
+            col, v = batch.column(c), combo[c]
+            m = pc.is_null(col) if v is None else \
+                pc.fill_null(pc.equal(col, pa.scalar(v, col.type)), False)
+            mask = m if mask is None else pc.and_(mask, m)
+        yield {c: _partition_value(combo[c]) for c in parts}, batch.filter(mask).select(keep)
+
+
+class _Stats:
+    """A data file's Delta statistics, gathered while it is written: row count, exact null
+    counts, and min/max of every column, or only the row count.
+
+    All or nothing, because delta-rs's reader skips a file for a filter on a column whose
+    min/max are missing while the file has stats for others (tested). A column gets a
+    range when its type has one and it is exact or a true bound: integers, booleans,
+    dates, finite floats, strings of at most 32 characters, timestamps as milliseconds
+    (min rounded down, max up: Delta keeps milliseconds). NaN, infinities, a longer
+    string or another type (binary, decimal, nested) leave the file with its row count."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        pa = _pa()
+        self.rows = 0
+        self.nulls = {f.name: 0 for f in schema}
+        self.types = {f.name: f.type for f in schema}
+        self.whole = all(
+            pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+            or pa.types.is_string(f.type) or pa.types.is_date32(f.type)
+            or pa.types.is_boolean(f.type) or pa.types.is_timestamp(f.type)
+            for f in schema)
+        self.lo: dict[str, Any] = {}
+        self.hi: dict[str, Any] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        import pyarrow.compute as pc
+
+        pa = _pa()
+        self.rows += batch.num_rows
+        for name in self.nulls:
+            self.nulls[name] += batch.column(name).null_count
+        if not self.whole:
+            return
+        for name in self.nulls:
+            col = batch.column(name)
+            if pa.types.is_floating(col.type) and (
+                    pc.any(pc.is_nan(col)).as_py() or pc.any(pc.is_inf(col)).as_py()):
+                self.whole = False
+                return
+            if pa.types.is_timestamp(col.type):
+                col = col.cast(pa.int64())  # in the type's unit; milliseconds in json()
+            mm = pc.min_max(col)
+            lo, hi = mm["min"].as_py(), mm["max"].as_py()
+            if lo is None:
+                continue  # all null here
+            if isinstance(lo, str) and (len(lo) > _STAT_CHARS or len(hi) > _STAT_CHARS):
+                self.whole = False
+                return
+            self.lo[name] = lo if name not in self.lo else min(self.lo[name], lo)
+            self.hi[name] = hi if name not in self.hi else max(self.hi[name], hi)
+
+    def json(self) -> str:
+        ranged = all(n in self.lo or self.nulls[n] == self.rows for n in self.nulls)
+        if not (self.whole and ranged):
+            return json.dumps({"numRecords": self.rows}, separators=(",", ":"))
+        return json.dumps({
+            "numRecords": self.rows,
+            "minValues": {k: self._out(k, v, False) for k, v in self.lo.items()},
+            "maxValues": {k: self._out(k, v, True) for k, v in self.hi.items()},
+            "nullCount": self.nulls,
+        }, separators=(",", ":"))
+
+    def _out(self, name: str, v: Any, up: bool) -> Any:
+        import datetime as dt
+
+        t = self.types[name]
+        if _pa().types.is_timestamp(t):
+            if t.unit == "s":
+                ms = v * 1000
+            else:
+                per_ms = {"ms": 1, "us": 1000, "ns": 1_000_000}[t.unit]
+                ms = -(-v // per_ms) if up else v // per_ms
+            at = dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=int(ms))
+            return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}" + \
+                ("Z" if t.tz else "")
+        return v.isoformat() if hasattr(v, "isoformat") else v
+
+
+def _from_footer(fs: pafs.FileSystem, folder: str, name: str) -> tuple[Any, ...]:
+    """A branch file's (name, size, rows, partition values, stats) from its footer: what
+    its vote said, for a commit that has only the branch."""
+    import pyarrow.parquet as pq
+
+    path = f"{folder}/{name}"
+    size = fs.get_file_info(path).size
+    with fs.open_input_file(path) as f:
+        meta = pq.read_metadata(f)
+    saved = (meta.metadata or {}).get(_FOOTER_KEY.encode())
+    if saved is None:
+        return name, size, meta.num_rows, {}, json.dumps({"numRecords": meta.num_rows})
+    add = json.loads(saved)
+    return name, size, meta.num_rows, add["partitionValues"], add["stats"]
+
+
 def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:
     """The batch in the table's schema: its column order and types (same instants for
     timestamps), nulls for nullable table columns the stream lacks."""
@@ -525,11 +721,13 @@ class _BranchWriter:
     upload completed."""
 
     def __init__(self, fs: pafs.FileSystem, folder: str, stem: str, target: int,
-                 local: bool) -> None:
+                 local: bool, seq: Iterator[int], values: dict[str, str | None]) -> None:
         self.fs, self.folder, self.stem, self.target, self.local = fs, folder, stem, target, local
+        self.seq, self.values = seq, values
         self.open: tuple[Any, Any, str, int] | None = None
-        self.files: list[tuple[str, int, int]] = []  # (name, bytes, rows)
-        self.seq = 0
+        self.stats: _Stats | None = None
+        # (name, bytes, rows, partition values, stats JSON)
+        self.files: list[tuple[str, int, int, dict[str, str | None], str]] = []
         if local:
             fs.create_dir(folder, recursive=True)
 
@@ -541,6 +739,8 @@ class _BranchWriter:
         assert self.open is not None
         stream, writer, name, rows = self.open
         writer.write_batch(batch)
+        assert self.stats is not None
+        self.stats.add(batch)
         self.open = (stream, writer, name, rows + batch.num_rows)
         if stream.tell() >= self.target:
             self._finish()
@@ -548,8 +748,8 @@ class _BranchWriter:
     def _start(self, schema: pa.Schema) -> None:
         import pyarrow.parquet as pq
 
-        name = f"{self.stem}-{self.seq:05d}.parquet"
-        self.seq += 1
+        name = f"{self.stem}-{next(self.seq):05d}.parquet"
+        self.stats = _Stats(schema)
         path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
         stream = self.fs.open_output_stream(path)
         self.open = (stream, pq.ParquetWriter(stream, schema), name, 0)
@@ -558,6 +758,10 @@ class _BranchWriter:
         assert self.open is not None
         stream, writer, name, rows = self.open
         self.open = None
+        assert self.stats is not None
+        stats = self.stats.json()
+        writer.add_key_value_metadata({_FOOTER_KEY: json.dumps(
+            {"partitionValues": self.values, "stats": stats}, separators=(",", ":"))})
         writer.close()
         stream.close()
         if self.local:
@@ -565,9 +769,9 @@ class _BranchWriter:
             _fsync(tmp)
             self.fs.move(tmp, final)
         size = self.fs.get_file_info(f"{self.folder}/{name}").size
-        self.files.append((name, int(size), rows))
+        self.files.append((name, int(size), rows, self.values, stats))
 
-    def close(self) -> list[tuple[str, int, int]]:
+    def close(self) -> list[tuple[str, int, int, dict[str, str | None], str]]:
         if self.open is not None:
             self._finish()
         if self.local and self.files:
@@ -584,7 +788,7 @@ class _BranchWriter:
                 self.fs.delete_file(f"{self.folder}/.{name}.tmp" if self.local
                                     else f"{self.folder}/{name}")
             self.open = None
-        for name, _, _ in self.files:
+        for name, *_ in self.files:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.delete_file(f"{self.folder}/{name}")
         self.files.clear()

@@ -5,6 +5,7 @@ reader of the files the table references."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -231,9 +232,12 @@ def test_a_table_on_the_s3_api_server(s3: Any, s3_bucket: str) -> None:
     desc = p.descriptor()
     assert s3.secret_key not in repr(desc)
     again = rebuild(desc, {"AWS_SECRET_ACCESS_KEY": s3.secret_key})
-    again.commit_batch(key, handles)  # type: ignore[attr-defined]
+    # branch 1 without its vote: found by name, its add action from the object's footer
+    again.commit_batch(key, {0: handles[0], 1: {}})  # type: ignore[attr-defined]
     dt = DeltaTable(path, storage_options=opts)
     assert len(dt.to_pyarrow_table().to_pylist()) == 10
+    assert [a["num_records"] for a in pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+            ] == [5, 5]
     assert p.in_doubt("orders") == [] and p.read_back("id").commits == 1
 
 
@@ -246,3 +250,175 @@ def test_hostile_paths_and_options_are_refused() -> None:
         DeltaParticipant("/tmp/x", name="../etc")
     with pytest.raises(InvalidRequest, match="invalid lineage"):
         make_branch(DeltaParticipant("/tmp/x", name="dl"), lineage="a/../b")
+
+
+def test_stats_in_the_add_actions_serve_readers_filters(table: DeltaParticipant) -> None:
+    key = TxnKey("orders", "L-st", 0, 1)
+    handles = {p: _prepare(table, BranchRef(*key, "dl", p), 6) for p in range(2)}
+    # partition 1 committed from its footer only (a recovery that lost the vote)
+    table.commit_batch(key, {0: handles[0], 1: {}})
+    dt = DeltaTable(table.path)
+    adds = sorted(pa.table(dt.get_add_actions(flatten=True)).to_pylist(),
+                  key=lambda a: a["path"])
+    by_branch = [sorted(r["id"] for r in batch_for(BranchRef(*key, "dl", p), 6).to_pylist())
+                 for p in range(2)]
+    assert [(a["num_records"], a["min.id"], a["max.id"], a["null_count.label"])
+            for a in adds] == [(6, ids[0], ids[-1], 1) for ids in by_branch]
+    lo = by_branch[1][0]
+    got = dt.to_pyarrow_table(columns=["id"], filters=[("id", ">=", lo)]).column("id")
+    assert sorted(got.to_pylist()) == [i for ids in by_branch for i in ids if i >= lo]
+
+
+def test_a_partitioned_table(tmp_path: Path) -> None:
+    schema = pa.schema([("id", pa.int64()), ("region", pa.string()), ("day", pa.date32())])
+    path = str(tmp_path / "parts")
+    p = DeltaParticipant(path, name="dl", partition_by=["region", "day"])
+    p.check(schema)
+    assert DeltaTable(path).metadata().partition_columns == ["region", "day"]
+    import datetime as dt
+
+    d1, d2 = dt.date(2026, 1, 1), dt.date(2026, 1, 2)
+    rows = [{"id": i, "region": ["eu", "us", None][i % 3], "day": [d1, d2][i % 2]}
+            for i in range(12)]
+    key = TxnKey("s", "L-part", 0, 1)
+    b0, b1 = BranchRef(*key, "dl", 0), BranchRef(*key, "dl", 1)
+    h0 = dict(p.prepare(b0, schema, [pa.RecordBatch.from_pylist(rows[:6], schema=schema),
+                                     pa.RecordBatch.from_pylist(rows[6:9], schema=schema)]))
+    p.prepare(b1, schema, [pa.RecordBatch.from_pylist(rows[9:], schema=schema)])
+    assert len(json.loads(h0["files"])) == 6  # one file per (region, day) the branch met
+    p.commit_batch(key, {0: h0, 1: {}})  # branch 1 found by name, values from its footers
+    table = DeltaTable(path)
+    got = sorted(table.to_pyarrow_table().to_pylist(), key=lambda r: r["id"])
+    assert got == rows
+    adds = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert {(a["partition.region"], a["partition.day"]) for a in adds} == {
+        (r, d) for r in ("eu", "us", None) for d in (d1, d2)}
+    eu = table.to_pyarrow_table(filters=[("region", "=", "eu")]).column("id").to_pylist()
+    assert sorted(eu) == [r["id"] for r in rows if r["region"] == "eu"]
+    # a sink partitioned otherwise does not fit; neither does a type Delta cannot partition by
+    with pytest.raises(InvalidRequest, match=r"the table is partitioned by \['region', "
+                       r"'day'\], the sink by \['day'\]"):
+        DeltaParticipant(path, name="dl", partition_by=["day"]).check(schema)
+    ts = pa.schema([("id", pa.int64()), ("amount", pa.float64())])
+    with pytest.raises(InvalidRequest, match=r"partition columns must be integers, strings, "
+                       r"booleans or dates: amount \(double\)"):
+        DeltaParticipant(str(tmp_path / "t2"), name="dl", partition_by="amount").check(ts)
+    with pytest.raises(InvalidRequest, match="invalid partition column"):
+        DeltaParticipant(path, name="dl", partition_by=["a/b"])
+
+
+def test_stats_are_whole_or_only_the_row_count(tmp_path: Path) -> None:
+    """delta-rs's reader skips a file for a filter on a column without min/max when the
+    file has stats for others: so every column gets a range (timestamps as milliseconds,
+    max rounded up), or the file gets only its row count (NaN, infinities, strings over
+    32 characters). Filters on every column then find every row."""
+    import datetime as dt
+
+    utc = dt.timezone.utc
+    schema = pa.schema([("id", pa.int64()), ("label", pa.string()), ("amount", pa.float64()),
+                        ("ok", pa.bool_()), ("ts", pa.timestamp("us", tz="UTC")),
+                        ("local", pa.timestamp("us")), ("day", pa.date32())])
+    t1 = dt.datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=utc)
+    t2 = dt.datetime(2026, 1, 2, 0, 0, 0, 999999, tzinfo=utc)
+    good = [{"id": 1, "label": "a", "amount": 1.5, "ok": True, "ts": t1,
+             "local": t1.replace(tzinfo=None), "day": dt.date(2026, 1, 1)},
+            {"id": 2, "label": None, "amount": 7.0, "ok": None, "ts": t2,
+             "local": t2.replace(tzinfo=None), "day": None}]
+    bad = [dict(good[0], id=3, label="x" * 40), dict(good[1], id=4, amount=float("nan")),
+           dict(good[1], id=5, amount=float("inf"))]
+    p = DeltaParticipant(str(tmp_path / "t"), name="dl")
+    p.check(schema)
+    key = TxnKey("s", "L-st2", 0, 1)
+    handles = {}
+    for i, rows in enumerate([good, bad[:1], bad[1:2], bad[2:]]):
+        b = BranchRef(*key, "dl", i)
+        handles[i] = dict(p.prepare(b, schema, [pa.RecordBatch.from_pylist(rows, schema=schema)]))
+    p.commit_batch(key, handles)
+    table = DeltaTable(p.path)
+    adds = sorted(pa.table(table.get_add_actions(flatten=True)).to_pylist(),
+                  key=lambda a: a["path"])
+    whole = adds[0]
+    assert (whole["min.id"], whole["max.id"], whole["null_count.ok"]) == (1, 2, 1)
+    assert (whole["min.ts"], whole["max.ts"]) == (
+        dt.datetime(2026, 1, 1, 0, 0, 0, 123000, tzinfo=utc),
+        dt.datetime(2026, 1, 2, 0, 0, 1, tzinfo=utc))  # rounded down / up to milliseconds
+    assert [a["num_records"] for a in adds] == [2, 1, 1, 1]
+    assert all(a.get("min.id") is None and a.get("null_count.id") is None for a in adds[1:])
+    every = good + bad
+
+    def found(column: str, op: str, value: Any) -> list[int]:
+        got = table.to_pyarrow_table(columns=["id"], filters=[(column, op, value)])
+        return sorted(got.column("id").to_pylist())
+
+    def want(pred: Any) -> list[int]:
+        return sorted(r["id"] for r in every if pred(r))
+
+    assert found("label", ">", "b") == want(lambda r: r["label"] is not None and r["label"] > "b")
+    assert found("amount", ">", 6.0) == [2, 5]
+    assert found("ok", "=", True) == want(lambda r: r["ok"] is True)
+    later = dt.datetime(2026, 1, 2, 0, 0, 0, 999500, tzinfo=utc)
+    assert found("ts", ">", later) == want(lambda r: r["ts"] > later)
+    assert found("local", ">", later.replace(tzinfo=None)) == want(lambda r: r["ts"] > later)
+    assert found("day", "=", dt.date(2026, 1, 1)) == want(lambda r: r["day"] is not None)
+    assert found("id", ">", 1) == [2, 3, 4, 5]
+
+
+def test_too_many_files_to_vote_are_found_by_name(tmp_path: Path) -> None:
+    p = DeltaParticipant(str(tmp_path / "t"), name="dl", target_file_bytes=1024)
+    p.check(SCHEMA)
+    key = TxnKey("s", "L-many", 0, 1)
+    b = BranchRef(*key, "dl", 0)
+    pieces = [batch_for(BranchRef("s", "L-many", i, 1, "dl", 0), 6) for i in range(60)]
+    handle = dict(p.prepare(b, SCHEMA, pieces))
+    assert handle["files"] == "*" and handle["rows"] == "360"
+    p.commit_batch(key, {0: handle})
+    dt = DeltaTable(p.path)
+    on_disk = list(Path(p.path).glob("twophase-s/L-many/*/dl-*.parquet"))
+    assert len(on_disk) >= 10 and len(dt.file_uris()) == len(on_disk)
+    assert sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records").to_pylist()
+               ) == 360 == len(_ids(p.path)) == len(_duckdb_ids(dt))
+    assert p.status(b) == BranchStatus.COMMITTED and p.in_doubt("s") == []
+
+
+def test_complete_mode_on_a_partitioned_table(tmp_path: Path) -> None:
+    schema = pa.schema([("region", pa.string()), ("n", pa.int64())])
+    p = DeltaParticipant(str(tmp_path / "c"), name="dl", mode="complete", partition_by="region")
+    p.check(schema)
+    for batch, counts in enumerate([{"eu": 1, "us": 2}, {"eu": 3, "apac": 4}]):
+        key = TxnKey("s", "L-cp", batch, 1)
+        b = BranchRef(*key, "dl", 0)
+        rows = pa.RecordBatch.from_pylist([{"region": r, "n": n} for r, n in counts.items()],
+                                          schema=schema)
+        p.commit_batch(key, {0: dict(p.prepare(b, schema, [rows]))})
+        got = DeltaTable(p.path).to_pyarrow_table().to_pylist()
+        assert {r["region"]: r["n"] for r in got} == counts and len(got) == len(counts)
+    assert DeltaTable(p.path).version() == 2
+
+
+def test_delta_rs_reader_skips_files_with_partial_stats(tmp_path: Path) -> None:
+    """Why stats are whole or nothing: delta-rs's reader skips a file, for a filter on a
+    column without min/max, when the file has min/max for another column (rows lost);
+    with the row count alone it reads the file. If this starts failing, delta-rs fixed
+    it and partial stats become safe."""
+    import os
+    import time
+
+    import pyarrow.parquet as pq
+    from deltalake.transaction import AddAction
+
+    schema = pa.schema([("id", pa.int64()), ("label", pa.string())])
+    rows = pa.table({"id": [1, 2], "label": ["x" * 40, "b"]}, schema=schema)
+
+    def labels_after_a(stats: dict[str, Any]) -> list[int]:
+        path = str(tmp_path / f"t{len(stats)}")
+        DeltaTable.create(path, schema=schema)
+        pq.write_table(rows, f"{path}/f.parquet")
+        DeltaTable(path).create_write_transaction(
+            [AddAction("f.parquet", os.path.getsize(f"{path}/f.parquet"), {},
+                       int(time.time() * 1000), True, json.dumps(stats))], "append", schema)
+        got = DeltaTable(path).to_pyarrow_table(columns=["id"], filters=[("label", ">", "a")])
+        return sorted(got.column("id").to_pylist())
+
+    assert labels_after_a({"numRecords": 2}) == [1, 2]
+    assert labels_after_a({"numRecords": 2, "minValues": {"id": 1},
+                           "maxValues": {"id": 2}}) == []

@@ -5,7 +5,11 @@ commit is the driver's, once per batch. The driver is SIGKILLed around that comm
 the table committed, the branches not acknowledged) or a worker after its branch's files
 are written; the job restarts from its checkpoint with one more batch. Every id is then
 once in both systems, read back by deltalake and independently by DuckDB; the table has
-exactly one version per batch; no branch file is left unreferenced."""
+exactly one version per batch; no branch file is left unreferenced.
+
+Also in the test process itself (the ``spark`` fixture, as a notebook runs it): one
+version per batch with ``txnVersion`` = batch id, each file's row count in the log, and a
+batch Spark replays adds no version."""
 
 from __future__ import annotations
 
@@ -15,13 +19,17 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
 from twophase import failpoints
-from twophase.sinks.delta import app_id
-from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.participant import Participant
+from twophase.sinks.delta import DeltaParticipant, app_id
+from twophase.sinks.postgres import PostgresParticipant
+from twophase.testing.job import JobConfig, build_participants, expected_ids, run, write_input
 from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
@@ -116,3 +124,45 @@ def test_chaos_cli_delta(tmp_path: Path) -> None:
     [system] = report["verify"]["systems"]
     assert system["kind"] == "delta" and system["extra_commits"] == 0, report["verify_lines"]
     assert system["commits"] >= 1 and system["prepared_leftovers"] == 0, report["verify_lines"]
+
+
+def test_a_query_in_this_process_and_its_replay(spark: Any, tmp_path: Path,
+                                                pg_dsn: str) -> None:
+    tag = f"d{secrets.token_hex(3)}"
+    job = JobConfig(
+        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"dl_{tag}",
+        partitions=2, vote_timeout=60.0,
+    )
+    path = str(tmp_path / "lake" / "orders")
+
+    def parts() -> list[Participant]:
+        return [PostgresParticipant(dsn=pg_dsn, table=f"dl_{tag}"),
+                DeltaParticipant(path, name="dl")]
+
+    write_input(job.input_dir, batches=BATCHES, rows_per_batch=ROWS)
+    sink = run(job, spark, participants=parts())
+    assert [r.outcome for r in sink.history] == ["committed"] * BATCHES
+    want = expected_ids(BATCHES, ROWS)
+    dt = DeltaTable(path)
+    assert dt.version() == BATCHES  # the create (check), then one version per batch
+    ours = sorted((i for i in dt.history() if "twophase.batch" in i),
+                  key=lambda i: int(i["version"]))
+    assert [int(i["twophase.batch"]) for i in ours] == list(range(BATCHES))
+    assert {i["twophase.partitions"] for i in ours} == {"0-1"}  # both branches in each
+    assert dt.transaction_version(app_id(job.sink, _lineage(dt, job.sink))) == BATCHES - 1
+    assert sorted(dt.to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == want
+    assert _duckdb_ids(dt) == want
+    assert sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records").to_pylist()
+               ) == len(want)  # each file's row count is in the log (stats)
+    report = verify(parts(), want, sink=job.sink)
+    assert report.ok, report.lines()
+    assert [s.rows for s in report.systems] == [len(want)] * 2
+
+    # Spark forgets it finished the last batch: the replay adds no Delta version
+    for name in (str(BATCHES - 1), f".{BATCHES - 1}.crc"):
+        (Path(job.checkpoint) / "commits" / name).unlink(missing_ok=True)
+    again = run(job, spark, participants=parts())
+    assert [(r.batch_id, r.outcome) for r in again.history] == [(BATCHES - 1, "replay")]
+    assert DeltaTable(path).version() == BATCHES
+    assert verify(parts(), want, sink=job.sink).ok
