@@ -405,7 +405,7 @@ print(json.dumps(out))
 
 
 def test_the_bad_input_catalogue_as_a_user_meets_it(tmp_path: Path) -> None:
-    from tests.test_bad_inputs import API_CASES
+    from tests.system.test_bad_inputs import API_CASES
 
     expected = {case: pattern for case, _, pattern in API_CASES}
     script = tmp_path / "job.py"
