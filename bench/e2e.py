@@ -61,6 +61,7 @@ for the empty file, ``empty_relation_p50`` B's p50 for the empty relation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -102,9 +103,10 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str,
 
         from twophase.sinks.postgres.arrow import csv_chunks
 
+        started = time.perf_counter()
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx else 0
-        report = pa.schema([("rows", pa.int64())])
+        report = pa.schema([("rows", pa.int64()), ("task_s", pa.float64())])
         it = iter(batches)
         first = next(it, None)
         rows = 0
@@ -166,7 +168,8 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str,
                 else:
                     tmp.unlink()
                 conn.commit()
-        yield pa.RecordBatch.from_pylist([{"rows": rows}], schema=report)
+        yield pa.RecordBatch.from_pylist(
+            [{"rows": rows, "task_s": time.perf_counter() - started}], schema=report)
 
     return write
 
@@ -307,6 +310,7 @@ class Run:
     workers: list[int] = field(default_factory=list)  # peak RSS per worker process
     relation: list[float] = field(default_factory=list)  # empty-relation calls, seconds
     kafka_rows: int | None = None  # rows found in the topic's log (checked runs only)
+    phases: list[dict[str, float]] = field(default_factory=list)  # B: per batch, measured
 
     @property
     def rss(self) -> int:
@@ -326,7 +330,7 @@ class Setup:
 
 
 def _new_topic(bootstrap: str, topic: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.create_topics([NewTopic(topic, 2)]).values():
@@ -395,14 +399,18 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
                 pg.check(_arrow_schema(df))
                 pg.close()
                 checked.append(True)
-            return sum(int(r["rows"]) for r in df.mapInArrow(writer, "rows long").collect())
+            t0 = time.perf_counter()
+            out = df.mapInArrow(writer, "rows long, task_s double").collect()
+            result.phases.append({"job_s": time.perf_counter() - t0,
+                                  "task_s": max((r["task_s"] for r in out), default=0.0)})
+            return sum(int(r["rows"]) for r in out)
     else:
         parts: list[Any] = [pg, StagedFileParticipant(str(out_dir), "parquet")]
         if setup.kafka:
             from twophase.sinks.kafka import KafkaParticipant
 
-            extra = {"reuse_clients": True} if setup.kafka_reuse else {}
-            parts.append(KafkaParticipant(topic, {"bootstrap.servers": setup.kafka}, **extra))
+            parts.append(KafkaParticipant(topic, {"bootstrap.servers": setup.kafka},
+                                          reuse_clients=setup.kafka_reuse))
         sink = TransactionalSink(
             f"e2e{tag}", parts, coordinator=f"sqlite:///{work / f'coord-{tag}.db'}",
             vote_timeout=120.0,
@@ -411,6 +419,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
         def write(df: Any, batch_id: int) -> int:
             assert sink is not None
             sink(df, batch_id)
+            result.phases.append(dict(sink.history[-1].phases))
             return sink.history[-1].rows
 
     def timed(df: Any, batch_id: int) -> None:
@@ -447,6 +456,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
                     result.relation.append(time.perf_counter() - t0)
             finally:
                 sc.setLocalProperty("sql.streaming.queryId", None)
+            del result.phases[len(result.times):]  # the batches' phases, not the calls'
         if check_kafka and setup.kafka:
             result.kafka_rows = _kafka_rows(setup.kafka, topic)
     finally:
@@ -486,6 +496,129 @@ def label(n: int) -> str:
     return "empty" if n == 0 else f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
 
 
+def _phase_line(title: str, runs: dict[str, list[Run]], a50: float) -> str:
+    """B's batch split by phase (p50 over the measured batches of every run, ms), measured
+    by the sink itself (``BatchReport.phases``), beside A's whole batch and A's job split
+    the same way (the job, its slowest task, the rest: Spark's part)."""
+    batches = [ph for r in runs["B"] for ph in r.phases[1:]]
+    a_jobs = [ph for r in runs["A"] for ph in r.phases[1:]]
+    if not batches or not a_jobs:
+        return ""
+
+    def p50(key: str, of: list[dict[str, float]] = batches) -> float:
+        return 1000 * statistics.median(ph.get(key, 0.0) for ph in of)
+
+    def spark_part(of: list[dict[str, float]]) -> float:
+        return 1000 * statistics.median(
+            ph.get("job_s", 0.0) - ph.get("task_s", 0.0) for ph in of)
+
+    job_spark = spark_part(batches)
+    return (f"{title}: A's job p50 (ms) {p50('job_s', a_jobs):.1f} [Spark's part "
+            f"{spark_part(a_jobs):.1f}; slowest task {p50('task_s', a_jobs):.1f}]\n"
+            f"{title}: B's phases p50 (ms): frame {p50('frame_s'):.1f}, split "
+            f"{p50('split_s'):.1f}, setup {p50('setup_s'):.1f}, begin "
+            f"{p50('begin_s'):.1f}, plan {p50('plan_s'):.1f}, job {p50('job_s'):.1f} "
+            f"[Spark's part {job_spark:.1f}; slowest task {p50('task_s'):.1f} = prepare "
+            f"{p50('prepare_s'):.1f} + vote {p50('vote_s'):.1f} + wait {p50('wait_s'):.1f} + "
+            f"commit {p50('commit_s'):.1f}], relay {p50('relay_s'):.1f}, batch commit "
+            f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
+            f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}")
+
+
+def _warm_up(setup: Setup, work: Path, v: str) -> None:
+    """One small run of side ``v`` (JIT, worker start, imports: not charged to the first
+    pair); with Kafka, its rows are counted in the topic's log."""
+    warm = work / "in-warmup"
+    if not warm.exists():
+        write_input(str(warm), batches=2, rows_per_batch=1000)
+    r = run_query(setup, str(warm), v, check_kafka=True)
+    if r.kafka_rows is not None:
+        print(f"  warm-up {v}: {sum(r.rows)} rows written, {r.kafka_rows} committed "
+              "records in the Kafka topic's log", flush=True)
+        if r.kafka_rows < sum(r.rows):
+            raise RuntimeError(f"kafka: {v} lost rows ({r.kafka_rows} < {sum(r.rows)})")
+
+
+def measure_size(setup: Setup, work: Path, size: int, args: argparse.Namespace,
+                 summary: dict[str, float], restart: dict[str, list[float]], *,
+                 title: str = "") -> None:
+    """``args.pairs`` alternating A/B pairs at ``size`` rows per batch (0: the empty
+    section); prints the section and puts its figures in ``summary``."""
+    mb = 1024 * 1024
+    inp = work / f"in-{label(size)}"
+    if size:
+        write_input(str(inp), batches=args.batches + 1, rows_per_batch=size)
+    else:
+        write_input(str(inp), batches=1, rows_per_batch=1000)
+        empty = pa.table({"id": pa.array([], pa.int64())})
+        for i in range(1, args.empty_batches + 1):
+            place_batch(inp, i, empty)
+    ratios, added, times = [], [], {"A": [], "B": []}  # type: ignore[var-annotated]
+    relation: dict[str, list[float]] = {"A": [], "B": []}
+    peaks: dict[str, list[int]] = {"A": [], "B": []}
+    procs: dict[str, int] = {"A": 0, "B": 0}
+    all_runs: dict[str, list[Run]] = {"A": [], "B": []}
+    for i in range(args.pairs):
+        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        runs = {v: run_query(setup, str(inp), v,
+                             empty_relations=0 if size else args.empty_relations)
+                for v in order}
+        for v in runs:
+            all_runs[v].append(runs[v])
+        for v, r in runs.items():
+            times[v].extend(r.times[1:])
+            relation[v].extend(r.relation)
+            peaks[v].append(r.rss)
+            procs[v] += len(r.workers)
+            restart[v].append(r.ends[0] - r.started)
+        added.extend(b - a for a, b in zip(runs["A"].times[1:], runs["B"].times[1:],
+                                           strict=True))
+        if size:
+            ratios.append(rate(runs["B"]) / rate(runs["A"]))
+            print(f"  {title}{label(size)} pair {i + 1}: A {rate(runs['A']):,.0f} rows/s, "
+                  f"B {rate(runs['B']):,.0f} rows/s, B/A {ratios[-1]:.2f}; peak "
+                  f"worker RSS A {runs['A'].rss / mb:.0f} MB, B "
+                  f"{runs['B'].rss / mb:.0f} MB", flush=True)
+        else:
+            print(f"  {title}empty pair {i + 1}: empty file A p50 "
+                  f"{1000 * statistics.median(runs['A'].times[1:]):.0f} ms, B p50 "
+                  f"{1000 * statistics.median(runs['B'].times[1:]):.0f} ms; relation "
+                  f"A p50 {1000 * statistics.median(runs['A'].relation):.0f} ms, "
+                  f"B p50 {1000 * statistics.median(runs['B'].relation):.0f} ms",
+                  flush=True)
+    a50, b50 = statistics.median(times["A"]), statistics.median(times["B"])
+    what = "per task" if args.fresh_workers else "per worker"
+    name = f"{title}{label(size) if size else 'empty file'}"
+    line = (f"{name}: A batch p50 {1000 * a50:.0f} ms, "
+            f"B batch p50 "
+            f"{1000 * b50:.0f} ms; added p50 {1000 * pct(added, 0.5):.0f} ms, "
+            f"p99 {1000 * pct(added, 0.99):.0f} ms; peak RSS {what} A "
+            f"{statistics.median(peaks['A']) / mb:.0f} MB, B "
+            f"{statistics.median(peaks['B']) / mb:.0f} MB (median over runs of the "
+            f"highest; {procs['A']} / {procs['B']} worker processes)")
+    if size:
+        line = (f"{name}: B/A rows/s per pair "
+                f"[{', '.join(f'{x:.2f}' for x in ratios)}] median "
+                f"{statistics.median(ratios):.2f}\n" + line)
+        summary[f"ratio@{label(size)}"] = statistics.median(ratios)
+        summary[f"added_p50@{label(size)}"] = 1000 * pct(added, 0.5)
+    else:
+        summary["empty_batch_p50"] = 1000 * b50
+        summary["empty_added_p50"] = 1000 * pct(added, 0.5)
+        if relation["B"]:
+            ra, rb = relation["A"], relation["B"]
+            line += (f"\nempty relation ({len(rb)} calls per side, no row; B runs "
+                     f"no Spark job, A a job of empty tasks): A p50 "
+                     f"{1000 * pct(ra, 0.5):.1f} ms, p99 "
+                     f"{1000 * pct(ra, 0.99):.1f} ms; B p50 {1000 * pct(rb, 0.5):.1f}"
+                     f" ms, p99 {1000 * pct(rb, 0.99):.1f} ms")
+            summary["empty_relation_p50"] = 1000 * pct(rb, 0.5)
+    print(line, flush=True)
+    phases = _phase_line(name, all_runs, a50)
+    if phases:
+        print(phases, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10000,100000,1000000",
@@ -506,12 +639,20 @@ def main(argv: list[str] | None = None) -> int:
                          "idempotent producer; B: KafkaParticipant)")
     ap.add_argument("--kafka-reuse", action="store_true",
                     help="with --kafka (implied): B's KafkaParticipant(reuse_clients=True)")
+    ap.add_argument("--kafka-sizes", default="100000",
+                    help="rows per batch of the Kafka section (comma separated)")
+    ap.add_argument("--kafka-pairs", type=int, default=3, help="A/B pairs per Kafka size")
+    ap.add_argument("--no-kafka-section", dest="kafka_section", action="store_false",
+                    help="skip the Kafka section (run by default after the others: both "
+                         "sides also write a topic on a private tansu; its ratio is the "
+                         "last line's kafka_ratio@100k)")
     ap.add_argument("--fresh-workers", action="store_true",
                     help="spark.python.worker.reuse=false: a new Python worker per task, so "
                          "the peak worker RSS is one task's")
     ap.add_argument("--dir", default=None, help="work folder (default: a temp folder)")
     args = ap.parse_args(argv)
     args.kafka = args.kafka or args.kafka_reuse
+    args.kafka_sizes = [int(x) for x in args.kafka_sizes.split(",") if x.strip()]
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not args.no_empty and 0 not in sizes:
         sizes.append(0)
@@ -545,81 +686,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.batches} measured batches per run, {workers}, work dir {work}",
               flush=True)
         restart: dict[str, list[float]] = {"A": [], "B": []}
-        warm = work / "in-warmup"
-        write_input(str(warm), batches=2, rows_per_batch=1000)
-        for v in ("A", "B"):  # JIT, worker start, imports: not charged to the first pair
-            r = run_query(setup, str(warm), v, check_kafka=True)
-            if r.kafka_rows is not None:
-                print(f"  warm-up {v}: {sum(r.rows)} rows written, {r.kafka_rows} committed "
-                      "records in the Kafka topic's log", flush=True)
-                if r.kafka_rows < sum(r.rows):
-                    raise RuntimeError(f"kafka: {v} lost rows ({r.kafka_rows} < {sum(r.rows)})")
-        mb = 1024 * 1024
+        for v in ("A", "B"):
+            _warm_up(setup, work, v)
         for size in sizes:
-            inp = work / f"in-{label(size)}"
-            if size:
-                write_input(str(inp), batches=args.batches + 1, rows_per_batch=size)
-            else:
-                write_input(str(inp), batches=1, rows_per_batch=1000)
-                empty = pa.table({"id": pa.array([], pa.int64())})
-                for i in range(1, args.empty_batches + 1):
-                    place_batch(inp, i, empty)
-            ratios, added, times = [], [], {"A": [], "B": []}  # type: ignore[var-annotated]
-            relation: dict[str, list[float]] = {"A": [], "B": []}
-            peaks: dict[str, list[int]] = {"A": [], "B": []}
-            procs: dict[str, int] = {"A": 0, "B": 0}
-            for i in range(args.pairs):
-                order = ("A", "B") if i % 2 == 0 else ("B", "A")
-                runs = {v: run_query(setup, str(inp), v,
-                                     empty_relations=0 if size else args.empty_relations)
-                        for v in order}
-                for v, r in runs.items():
-                    times[v].extend(r.times[1:])
-                    relation[v].extend(r.relation)
-                    peaks[v].append(r.rss)
-                    procs[v] += len(r.workers)
-                    restart[v].append(r.ends[0] - r.started)
-                added.extend(b - a for a, b in zip(runs["A"].times[1:], runs["B"].times[1:],
-                                                   strict=True))
-                if size:
-                    ratios.append(rate(runs["B"]) / rate(runs["A"]))
-                    print(f"  {label(size)} pair {i + 1}: A {rate(runs['A']):,.0f} rows/s, "
-                          f"B {rate(runs['B']):,.0f} rows/s, B/A {ratios[-1]:.2f}; peak "
-                          f"worker RSS A {runs['A'].rss / mb:.0f} MB, B "
-                          f"{runs['B'].rss / mb:.0f} MB", flush=True)
-                else:
-                    print(f"  empty pair {i + 1}: empty file A p50 "
-                          f"{1000 * statistics.median(runs['A'].times[1:]):.0f} ms, B p50 "
-                          f"{1000 * statistics.median(runs['B'].times[1:]):.0f} ms; relation "
-                          f"A p50 {1000 * statistics.median(runs['A'].relation):.0f} ms, "
-                          f"B p50 {1000 * statistics.median(runs['B'].relation):.0f} ms",
-                          flush=True)
-            a50, b50 = statistics.median(times["A"]), statistics.median(times["B"])
-            what = "per task" if args.fresh_workers else "per worker"
-            line = (f"{label(size) if size else 'empty file'}: A batch p50 {1000 * a50:.0f} ms, "
-                    f"B batch p50 "
-                    f"{1000 * b50:.0f} ms; added p50 {1000 * pct(added, 0.5):.0f} ms, "
-                    f"p99 {1000 * pct(added, 0.99):.0f} ms; peak RSS {what} A "
-                    f"{statistics.median(peaks['A']) / mb:.0f} MB, B "
-                    f"{statistics.median(peaks['B']) / mb:.0f} MB (median over runs of the "
-                    f"highest; {procs['A']} / {procs['B']} worker processes)")
-            if size:
-                line = (f"{label(size)}: B/A rows/s per pair "
-                        f"[{', '.join(f'{x:.2f}' for x in ratios)}] median "
-                        f"{statistics.median(ratios):.2f}\n" + line)
-                summary[f"ratio@{label(size)}"] = statistics.median(ratios)
-                summary[f"added_p50@{label(size)}"] = 1000 * pct(added, 0.5)
-            else:
-                summary["empty_batch_p50"] = 1000 * b50
-                if relation["B"]:
-                    ra, rb = relation["A"], relation["B"]
-                    line += (f"\nempty relation ({len(rb)} calls per side, no row; B runs "
-                             f"no Spark job, A a job of empty tasks): A p50 "
-                             f"{1000 * pct(ra, 0.5):.1f} ms, p99 "
-                             f"{1000 * pct(ra, 0.99):.1f} ms; B p50 {1000 * pct(rb, 0.5):.1f}"
-                             f" ms, p99 {1000 * pct(rb, 0.99):.1f} ms")
-                    summary["empty_relation_p50"] = 1000 * pct(rb, 0.5)
-            print(line, flush=True)
+            measure_size(setup, work, size, args, summary, restart)
+        if args.kafka_section and not args.kafka:
+            from twophase.testing.localkafka import LocalTansu
+
+            broker = LocalTansu(base_dir=str(work)).start()
+            ksetup = dataclasses.replace(setup, kafka=broker.bootstrap)
+            print(f"kafka section: + a Kafka topic on tansu on both sides (B's producers "
+                  f"{'reused' if args.kafka_reuse else 'new per batch, the default'}), "
+                  f"{args.kafka_pairs} pairs", flush=True)
+            for v in ("A", "B"):
+                _warm_up(ksetup, work, v)
+            ksummary: dict[str, float] = {}
+            for size in args.kafka_sizes:
+                measure_size(ksetup, work, size, argparse.Namespace(
+                    **{**vars(args), "pairs": args.kafka_pairs}), ksummary,
+                    {"A": [], "B": []}, title="kafka ")
+            summary.update({f"kafka_{k}": v for k, v in ksummary.items()})
+        elif args.kafka:
+            summary.update({f"kafka_{k}": v for k, v in summary.items()
+                            if k.startswith("ratio@")})
         extra = 1000 * (statistics.median(restart["B"]) - statistics.median(restart["A"]))
         print(f"restart: start() to first batch done, B minus A (median over every run): "
               f"{extra:.0f} ms", flush=True)
@@ -637,7 +726,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"e2e: ratio@100k={fmt('ratio@100k')} ratio@1M={fmt('ratio@1M')} "
           f"added_p50@100k={fmt('added_p50@100k', digits=0)} ms "
           f"empty_batch_p50={fmt('empty_batch_p50', digits=0)} ms "
-          f"empty_relation_p50={fmt('empty_relation_p50', digits=0)} ms")
+          f"empty_relation_p50={fmt('empty_relation_p50', digits=0)} ms "
+          f"ratio@10k={fmt('ratio@10k')} "
+          f"added_p50@10k={fmt('added_p50@10k', digits=0)} ms "
+          f"empty_added_p50={fmt('empty_added_p50', digits=0)} ms "
+          f"kafka_ratio@100k={fmt('kafka_ratio@100k')}")
     return 0
 
 

@@ -18,13 +18,14 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.connection import check_coordinator
@@ -37,10 +38,21 @@ from twophase.participant import (
     descriptor_of,
     is_empty_branch,
 )
-from twophase.protocol import BeginKind, CommitScope, Decision, StepKind, next_step, parse_branch_id
+from twophase.protocol import (
+    BeginKind,
+    CommitScope,
+    Decision,
+    StepKind,
+    TxnKey,
+    next_step,
+    parse_branch_id,
+)
 from twophase.task import (
     INPUT_SPLIT,
+    PLAN_PROPERTY,
     BatchPlan,
+    plan_from_property,
+    plan_property,
     redone_handles,
     relay_acks,
     run_partition,
@@ -63,7 +75,8 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execut
 
 _REPORT_SCHEMA = (
     "partition long, rows long, decision string, recovered long, redone long, "
-    "prepare_s double, wait_s double, commit_s double, error string, acks string, "
+    "prepare_s double, wait_s double, commit_s double, vote_s double, task_s double, "
+    "error string, acks string, "
     "redone_handles string"
 )
 
@@ -80,7 +93,12 @@ class BatchReport:
     recovered: int = 0
     redone: int = 0
     seconds: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)  # max over tasks, seconds
+    # seconds per phase, measured: the driver's (setup_s: lineage, partitions, checks;
+    # begin_s; settle_s: an empty relation's votes and acks; plan_s; job_s: the Spark
+    # job; relay_s: the tasks' acks; batch_commit_s;
+    # driver_s: the rest) and the tasks' (prepare_s, vote_s, wait_s, commit_s, task_s:
+    # the slowest task's), so job_s - task_s is Spark's own share of the job
+    phases: dict[str, float] = field(default_factory=dict)
     split: str = ""  # "input" (as Spark read it), "hash", or "none" (empty: no job ran)
     sink: str = ""
     txn: str = ""  # sink/lineage/batch/attempt of the deciding attempt ("" for a replay)
@@ -207,6 +225,7 @@ class TransactionalSink:
         self._client: CoordinatorClient | None = None
         self._epoch: int | None = None
         self._checked_schema: Any = None
+        self._schema_of: tuple[str | None, Any] = (None, None)  # (lineage, Arrow schema)
 
     # ------------------------------------------------------------------ lifecycle
     def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
@@ -355,9 +374,15 @@ class TransactionalSink:
 
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
+        laps = _Laps(started)
         lineage = self._lineage(df)
         slots = _default_partitions(df)
-        n_in = _input_partitions(df)
+        # The job's own DataFrame, planned once: its split is read from its plan, and the
+        # job runs it when it keeps Spark's split (the plan travels as a local property).
+        direct = self._job_frame(df, lineage)
+        laps.lap("frame_s")
+        n_in = _input_partitions(direct if direct is not None else df)
+        laps.lap("split_s")
         if n_in is not None and (n_in > slots or self.partitions not in (None, n_in)):
             n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
         # n_in == 0: Spark planned no partition at all, the batch has no rows
@@ -387,7 +412,8 @@ class TransactionalSink:
                     check_executors(sc, self.name, self.participants, self._conn.url,
                                     wait_s=self.retry_budget_s)
             self._preflighted = True
-        self._check(df)
+        self._check(df, lineage)
+        laps.lap("setup_s")
         failpoints.hit("before_begin")
         aborted = finishing = 0
         while True:
@@ -395,6 +421,7 @@ class TransactionalSink:
                 self.name, lineage, batch_id, self._epoch,
                 [p.name for p in self.participants], partitions, self.vote_timeout,
             )
+            laps.lap("begin_s")
             if res.new_lineage:
                 log.warning(
                     "sink %s: new lineage %s (checkpoint location changed): batch ids "
@@ -413,16 +440,21 @@ class TransactionalSink:
             if n_in == 0 and self._settle_empty(client, res.kind, txn, res.recover):
                 final, outcomes, job_error = client.get(txn.key), list[dict[str, Any]](), ""
                 split = "none"
+                laps.lap("settle_s")
             else:
                 plan = self._plan(res.kind, txn, res.recover, n_in)
                 split = plan.split
-                outcomes, job_error = self._run_tasks(df, plan)
+                laps.lap("plan_s")
+                outcomes, job_error = self._run_tasks(df, plan, direct)
+                laps.lap("job_s")
                 # The tasks' acks in one call (its answer is the record after them); the
                 # coordinator's record, not the job's fate, says what comes next.
                 final = (relay_acks(client, txn.key, self._epoch, outcomes)
                          or client.get(txn.key))
+                laps.lap("relay_s")
                 final, batch_error = self._commit_batches(client, final,
                                                           redone_handles(outcomes))
+                laps.lap("batch_commit_s")
                 job_error = job_error or batch_error
             rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
                            job_error=job_error)
@@ -437,6 +469,7 @@ class TransactionalSink:
                 failpoints.hit("before_return")
                 report = self._summary(batch_id, final, outcomes, res.kind)
                 report.split = split
+                report.phases.update(laps.taken)
                 self._report(report, started)
                 return
             if step.kind == StepKind.GIVE_UP:
@@ -488,9 +521,11 @@ class TransactionalSink:
                               if st.ack is None])
         return txn, error
 
-    def _check(self, df: DataFrame) -> None:
+    def _check(self, df: DataFrame, lineage: str) -> None:
         """Each participant checks its target against the schema once, before writing."""
-        schema = _arrow_schema(df)
+        schema = self._schema(df, lineage)
+        if self._checked_schema is schema:
+            return
         if self._checked_schema is not None and self._checked_schema.equals(schema):
             return
         for p in self.participants:
@@ -522,6 +557,23 @@ class TransactionalSink:
             client.ack(txn.key, self._epoch, acks)
         return True
 
+    def _plan_template(self) -> BatchPlan:
+        """What every batch's plan shares: ``_plan`` fills in the batch."""
+        assert self._conn is not None and self._epoch is not None
+        return BatchPlan(
+            key=TxnKey(self.name, "", 0, 0),
+            epoch=self._epoch,
+            partitions=0,
+            mode="run",
+            coordinator_url=self._conn.url,
+            token=self._conn.token,
+            participants=self.participants,
+            decision_timeout=self.vote_timeout + 60.0,
+            ca_pem=self._conn.ca_pem,
+            retry_budget=self.retry_budget_s,
+            driver_acks=True,
+        )
+
     def _plan(
         self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
         n_in: int | None,
@@ -534,59 +586,97 @@ class TransactionalSink:
         split = INPUT_SPLIT if n_in == txn.partitions else "hash"
         if kind == BeginKind.IN_DOUBT and any(split_of(h) != split for h in handles.values()):
             split = "hash"  # cannot split as voted: a branch needing a redo refuses it
-        return BatchPlan(
+        return dataclasses.replace(
+            self._plan_template(),
             key=txn.key,
-            epoch=self._epoch,
             partitions=txn.partitions,
             mode="finish" if kind == BeginKind.IN_DOUBT else "run",
-            coordinator_url=self._conn.url,
-            token=self._conn.token,
-            participants=self.participants,
             handles=handles,
             digests=digests,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
-            decision_timeout=self.vote_timeout + 60.0,
-            ca_pem=self._conn.ca_pem,
             split=split,
-            retry_budget=self.retry_budget_s,
-            driver_acks=True,
         )
 
-    def _run_tasks(self, df: DataFrame, plan: BatchPlan) -> tuple[list[dict[str, Any]], str]:
-        """One barrier task per partition; returns the tasks' reports and the job error."""
+    def _job_frame(self, df: DataFrame, lineage: str) -> DataFrame | None:
+        """``df`` mapped by the sink's task, the plan left to a local property (see
+        ``_run_tasks``), when this batch may run on Spark's own split; None before the
+        first batch connected, under Spark Connect (no local properties) and when the
+        sink always shuffles."""
+        if (self._conn is None or self._epoch is None or self.split_columns
+                or self.one_branch or _jvm_context(df) is None):
+            return None
+        return df.mapInArrow(self._task(None, self._schema(df, lineage)), _report_struct(),
+                             barrier=True)
+
+    def _schema(self, df: DataFrame, lineage: str) -> Any:
+        """The batch's Arrow schema; a streaming query's schema is fixed for its run, so
+        it is read once per lineage (a py4j round trip and a conversion saved per batch)."""
+        if self._schema_of[0] != lineage or self.lineage is not None:
+            self._schema_of = (lineage, _arrow_schema(df))
+        return self._schema_of[1]
+
+    def _task(self, fixed: BatchPlan | None, arrow_schema: Any) -> Callable[[Any], Any]:
+        """The barrier task's function. With ``fixed`` it runs that plan; without, it reads
+        the batch's plan from the job's local property (``PLAN_PROPERTY``, set by
+        ``_run_tasks``) over the sink's template (participants, coordinator, token: never
+        in a property, which Spark's event log records)."""
         import pyarrow as pa
 
-        def task(batches: Any) -> Any:
-            from pyspark import BarrierTaskContext
-
-            ctx = BarrierTaskContext.get()
-            partition = ctx.partitionId()
-            it = iter(batches)
-            first = next(it, None)
-            if first is None:
-                out = run_partition(plan, partition, arrow_schema, iter(()))
-            else:  # the rows stream on to the participants, never held here
-                out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
-            yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
-
-        arrow_schema = self._checked_schema if self._checked_schema is not None \
-            else _arrow_schema(df)
+        template = fixed or self._plan_template()
         report_schema = pa.schema(
             [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"
               else pa.int64())
              for name, kind in (f.strip().split() for f in _REPORT_SCHEMA.split(","))]
         )
+
+        def task(batches: Any) -> Any:
+            from pyspark import BarrierTaskContext
+
+            entered = time.perf_counter()
+            ctx = BarrierTaskContext.get()
+            partition = ctx.partitionId()
+            plan = template if fixed is not None else plan_from_property(
+                template, ctx.getLocalProperty(PLAN_PROPERTY))
+            it = iter(batches)
+            first = next(it, None)
+            before = time.perf_counter() - entered  # Spark's first rows: the task's too
+            if first is None:
+                out = run_partition(plan, partition, arrow_schema, iter(()))
+            else:  # the rows stream on to the participants, never held here
+                out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
+            out.task_s += before
+            out.prepare_s += before
+            yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
+
+        return task
+
+    def _run_tasks(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None
+                   ) -> tuple[list[dict[str, Any]], str]:
+        """One barrier task per partition; returns the tasks' reports and the job error.
+        ``direct`` (``_job_frame``) is run as planned when the plan keeps Spark's split."""
+        sc = _jvm_context(df)
+        arrow_schema = self._schema(df, plan.key.lineage)
         cols = list(self.split_columns or df.columns)
-        if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
-            split = df  # Spark's split is the same on replay: no shuffle
-        elif cols:
-            split = df.repartition(plan.partitions, *cols)
+        if plan.split == INPUT_SPLIT and direct is not None:
+            job = direct
         else:
-            split = df.repartition(plan.partitions)
+            if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
+                split = df  # Spark's split is the same on replay: no shuffle
+            elif cols:
+                split = df.repartition(plan.partitions, *cols)
+            else:
+                split = df.repartition(plan.partitions)
+            job = split.mapInArrow(self._task(None if sc is not None else plan, arrow_schema),
+                                   _report_struct(), barrier=True)
+        if sc is not None:
+            sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
         try:
-            rows = split.mapInArrow(task, _report_struct(), barrier=True).collect()
+            rows = job.collect()
         except Exception as exc:  # the job failed: the coordinator's record decides what next
             return [], _short_error(exc)
+        finally:
+            if sc is not None:
+                sc.setLocalProperty(PLAN_PROPERTY, None)
         return [r.asDict() for r in rows], ""
 
     def _summary(
@@ -594,7 +684,7 @@ class TransactionalSink:
     ) -> BatchReport:
         phases = {
             k: max((float(o[k]) for o in outcomes), default=0.0)
-            for k in ("prepare_s", "wait_s", "commit_s")
+            for k in _TASK_PHASES
         }
         return BatchReport(
             batch_id=batch_id,
@@ -612,6 +702,9 @@ class TransactionalSink:
 
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started
+        if report.phases:  # what no lap took: the loop's own work, this report, the log
+            report.phases["driver_s"] = max(0.0, report.seconds - sum(
+                v for k, v in report.phases.items() if k in _DRIVER_PHASES))
         self.history.append(report)
         self._by_batch[report.batch_id] = report
         while len(self._by_batch) > 1000:  # a long-running query: keep the recent ones
@@ -643,6 +736,26 @@ class TransactionalSink:
                 "finished its committed attempt" if r.outcome == "recovered"
                 else f"committed at attempt {r.attempts}", r.recovered, r.redone,
             )
+
+
+_TASK_PHASES: Final = ("prepare_s", "vote_s", "wait_s", "commit_s", "task_s")
+_DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s", "job_s", "relay_s",
+                          "batch_commit_s")
+
+
+class _Laps:
+    """The driver's time per phase of one batch, measured (``BatchReport.phases``): each
+    lap adds the time since the previous one to its phase, so a batch that begins again
+    sums its attempts."""
+
+    def __init__(self, started: float) -> None:
+        self._last = started
+        self.taken: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.taken[phase] = self.taken.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 def _report_struct() -> Any:

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
@@ -108,15 +108,45 @@ class BranchOutcome:
     decision: str = ""
     recovered: int = 0  # leftovers of earlier attempts aborted
     redone: int = 0  # lost branches written again under a COMMIT decision
-    prepare_s: float = 0.0
-    wait_s: float = 0.0
-    commit_s: float = 0.0
+    prepare_s: float = 0.0  # first row asked of Spark -> every participant prepared
+    wait_s: float = 0.0  # vote answered -> decision known
+    commit_s: float = 0.0  # decision known -> branches committed, acks ready
+    vote_s: float = 0.0  # the vote call
+    task_s: float = 0.0  # the whole of run_partition: the job's time minus this is Spark's
     error: str = ""
     acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
     redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+PLAN_PROPERTY: Final = "twophase.batch.plan"  # the Spark job's local property: see below
+
+
+def plan_property(plan: BatchPlan) -> str:
+    """The batch's part of ``plan`` as JSON, for ``PLAN_PROPERTY``: the driver plans the
+    job's DataFrame once, before it knows the batch's attempt, so the task reads the
+    attempt from the job. Only what names the batch: participants, coordinator and token
+    stay in the task's function (Spark's event log records job properties)."""
+    return json.dumps({
+        "key": list(plan.key), "epoch": plan.epoch, "partitions": plan.partitions,
+        "mode": plan.mode, "handles": plan.handles, "digests": plan.digests,
+        "ack_earlier": list(plan.ack_earlier), "split": plan.split,
+    })
+
+
+def plan_from_property(template: BatchPlan, value: str | None) -> BatchPlan:
+    """``template`` (the sink's fixed part) with the batch read from ``plan_property``."""
+    if not value:
+        raise ParticipantError(
+            f"the task found no {PLAN_PROPERTY} property on its job: the sink's job was "
+            "started without it (a twophase bug: please report it)")
+    d = json.loads(value)
+    return replace(template, key=TxnKey(*d["key"]), epoch=d["epoch"],
+                   partitions=d["partitions"], mode=d["mode"], handles=d["handles"],
+                   digests=d["digests"], ack_earlier=tuple(d["ack_earlier"]),
+                   split=d["split"])
 
 
 def _acknowledge(
@@ -350,6 +380,7 @@ def _run_attempt(
     failpoints.hit("after_vote", None, partition)
 
     t1 = time.perf_counter()
+    out.vote_s = t1 - t0 - out.prepare_s
     # The last voter's answer already carries the decision: no long-poll needed then.
     decision = answer.decision or _await_decision(plan, client)
     out.wait_s = time.perf_counter() - t1
@@ -520,6 +551,7 @@ def run_partition(
     them over (see ``_prepare_streaming``); only a finish, which may redo a lost branch
     and must check its row count first, holds them.
     """
+    started = time.perf_counter()
     cl = client or _shared_client(plan.coordinator_url, plan.token, plan.retry_budget,
                                   plan.ca_pem)
     out = BranchOutcome(partition=partition)
@@ -534,6 +566,7 @@ def run_partition(
     finally:
         for part in plan.participants:
             part.close()
+        out.task_s = time.perf_counter() - started
     return out
 
 

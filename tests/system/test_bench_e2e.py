@@ -21,7 +21,8 @@ NUM = r"-?\d+(?:\.\d+)?"
 LAST = re.compile(
     rf"^e2e: ratio@100k=(?:{NUM}|n/a) ratio@1M=(?:{NUM}|n/a) "
     rf"added_p50@100k=(?:{NUM}|n/a) ms empty_batch_p50=({NUM}) ms "
-    rf"empty_relation_p50=({NUM}) ms$"
+    rf"empty_relation_p50=({NUM}) ms ratio@10k=(?:{NUM}|n/a) added_p50@10k=(?:{NUM}|n/a) ms "
+    rf"empty_added_p50=({NUM}) ms kafka_ratio@100k=(?:{NUM}|n/a)$"
 )
 
 
@@ -29,8 +30,8 @@ def test_the_e2e_bench_runs_from_the_venv_as_a_user_runs_it(tmp_path: Path) -> N
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "e2e.py"), "--sizes", "2000", "--pairs", "1",
          "--batches", "1", "--empty-batches", "2", "--empty-relations", "2",
-         "--dir", str(tmp_path)],
-        env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=400, check=False,
+         "--kafka-sizes", "2000", "--kafka-pairs", "1", "--dir", str(tmp_path)],
+        env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=500, check=False,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     lines = out.stdout.strip().splitlines()
@@ -45,6 +46,21 @@ def test_the_e2e_bench_runs_from_the_venv_as_a_user_runs_it(tmp_path: Path) -> N
                      re.M), text
     assert re.search(rf"^empty relation \(2 calls per side, .*\): A p50 {NUM} ms, p99 {NUM} "
                      rf"ms; B p50 {NUM} ms, p99 {NUM} ms$", text, re.M), text
+    # B's batch split by phase, as the sink measured it
+    assert re.search(rf"^2k: A's job p50 \(ms\) {NUM} \[Spark's part {NUM}; slowest task "
+                     rf"{NUM}\]$", text, re.M), text
+    phase = rf"B's phases p50 \(ms\): setup {NUM}, begin {NUM}, plan {NUM}, job {NUM} "
+    assert re.search(rf"^2k: {phase}\[Spark's part {NUM}; slowest task {NUM} = prepare {NUM}"
+                     rf" \+ vote {NUM} \+ wait {NUM} \+ commit {NUM}\], relay {NUM}, batch "
+                     rf"commit {NUM}, settle {NUM}, driver {NUM}; A's whole batch p50 {NUM}$",
+                     text, re.M), text
+    assert re.search(rf"^empty file: {phase}", text, re.M), text
+    # the Kafka section (by default), its warm-up counted in the topic's log
+    assert re.search(r"^kafka section: .*new per batch, the default", text, re.M), text
+    assert re.search(r"^  warm-up B: 2000 rows written, 2000 committed records", text,
+                     re.M), text
+    assert re.search(rf"^kafka 2k: B/A rows/s per pair \[{NUM}\] median {NUM}$", text,
+                     re.M), text
     assert re.search(rf"^restart: .* {NUM} ms$", text, re.M), text
     assert LAST.match(lines[-1]), lines[-1]
     assert not list(tmp_path.iterdir())  # its work folder is removed
