@@ -10,9 +10,13 @@ validated :class:`~twophase.participant.BranchRef`, so the names are safe path p
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 __all__ = ["DATA_DIR", "FILE_NAME", "RUN_FILE_NAME", "parse_ranges", "ranges"]
 
@@ -59,3 +63,23 @@ def parse_ranges(text: str) -> frozenset[int]:
         lo, _, hi = item.partition("-")
         out.update(range(int(lo), int(hi or lo) + 1))
     return frozenset(out)
+
+
+def part_path(folder: str, name: str, local: bool) -> str:
+    """Where a data file is written while it grows: on local disk a hidden ``.tmp`` name
+    (a kill leaves litter, never a torn data file); an object store shows an object only
+    once its upload completed, so there it is written under its own name."""
+    return f"{folder}/.{name}.tmp" if local else f"{folder}/{name}"
+
+
+def seal_part(fs: pafs.FileSystem, folder: str, name: str, local: bool) -> None:
+    """Make a closed data file durable under its name (local disk: fsync, then rename)."""
+    if not local:
+        return
+    tmp = part_path(folder, name, local)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fs.move(tmp, f"{folder}/{name}")

@@ -56,7 +56,14 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import DATA_DIR, FILE_NAME, parse_ranges, ranges
+from twophase.sinks.batchfiles import (
+    DATA_DIR,
+    FILE_NAME,
+    parse_ranges,
+    part_path,
+    ranges,
+    seal_part,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -750,8 +757,7 @@ class _BranchWriter:
 
         name = f"{self.stem}-{next(self.seq):05d}.parquet"
         self.stats = _Stats(schema)
-        path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
-        stream = self.fs.open_output_stream(path)
+        stream = self.fs.open_output_stream(part_path(self.folder, name, self.local))
         self.open = (stream, pq.ParquetWriter(stream, schema), name, 0)
 
     def _finish(self) -> None:
@@ -764,10 +770,7 @@ class _BranchWriter:
             {"partitionValues": self.values, "stats": stats}, separators=(",", ":"))})
         writer.close()
         stream.close()
-        if self.local:
-            tmp, final = f"{self.folder}/.{name}.tmp", f"{self.folder}/{name}"
-            _fsync(tmp)
-            self.fs.move(tmp, final)
+        seal_part(self.fs, self.folder, name, self.local)
         size = self.fs.get_file_info(f"{self.folder}/{name}").size
         self.files.append((name, int(size), rows, self.values, stats))
 

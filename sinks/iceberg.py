@@ -51,7 +51,14 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import DATA_DIR, RUN_FILE_NAME, parse_ranges, ranges
+from twophase.sinks.batchfiles import (
+    DATA_DIR,
+    RUN_FILE_NAME,
+    parse_ranges,
+    part_path,
+    ranges,
+    seal_part,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -766,8 +773,7 @@ class _BranchWriter:
 
         name = f"{self.stem}-{self.seq:05d}.parquet"
         self.seq += 1
-        path = f"{self.folder}/.{name}.tmp" if self.local else f"{self.folder}/{name}"
-        stream = self.fs.open_output_stream(path)
+        stream = self.fs.open_output_stream(part_path(self.folder, name, self.local))
         self.open[key] = (stream, pq.ParquetWriter(stream, schema, **self.options), name)
 
     def _finish(self, key: tuple[Any, ...]) -> None:
@@ -775,14 +781,7 @@ class _BranchWriter:
         writer.close()
         self.bytes += stream.tell()
         stream.close()
-        if self.local:
-            tmp, final = f"{self.folder}/.{name}.tmp", f"{self.folder}/{name}"
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self.fs.move(tmp, final)
+        seal_part(self.fs, self.folder, name, self.local)
         self.names.append(name)
 
     def close(self) -> tuple[list[str], int, int]:

@@ -93,7 +93,8 @@ class BatchReport:
     recovered: int = 0
     redone: int = 0
     seconds: float = 0.0
-    # seconds per phase, measured: the driver's (setup_s: lineage, partitions, checks;
+    # seconds per phase, measured: the driver's (frame_s: the job's DataFrame; split_s:
+    # its planning and its split read; setup_s: coordinator, preflight, checks;
     # begin_s; settle_s: an empty relation's votes and acks; plan_s; job_s: the Spark
     # job; relay_s: the tasks' acks; batch_commit_s;
     # driver_s: the rest) and the tasks' (prepare_s, vote_s, wait_s, commit_s, task_s:
@@ -739,8 +740,8 @@ class TransactionalSink:
 
 
 _TASK_PHASES: Final = ("prepare_s", "vote_s", "wait_s", "commit_s", "task_s")
-_DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s", "job_s", "relay_s",
-                          "batch_commit_s")
+_DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s",
+                          "job_s", "relay_s", "batch_commit_s")
 
 
 class _Laps:
