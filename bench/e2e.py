@@ -4,6 +4,8 @@ by a careful ``foreachBatch`` (A) and by ``TransactionalSink`` (B), side by side
 Reproduce (from the repository root, in the README's venv, ``bash scripts/test.sh`` made it)::
 
     .venv/bin/python bench/e2e.py                               # full: 7 pairs, 10k/100k/1M + empty
+                                                                # + Kafka section: 3 pairs, 100k
+    .venv/bin/python bench/e2e.py --no-kafka-section            # without tansu
     .venv/bin/python bench/e2e.py --pairs 2 --sizes 10000,100000 --batches 3   # quick look
     .venv/bin/python bench/e2e.py --kafka --sizes 10000 --pairs 2   # + a Kafka topic on tansu
     .venv/bin/python bench/e2e.py --sizes 1000000 --pairs 2 --batches 2 --no-empty \\
@@ -53,9 +55,24 @@ The empty section measures two things:
   its ``mapInArrow`` + ``collect`` as for any batch: a Spark job of 2 tasks over the
   empty partitions. Each call is timed alone.
 
-The last line sums it up for the project's goals (ratio >= 0.8 at 100k, >= 0.9 at 1M,
-added p50 at 100k <= 150 ms, empty batch p50 <= 100 ms): ``empty_batch_p50`` is B's p50
-for the empty file, ``empty_relation_p50`` B's p50 for the empty relation.
+Per size, B's batch is split by phase, as the sink measured it (``BatchReport.phases``,
+p50 over the measured batches): the driver's frame (the job's DataFrame), split (its
+planning and the split read from it), setup, begin, plan, job (Spark's part: the job minus
+its slowest task; the slowest task's prepare, vote, wait, commit), relay (the tasks' acks
+in one call), batch commit (tables), settle (an empty relation) and driver (the rest);
+A's job is split the same way (its slowest task and Spark's part), beside it.
+
+The Kafka section (by default; ``--no-kafka-section`` skips it, ``--kafka-sizes`` and
+``--kafka-pairs`` size it): after the others, a private tansu starts and both sides add a
+topic (A: a plain idempotent producer kept per worker; B: ``KafkaParticipant`` with its
+defaults, ``--kafka-reuse``: ``reuse_clients=True``), warm-ups counted in the log.
+
+The last line sums it up: ``ratio@100k``, ``ratio@1M``, ``added_p50@100k``,
+``empty_batch_p50`` (B's p50 for the empty file), ``empty_relation_p50`` (B's p50 for the
+empty relation), ``ratio@10k``, ``added_p50@10k``, ``empty_added_p50`` (B minus A for the
+empty file, p50) and ``kafka_ratio@100k`` (the Kafka section's B/A; with ``--kafka`` the
+whole run's). Issue 24's goals: >= 0.95 at 100k and 1M, >= 0.90 at 10k, added p50 at 10k
+<= 20 ms, empty file added <= 5 ms, Kafka >= 0.9 at 100k.
 """
 
 from __future__ import annotations
