@@ -226,7 +226,7 @@ class TransactionalSink:
         self._client: CoordinatorClient | None = None
         self._epoch: int | None = None
         self._checked_schema: Any = None
-        self._schema_of: tuple[str | None, Any] = (None, None)  # (lineage, Arrow schema)
+        self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
 
     # ------------------------------------------------------------------ lifecycle
     def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
@@ -380,7 +380,7 @@ class TransactionalSink:
         slots = _default_partitions(df)
         # The job's own DataFrame, planned once: its split is read from its plan, and the
         # job runs it when it keeps Spark's split (the plan travels as a local property).
-        direct = self._job_frame(df, lineage)
+        direct = self._job_frame(df)
         laps.lap("frame_s")
         n_in = _input_partitions(direct if direct is not None else df)
         laps.lap("split_s")
@@ -413,7 +413,7 @@ class TransactionalSink:
                     check_executors(sc, self.name, self.participants, self._conn.url,
                                     wait_s=self.retry_budget_s)
             self._preflighted = True
-        self._check(df, lineage)
+        self._check(df)
         laps.lap("setup_s")
         failpoints.hit("before_begin")
         aborted = finishing = 0
@@ -522,9 +522,9 @@ class TransactionalSink:
                               if st.ack is None])
         return txn, error
 
-    def _check(self, df: DataFrame, lineage: str) -> None:
+    def _check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""
-        schema = self._schema(df, lineage)
+        schema = self._schema(df)
         if self._checked_schema is schema:
             return
         if self._checked_schema is not None and self._checked_schema.equals(schema):
@@ -598,7 +598,7 @@ class TransactionalSink:
             split=split,
         )
 
-    def _job_frame(self, df: DataFrame, lineage: str) -> DataFrame | None:
+    def _job_frame(self, df: DataFrame) -> DataFrame | None:
         """``df`` mapped by the sink's task, the plan left to a local property (see
         ``_run_tasks``), when this batch may run on Spark's own split; None before the
         first batch connected, under Spark Connect (no local properties) and when the
@@ -606,14 +606,18 @@ class TransactionalSink:
         if (self._conn is None or self._epoch is None or self.split_columns
                 or self.one_branch or _jvm_context(df) is None):
             return None
-        return df.mapInArrow(self._task(None, self._schema(df, lineage)), _report_struct(),
+        return df.mapInArrow(self._task(None, self._schema(df)), _report_struct(),
                              barrier=True)
 
-    def _schema(self, df: DataFrame, lineage: str) -> Any:
-        """The batch's Arrow schema; a streaming query's schema is fixed for its run, so
-        it is read once per lineage (a py4j round trip and a conversion saved per batch)."""
-        if self._schema_of[0] != lineage or self.lineage is not None:
-            self._schema_of = (lineage, _arrow_schema(df))
+    def _schema(self, df: DataFrame) -> Any:
+        """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
+        (a column added from batch N on), so the schema is the batch's own, never the
+        lineage's; only the conversion is reused while the Spark schema and the session's
+        time zone stay the same."""
+        tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        key = (df.schema, tz)
+        if self._schema_of[0] != key:
+            self._schema_of = (key, _arrow_schema(df, tz))
         return self._schema_of[1]
 
     def _task(self, fixed: BatchPlan | None, arrow_schema: Any) -> Callable[[Any], Any]:
@@ -656,7 +660,7 @@ class TransactionalSink:
         """One barrier task per partition; returns the tasks' reports and the job error.
         ``direct`` (``_job_frame``) is run as planned when the plan keeps Spark's split."""
         sc = _jvm_context(df)
-        arrow_schema = self._schema(df, plan.key.lineage)
+        arrow_schema = self._schema(df)
         cols = list(self.split_columns or df.columns)
         if plan.split == INPUT_SPLIT and direct is not None:
             job = direct
@@ -861,11 +865,10 @@ def _default_partitions(df: DataFrame) -> int:
     return max(1, int(sc.defaultParallelism))
 
 
-def _arrow_schema(df: DataFrame) -> Any:
+def _arrow_schema(df: DataFrame, tz: str | None) -> Any:
     """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
     return to_arrow_schema(df.schema, timezone=tz)
 
 
