@@ -865,10 +865,13 @@ def _default_partitions(df: DataFrame) -> int:
     return max(1, int(sc.defaultParallelism))
 
 
-def _arrow_schema(df: DataFrame, tz: str | None) -> Any:
-    """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone)."""
+def _arrow_schema(df: DataFrame, tz: str | None = None) -> Any:
+    """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone,
+    read from the session unless given)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
+    if tz is None:
+        tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
     return to_arrow_schema(df.schema, timezone=tz)
 
 
