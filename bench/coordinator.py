@@ -191,19 +191,25 @@ def hello_proc(url: str, threads: int, branches: int, per_branch: bool, seconds:
     out.put((lat, time.process_time() - cpu0))
 
 
-def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bool,
-               seconds: float, skip_await: bool = False,
-               server_pid: int | None = None,
+def http_round(url: str | list[str], clients: int, branches: int, procs: int,
+               per_branch: bool, seconds: float, skip_await: bool = False,
+               server_pid: int | list[int] | None = None,
                target: Callable[..., None] | None = None) -> dict[str, float]:
+    """Rounds for ``seconds``; with several ``url`` (replicas) client process i talks to
+    url i mod n, and ``server_pid`` lists every daemon whose CPU counts."""
     # spawned, not forked: a fork while this process has threads (http_only's clients)
     # can copy a held OpenSSL lock and hang the child in httpx.Client()
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    urls = [url] if isinstance(url, str) else url
+    pids = [] if server_pid is None else [server_pid] if isinstance(server_pid, int) \
+        else server_pid
     ps = [ctx.Process(target=target or client_proc,  # type: ignore[attr-defined,unused-ignore]
-                     args=(url, n, branches, per_branch, seconds, skip_await, q))
-          for n in per if n]
-    cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+                     args=(urls[i % len(urls)], n, branches, per_branch, seconds, skip_await,
+                           q))
+          for i, n in enumerate(per) if n]
+    cpu0 = sum(map(cpu_seconds, pids))
     client_cpu = 0.0
     t0 = time.perf_counter()
     for pr in ps:
@@ -222,7 +228,7 @@ def http_round(url: str, clients: int, branches: int, procs: int, per_branch: bo
     for pr in ps:
         pr.join()
     wall = time.perf_counter() - t0
-    cpu = cpu_seconds(server_pid) - cpu0 if server_pid else 0.0
+    cpu = sum(map(cpu_seconds, pids)) - cpu0
     lat.sort()
     return {
         "server_cpu_ms": 1000 * cpu / max(len(lat), 1),
@@ -360,6 +366,32 @@ def http_only(url: str, seconds: float, threads: int = 8,
     return count[0] / seconds
 
 
+def replicas(dsn: str, args: argparse.Namespace) -> None:
+    """Rounds/s on one daemon, then on ``--replicas`` daemons sharing one PostgreSQL store
+    (the hot path, with await), alternating 1, N, 1, N; each replica's clients in their
+    own process. Every process shares this machine's cores: the line says how many."""
+    n = args.replicas
+    procs = max(args.procs, n)
+    got: dict[int, list[float]] = {1: [], n: []}
+    for count in (1, n, 1, n):
+        started = [start_daemon(dsn, "hot") for _ in range(count)]
+        try:
+            r = http_round([u for _, u in started], args.clients, args.branches, procs,
+                           args.per_branch, args.seconds, False, [pr.pid for pr, _ in started])
+        finally:
+            for pr, _ in started:
+                pr.terminate()
+                pr.wait(20)
+        got[count].append(r["tx_per_s"])
+        print(f"postgresql {count} daemon(s): {r['tx_per_s']:7.1f} rounds/s  p50 "
+              f"{r['p50_ms']:6.1f} ms  CPU/round daemons {r['server_cpu_ms']:5.2f} ms, "
+              f"clients {r['client_cpu_ms']:5.2f} ms", flush=True)
+    one, many = statistics.median(got[1]), statistics.median(got[n])
+    print(f"replicas: {n} daemons on one PostgreSQL store {many:.1f} rounds/s vs one "
+          f"{one:.1f}: {many / one:.2f}x, on {os.cpu_count()} cores shared by the daemons, "
+          f"PostgreSQL and {procs} client processes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -377,6 +409,9 @@ def main() -> None:
                     help="only the rounds without the await call")
     ap.add_argument("--hello", action="store_true",
                     help="also measure a bare ASGI app (the HTTP stack's ceiling)")
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="also run the rounds on 1 and on N daemons sharing one PostgreSQL "
+                    "store, clients split evenly (0: skip; default 2)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--daemon", nargs=3, metavar=("STORE", "PORT", "VARIANT"),
                     help=argparse.SUPPRESS)
@@ -444,6 +479,10 @@ def main() -> None:
                           f"{r['client_cpu_ms']:5.2f} ms  ({r['tx']} tx)")
                 print(f"{kind:10s} {variant:7s} bare HTTP: {bare:7.1f} requests/s "
                       "(GET 404, one read, 8 threads)")
+        if args.replicas > 1:
+            if pg is None:
+                pg = LocalPostgres(fsync=True).start()
+            replicas(pg.dsn, args)
     finally:
         if pg is not None:
             pg.stop()
