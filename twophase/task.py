@@ -446,13 +446,18 @@ def _prepare_streaming(
         failpoints.hit("after_prepare", part.name, partition)
         return handle
 
+    # The vote's digest is computed beside the prepares, in its own thread (numpy lets
+    # the GIL go): on the feeding thread it was the prepare's whole lead over a plain
+    # writer at 100k-1M rows (0.2 us a row, issue 24).
+    hashing = _DigestThread(digest)
+
     def counted() -> Iterator[pa.RecordBatch]:
         for b in head:
-            digest.update(b)
+            hashing.feed(b)
             yield b
         for b in rest:
             out.rows += b.num_rows
-            digest.update(b)
+            hashing.feed(b)
             yield b
 
     if len(parts) == 1:
@@ -461,8 +466,11 @@ def _prepare_streaming(
             result: Handle | Exception = prepare(parts[0], source)
         except Exception as exc:
             result = exc
-        for _ in source:  # what a prepare did not read still counts in the report
-            pass
+        try:
+            for _ in source:  # what a prepare did not read still counts in the report
+                pass
+        finally:
+            hashing.finish()
         return [result]
 
     queues = [queue.Queue[Any](maxsize=_QUEUE_DEPTH) for _ in parts]
@@ -504,10 +512,42 @@ def _prepare_streaming(
         for t in threads:
             t.join()
         raise
+    finally:
+        hashing.finish()
     put(_END)
     for t in threads:
         t.join()
     return results
+
+
+class _DigestThread:
+    """Feeds a partition's batches to its ``RowsDigest`` in a thread of its own, through
+    a short queue (the partition is never held whole); ``finish`` waits for the last."""
+
+    def __init__(self, digest: RowsDigest) -> None:
+        self._q = queue.Queue[Any](maxsize=_QUEUE_DEPTH)
+        self._error: BaseException | None = None
+        self._digest = digest
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="twophase-digest")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (b := self._q.get()) is not _END:
+            if self._error is None:
+                try:
+                    self._digest.update(b)
+                except BaseException as exc:  # re-raised by finish, on the task's thread
+                    self._error = exc
+
+    def feed(self, batch: pa.RecordBatch) -> None:
+        self._q.put(batch)
+
+    def finish(self) -> None:
+        self._q.put(_END)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _vote_and_abort(
