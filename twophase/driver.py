@@ -411,7 +411,7 @@ class TransactionalSink:
                 choose_worker_python(sc)
                 if self.preflight:
                     check_executors(sc, self.name, self.participants, self._conn.url,
-                                    wait_s=self.retry_budget_s)
+                                    wait_s=self.retry_budget_s, session=df.sparkSession)
             self._preflighted = True
         self._check(df)
         laps.lap("setup_s")

@@ -5,7 +5,9 @@ said so: Spark starts ``python3`` from the PATH when neither ``PYSPARK_PYTHON`` 
 ``spark.pyspark.python`` is set. A missing ``pyarrow`` there used to surface after three
 aborted attempts as hundreds of lines of traces. So, once per sink start (cached per
 Spark application, interpreter, coordinator and module set), one cheap Spark job runs a
-probe on ``defaultParallelism`` tasks, spread over the executors; each task imports
+probe on ``defaultParallelism`` tasks, spread over the executors (a ``mapInArrow`` job, so
+that its Python workers are the ones the batch's tasks reuse; an RDD job, which needs
+nothing but Python, when that one cannot run, to name what is missing); each task imports
 twophase, pyarrow and every participant's modules, compares their versions with the
 driver's, opens a TCP connection to the coordinator, and reports its host name and
 interpreter; then each participant checks its target from there (its
@@ -55,8 +57,8 @@ FIX = (
 _PROBE_SOURCE = '''
 def make_probe(modules, host, port, url, timeout, targets):
     def probe(index, rows):
-        import importlib, json, socket, sys
-        out = {"host": socket.gethostname(), "executable": sys.executable,
+        import importlib, json, os, socket, sys
+        out = {"host": socket.gethostname(), "executable": sys.executable, "pid": os.getpid(),
                "python": "%d.%d.%d" % sys.version_info[:3], "versions": {},
                "problems": [], "coordinator": "", "targets": []}
         for mod in modules:
@@ -93,13 +95,25 @@ def make_probe(modules, host, port, url, timeout, targets):
                         pass
         yield json.dumps(out)
     return probe
+
+
+def arrow_probe(probe):
+    # The same probe as a mapInArrow function: its tasks run in the Python workers of
+    # SQL's Arrow runner, which the batch's mapInArrow tasks reuse (an RDD job's workers
+    # are another pool, and starting that second pool cost a restarted job ~1-2 s).
+    def run(batches):
+        for _ in batches:
+            pass
+        import pyarrow
+        yield pyarrow.RecordBatch.from_pydict({"report": list(probe(0, ()))})
+    return run
 '''
 
 
-def _compile_probe() -> Callable[..., Any]:
+def _compile_probe(name: str = "make_probe") -> Callable[..., Any]:
     namespace: dict[str, Any] = {"__name__": "twophase_preflight_probe"}  # no such module
     exec(compile(_PROBE_SOURCE, "<twophase preflight probe>", "exec"), namespace)  # noqa: S102
-    maker: Callable[..., Any] = namespace["make_probe"]
+    maker: Callable[..., Any] = namespace[name]
     return maker
 
 
@@ -116,6 +130,8 @@ class HostReport:
     targets: list[dict[str, str]] = field(default_factory=list)
     """Participants whose :meth:`~twophase.participant.Participant.probe` failed here:
     ``error`` (its class), ``message``, ``participant``."""
+    pids: list[int] = field(default_factory=list)
+    """The Python workers that ran the probe (the batch's tasks reuse them)."""
 
 
 @dataclass
@@ -236,14 +252,19 @@ def _targets(participants: Sequence[Participant]) -> bytes:
 
 def check_executors(
     sc: Any, sink: str, participants: Sequence[Participant], coordinator_url: str,
-    *, wait_s: float = 0.0,
+    *, wait_s: float = 0.0, session: Any = None,
 ) -> PreflightReport:
     """Run the probe job (once per application, interpreter, coordinator and module set);
     raise :class:`EnvironmentProblem` when any executor cannot run the sink's tasks.
 
     A coordinator the driver cannot reach either is an outage (a daemon restarting), not
     the executors' environment: the probe is run again for up to ``wait_s`` seconds (the
-    sink's retry budget) before that is reported."""
+    sink's retry budget) before that is reported.
+
+    With a ``session`` (the batch's SparkSession) the probe runs as a ``mapInArrow`` job,
+    in the Python workers the batch's tasks will reuse; only if that job cannot run at all
+    is it run again as an RDD job, which needs nothing but Python on the executors and so
+    can name what is missing (pyarrow, twophase)."""
     choose_worker_python(sc)
     modules = modules_to_check(participants)
     targets = _targets(participants)
@@ -252,7 +273,7 @@ def check_executors(
     deadline = time.monotonic() + wait_s
     outage = warned = False
     while report is None:
-        report = _probe(sc, modules, coordinator_url, targets)
+        report = _probe(sc, modules, coordinator_url, targets, session)
         if report.ok:
             _CACHE[key] = report
             log.info("sink %s: executors checked in %.1fs: %s", sink, report.seconds,
@@ -293,7 +314,8 @@ def _reachable(url: str) -> bool:
         return False
 
 
-def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"") -> PreflightReport:
+def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"",
+           session: Any = None) -> PreflightReport:
     import json
 
     parts = urlsplit(url)
@@ -302,8 +324,18 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"") ->
     n = max(1, int(sc.defaultParallelism))
     probe = _compile_probe()(modules, host, port, url, CONNECT_TIMEOUT, targets)
     started = time.perf_counter()
+    rows: list[str] | None = None
+    if session is not None:
+        try:
+            job = session.range(0, n, 1, n).mapInArrow(
+                _compile_probe("arrow_probe")(probe), "report string")
+            rows = [r["report"] for r in job.collect()]
+        except Exception as exc:  # diagnosed by the RDD probe below, which needs less
+            log.debug("the Arrow probe job failed (%s); probing again without Arrow",
+                      _spark_cause(exc))
     try:
-        rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
+        if rows is None:
+            rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
     except Exception as exc:  # the workers did not even start: name what Spark said
         raise EnvironmentProblem(
             f"the executors' Python ({sc.pythonExec}) could not run a probe task: "
@@ -318,6 +350,7 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"") ->
             (r["host"], r["executable"]), HostReport(r["host"], r["executable"], r["python"])
         )
         h.tasks += 1
+        h.pids.append(int(r.get("pid", 0)))
         h.versions.update(r["versions"])
         found = list(r["problems"])
         for mod, version in r["versions"].items():

@@ -210,3 +210,37 @@ def test_a_coordinator_outage_at_start_is_waited_for_not_blamed_on_executors(
         check_executors(spark.sparkContext, "outage2", parts, gone, wait_s=3)
     assert f"cannot reach the coordinator at {gone}" in str(err.value)
     assert "PYSPARK_PYTHON" not in str(err.value)  # not an interpreter problem
+
+
+def test_the_probe_runs_in_the_python_workers_the_batch_reuses(spark: Any,
+                                                              tmp_path: Path) -> None:
+    """An RDD job's Python workers are not the pool SQL's Arrow runner uses: a probe run as
+    an RDD job made every (re)started sink start two pools before its first batch (bench/
+    restart.py: +2.2 s against a plain job). Given the session, the probe is a mapInArrow
+    job, and the batch's barrier mapInArrow tasks then run in the same worker processes."""
+    from twophase.preflight import check_executors
+
+    n = int(spark.sparkContext.defaultParallelism)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        report = check_executors(spark.sparkContext, "samepool",
+                                 [StagedFileParticipant(path=str(tmp_path / "out"))], url,
+                                 session=spark)
+    assert report.ok
+    probed = {pid for h in report.hosts for pid in h.pids}
+    assert len(probed) == n and 0 not in probed
+
+    def pids(batches: Any) -> Any:
+        import os
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]})
+
+    batch = {r["pid"] for r in spark.range(0, n, 1, n)
+             .mapInArrow(pids, "pid long", barrier=True).collect()}
+    # an RDD probe's workers are never these (another pool); an idle worker left by an
+    # earlier test may take one of the tasks, so: shared, not necessarily all
+    assert batch & probed, (batch, probed)
