@@ -1,9 +1,20 @@
 """A real streaming query writes an Iceberg table and a PostgreSQL table through one
 TransactionalSink (2 partitions): one snapshot per micro-batch, every id once in both,
-the table read back by pyiceberg and, from the files its snapshot references, by DuckDB."""
+the table read back by pyiceberg and, from the files its snapshot references, by DuckDB.
+
+As a user runs it, under kills: the reference job is a separate driver process and the
+driver is SIGKILLed around the table's one commit per batch (``before_batch_commit``:
+COMMIT decided, the table untouched; ``after_batch_commit``: the snapshot made, the
+branches not acknowledged) or a worker after its branch's files are written; the restart
+leaves exactly one snapshot per batch, never two."""
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,9 +24,11 @@ import psycopg
 import pytest
 
 from tests.sinks.iceberg.iceberg_support import local_catalog
+from twophase import failpoints
 from twophase.sinks.iceberg import IcebergParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.testing.job import expected_ids, write_input
+from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
@@ -86,3 +99,67 @@ def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
         assert system["duplicates"] == 0 and system["missing"] == 0, report["verify_lines"]
         assert system["extra_commits"] == 0 and system["commits"] >= 1, report["verify_lines"]
         assert system["prepared_leftovers"] == 0, report["verify_lines"]
+
+
+KILL_BATCHES, KILL_ROWS = 3, 40
+
+
+def _run_job(cfg_path: Path, env_extra: dict[str, str],
+             log: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
+    env.update(env_extra)
+    with open(log, "a") as err:
+        return subprocess.run([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=600, check=False)
+
+
+@pytest.mark.parametrize(("victim", "spec"), [
+    ("driver", "before_batch_commit=kill*1"),
+    ("driver", "after_batch_commit=kill*1"),
+    ("worker", "after_prepare@{ice}/1=kill*1"),
+])
+def test_iceberg_and_postgres_exactly_once_one_snapshot_per_batch_under_kills(
+    tmp_path: Path, pg_dsn: str, victim: str, spec: str
+) -> None:
+    tag = f"i{secrets.token_hex(3)}"
+    catalog = local_catalog(tmp_path / "ice")
+    cfg = JobConfig(
+        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"ic_{tag}", partitions=2,
+        vote_timeout=60.0, max_attempts=4, pg_dsn=pg_dsn, pg_table=f"ic_{tag}",
+        iceberg_table="shop.orders", iceberg_catalog=catalog,
+    )
+    pg, ice = build_participants(cfg)
+    cfg_path, log, once = tmp_path / "job.json", tmp_path / "job.log", tmp_path / "once"
+    cfg.dump(cfg_path)
+    write_input(cfg.input_dir, KILL_BATCHES, KILL_ROWS)
+    env = {failpoints.ENV: spec.format(ice=ice.name), failpoints.ONCE_DIR_ENV: str(once)}
+    first = _run_job(cfg_path, env, log)
+    assert len(failpoints.fired(str(once))) == 1, log.read_text()[-3000:]
+    if victim == "driver":
+        assert first.returncode == -9, log.read_text()[-3000:]
+    write_input(cfg.input_dir, 1, KILL_ROWS, first=KILL_BATCHES)
+    batches = KILL_BATCHES + 1
+    second = _run_job(cfg_path, {}, log)
+    assert second.returncode == 0, log.read_text()[-3000:]
+    assert [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")][-1] == \
+        {"done": True}
+
+    want = expected_ids(batches, KILL_ROWS)
+    report = verify([pg, ice], want, sink=cfg.sink)
+    assert report.ok, report.lines()
+    table = next(s for s in report.systems if s.kind == "iceberg")
+    assert table.commits == batches and table.extra_commits == 0, report.lines()
+    from pyiceberg.catalog import load_catalog
+
+    tbl = load_catalog("default", **catalog).load_table("shop.orders")
+    snaps = [s.summary for s in tbl.metadata.snapshots]
+    assert len(snaps) == batches, snaps  # one snapshot per batch, never two
+    assert sorted(int(s["twophase.batch"]) for s in snaps) == list(range(batches))
+    paths = [t.file.file_path.removeprefix("file://") for t in tbl.scan().plan_files()]
+    by_duckdb = sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [paths]).fetchall())
+    assert by_duckdb == want
+    assert ice.in_doubt(cfg.sink) == []
