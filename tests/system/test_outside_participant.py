@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from twophase.testing.conformance import ALL_CHECKS, CROSS_PROCESS_CHECKS
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "jsondir"
 
@@ -127,7 +129,8 @@ def test_an_outside_participant_passes_the_kit_and_is_resolved_by_kind(tmp_path:
     kit = _run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_kit.py"],
                user, env)
     counts = re.search(r"^(\d+) passed in ", kit, re.MULTILINE)  # nothing failed or skipped
-    assert counts and int(counts.group(1)) >= 14, kit[-2000:]  # every check, crash ones too
+    every = len(ALL_CHECKS) + len(CROSS_PROCESS_CHECKS) + 1  # every check, crash ones too
+    assert counts and int(counts.group(1)) == every, kit[-2000:]
 
     # resolve: the job prepared and died; only the sink name and the coordinator are given
     out = tmp_path / "out"

@@ -42,6 +42,7 @@ from twophase.participant import BranchRef, BranchStatus, CommitScope, Handle, P
 __all__ = [
     "ALL_CHECKS",
     "CROSS_PROCESS_CHECKS",
+    "HOSTILE_CASES",
     "SCHEMA",
     "Harness",
     "Target",
@@ -399,6 +400,75 @@ def check_recovery_commit_without_handle(h: Harness) -> None:
     _with_target(h, body)
 
 
+HOSTILE_CASES: tuple[tuple[str, list[dict[str, Any]]], ...] = (
+    ("int64 extremes", [{"id": 2**63 - 1, "label": "max", "amount": 0.0},
+                        {"id": -(2**63), "label": "min", "amount": -0.0}]),
+    ("NUL in a string", [{"id": 1, "label": "a\x00b", "amount": 1.0}]),
+    ("a 1 MiB string", [{"id": 2, "label": "x" * (1 << 20), "amount": 2.0}]),
+    ("NaN and infinities", [{"id": 3, "label": "nan", "amount": float("nan")},
+                            {"id": 4, "label": "inf", "amount": float("inf")},
+                            {"id": 5, "label": "-inf", "amount": float("-inf")}]),
+    ("huge and tiny floats", [{"id": 6, "label": "big", "amount": 1.7976931348623157e308},
+                              {"id": 7, "label": "small", "amount": 5e-324}]),
+)
+"""Values that fit the checked schema but not every system: each is stored exactly or
+refused cleanly (:func:`check_hostile_values_are_stored_exactly_or_refused_cleanly`)."""
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN == NaN here: stored exactly
+    return bool(a == b) and type(a) is type(b)
+
+
+def check_hostile_values_are_stored_exactly_or_refused_cleanly(h: Harness) -> None:
+    """Each of :data:`HOSTILE_CASES` in a branch of its own: the participant either stores
+    the rows exactly (read back equal, nothing clipped, rounded or replaced) or refuses at
+    prepare with a :class:`~twophase.errors.ParticipantError` whose message names the
+    participant; a refused branch leaves nothing visible, nothing prepared and nothing in
+    doubt, and its abort succeeds. A raw library exception, a silent change of a value or
+    a leftover is a failure: the sink could then write a value other than the user's, or
+    leave a branch nobody settles."""
+    from twophase.errors import ParticipantError
+
+    def body(t: Target, p: Participant) -> None:
+        lineage = uuid.uuid4().hex[:16]
+        stored: dict[int, dict[str, Any]] = {}
+        refused: list[str] = []
+        for n, (case, rows) in enumerate(HOSTILE_CASES):  # a batch each (table kinds)
+            b = make_branch(p, sink="hostile", lineage=lineage, batch_id=n)
+            batch = pa.RecordBatch.from_pylist(rows, schema=SCHEMA)
+            try:
+                handle = dict(p.prepare(b, SCHEMA, [batch]))
+            except ParticipantError as exc:
+                assert p.name in str(exc) or p.describe() in str(exc), (
+                    f"{case}: the refusal does not name the participant: {exc}")
+                assert p.status(b) is BranchStatus.ABSENT, f"{case}: refused, yet {p.status(b)}"
+                p.abort(b, None)
+                if h.in_doubt_finds_prepared:
+                    assert b not in p.in_doubt("hostile"), f"{case}: left in doubt"
+                refused.append(case)
+                continue
+            except Exception as exc:
+                raise AssertionError(
+                    f"{case}: prepare raised {type(exc).__name__}, not a ParticipantError "
+                    f"naming the participant and the fix: {exc}") from exc
+            commit_branch(p, b, handle)
+            stored.update({r["id"]: r for r in rows})
+        seen = {r["id"]: r for r in t.rows()}
+        assert sorted(seen) == sorted(stored), (
+            f"visible ids {sorted(seen)} differ from the accepted cases' (refused: {refused})")
+        for i, want in stored.items():
+            got = seen[i]
+            for col in ("label", "amount"):
+                assert _same_value(got[col], want[col]), (
+                    f"id {i}: {col} stored as {str(got[col])[:80]!r}, "
+                    f"written {str(want[col])[:80]!r}")
+        assert p.in_doubt("hostile") == []
+
+    _with_target(h, body)
+
+
 ALL_CHECKS: tuple[Callable[[Harness], None], ...] = (
     check_prepared_data_invisible_until_commit,
     check_status_before_and_after_each_step,
@@ -410,6 +480,7 @@ ALL_CHECKS: tuple[Callable[[Harness], None], ...] = (
     check_new_lineage_is_not_skipped,
     check_empty_branch_commits,
     check_participant_pickles_before_and_after_use,
+    check_hostile_values_are_stored_exactly_or_refused_cleanly,
 )
 
 CROSS_PROCESS_CHECKS: tuple[Callable[[Harness], None], ...] = (

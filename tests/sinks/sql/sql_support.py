@@ -29,6 +29,9 @@ class SqlTarget:
     def rows(self) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
             t = sa.Table(self.table, sa.MetaData(), autoload_with=conn)
+            for c in t.columns:  # MySQL's reflected DOUBLE reads as Decimal by default
+                if isinstance(c.type, sa.Float):
+                    c.type.asdecimal = False
             return [dict(r) for r in conn.execute(sa.select(t)).mappings()]
 
     def close(self) -> None:
