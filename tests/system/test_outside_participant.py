@@ -13,9 +13,22 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from twophase.participant import (
+    BranchRef,
+    BranchStatus,
+    Descriptor,
+    Handle,
+    Participant,
+    Rebuildable,
+)
 from twophase.testing.conformance import ALL_CHECKS, CROSS_PROCESS_CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,3 +172,106 @@ def test_the_example_in_the_guide_is_the_shipped_package() -> None:
     assert textwrap.dedent('''
         [project.entry-points."twophase.participants"]
         jsondir = "twophase_jsondir:JsonDirParticipant"''') in toml
+
+
+@pytest.mark.spark
+def test_the_chaos_runner_rebuilds_an_outside_participant_by_kind(tmp_path: Path) -> None:
+    """``twophase chaos --participant DESCRIPTOR`` drives a third party's participant,
+    rebuilt by kind from its entry point in the job's driver and its Python workers: the
+    user's venv holds twophase (with pyspark) and the example package, installed by pip;
+    the job is SIGKILLed and restarted, and every id is counted through its read_back."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYSPARK_PYTHON")
+           and not k.startswith("TWOPHASE_")}
+    # the user's venv: this environment's packages (pyspark is too big to install per test)
+    # and the example installed into it by pip, entry point and all
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
+    py = venv / "bin" / "python"
+    site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                tmp_path, env).strip()
+    ours = sysconfig.get_path("purelib")
+    (Path(site) / "outer.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    pkg = tmp_path / "twophase-jsondir"
+    shutil.copytree(EXAMPLE, pkg)
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(pkg)], tmp_path, env)
+
+    out, report_path = tmp_path / "jd-out", tmp_path / "report.json"
+    descriptor = {"kind": "jsondir", "name": "jd", "target": str(out), "options": {}}
+    proc = subprocess.run(
+        [str(py), "-m", "twophase.cli", "chaos", "--no-postgres", "--no-files",
+         "--participant", json.dumps(descriptor), "--kills", "2", "--seed", "5",
+         "--batches", "2", "--rows-per-batch", "30", "--workdir", str(tmp_path / "w"),
+         "--json-out", str(report_path), "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is True, report["verify_lines"]
+    [system] = report["verify"]["systems"]
+    assert system["kind"] == "jsondir", system
+    assert system["rows"] == report["rows"] > 0, report["verify_lines"]
+    assert system["duplicates"] == system["missing"] == system["prepared_leftovers"] == 0
+    assert report["kills"] == 2, report["by_victim_step"]
+    assert list(out.glob("*.jsonl")), "nothing committed by the outside participant"
+
+
+def test_chaos_refuses_a_participant_it_cannot_count_or_build(tmp_path: Path) -> None:
+    """A descriptor of an unregistered kind, one that is not JSON and one without a name:
+    each is refused before any job runs, with the fix named."""
+    def chaos(value: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "twophase.cli", "chaos", "--no-postgres", "--no-files",
+             "--participant", value, "--kills", "0", "--workdir", str(tmp_path / "w")],
+            capture_output=True, text=True, timeout=120, check=False)
+
+    nokind = chaos('{"kind": "nosuchkind", "name": "x", "target": "/tmp/x", "options": {}}')
+    assert nokind.returncode == 2, nokind.stderr
+    assert "'nosuchkind', which this process cannot rebuild: install the package" \
+        in nokind.stderr
+    broken = chaos("{kind: jsondir}")
+    assert broken.returncode == 2 and "--participant: it is not JSON" in broken.stderr
+    nameless = chaos('{"kind": "jsondir"}')
+    assert nameless.returncode == 2 and 'string "kind" and "name"' in nameless.stderr
+
+
+class Unverifiable(Participant, Rebuildable):
+    """Rebuildable but not Verifiable: chaos could run it but never count its rows."""
+
+    kind = "unverifiable"
+
+    def prepare(self, branch: BranchRef, schema: Any, batches: Any) -> Handle:
+        return {}
+
+    def commit(self, branch: BranchRef, handle: Handle | None) -> None:
+        return None
+
+    def abort(self, branch: BranchRef, handle: Handle | None) -> None:
+        return None
+
+    def status(self, branch: BranchRef) -> BranchStatus:
+        return BranchStatus.ABSENT
+
+    def in_doubt(self, sink: str) -> list[BranchRef]:
+        return []
+
+    def descriptor(self) -> Descriptor | None:
+        return {"kind": self.kind, "name": self.name, "target": "", "options": {}}
+
+    @classmethod
+    def from_descriptor(cls, descriptor: Descriptor, secrets: Mapping[str, str]) -> Any:
+        return cls(descriptor["name"])
+
+
+def test_chaos_refuses_a_participant_it_could_not_verify(tmp_path: Path) -> None:
+    from twophase.participant import register_kind
+    from twophase.testing.chaos import ChaosError, ChaosOptions, run_chaos
+
+    register_kind(Unverifiable.kind, Unverifiable)
+    opts = ChaosOptions(workdir=tmp_path / "w", kills=0, files=False,
+                        participants=({"kind": "unverifiable", "name": "blind",
+                                       "target": "", "options": {}},))
+    with pytest.raises(ChaosError, match=r"cannot count the rows of .*blind.*: its class "
+                       r"does not implement read_back\(column\); inherit "
+                       r"twophase\.participant\.Verifiable"):
+        run_chaos(opts)
+    assert not (tmp_path / "w" / "input").exists()  # refused before any job ran

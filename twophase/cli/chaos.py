@@ -105,6 +105,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--iceberg-local", action="store_true",
                    help="also write an Iceberg table (pyiceberg, a SQL catalog on SQLite and a "
                    "warehouse in WORKDIR): one snapshot per batch, judged for extra commits too")
+    p.add_argument("--participant", action="append", default=[], metavar="DESCRIPTOR",
+                   help="also write a participant rebuilt by kind, e.g. one of your own "
+                   "package's (registered under the twophase.participants entry points): "
+                   "a JSON descriptor '{\"kind\": ..., \"name\": ..., \"target\": ..., "
+                   "\"options\": {...}}' or @FILE.json holding one; repeatable. Its class "
+                   "must implement read_back (twophase.participant.Verifiable); secrets come "
+                   "from TWOPHASE_SECRET_<PARTICIPANT>_<KEY>")
     p.add_argument("--job", type=Path, default=None, metavar="CONFIG.json",
                    help="run your own job config instead of the demo's")
     p.add_argument("--failpoint-share", type=float, default=0.5,
@@ -142,6 +149,15 @@ def _run_chaos(args: argparse.Namespace) -> int:
         except (OSError, ValueError, TypeError) as exc:
             print(f"twophase chaos: cannot read job config {args.job}: {exc}", file=sys.stderr)
             return 2
+    try:
+        extra = tuple(_descriptor(text) for text in args.participant)
+    except ValueError as exc:
+        print(f"twophase chaos: --participant: {exc}", file=sys.stderr)
+        return 2
+    if extra and job is not None:
+        print("twophase chaos: --participant adds to the demo job; with --job, list the "
+              "descriptors in the config's \"participants\"", file=sys.stderr)
+        return 2
     if "broker" in victims and not (args.kafka_tansu and job is None):
         print("twophase chaos: victim 'broker' needs --kafka-tansu (chaos kills and restarts "
               "the private tansu broker it starts; it cannot restart a broker given by "
@@ -221,7 +237,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
         delta_path = str(workdir / "delta") if args.delta_local and job is None else None
         iceberg = args.iceberg_local and job is None
         if job is None and not (pg_dsn or not args.no_files or kafka or sql_url or delta_path
-                                or iceberg):
+                                or iceberg or extra):
             print("twophase chaos: no participant left (PostgreSQL, files and Kafka all off)",
                   file=sys.stderr)
             return 2
@@ -231,7 +247,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
             kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url,
-            delta_path=delta_path, iceberg_local=iceberg, job=job,
+            delta_path=delta_path, iceberg_local=iceberg, participants=extra, job=job,
             broker=broker if "broker" in victims else None,
             broker_down_max_s=args.broker_down_max,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
@@ -253,3 +269,25 @@ def _run_chaos(args: argparse.Namespace) -> int:
     if args.quiet:
         print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))
     return 0 if report["ok"] else 1
+
+
+def _descriptor(text: str) -> dict[str, Any]:
+    """One --participant value: a JSON descriptor, or @FILE holding one."""
+    source = "it"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read {source}: {exc.strerror or exc}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not JSON ({exc.msg} at char {exc.pos}): pass a "
+                         "descriptor such as '{\"kind\": \"mykind\", \"name\": \"p1\", "
+                         "\"target\": \"...\", \"options\": {}}'") from None
+    if not isinstance(value, dict) or not isinstance(value.get("kind"), str) \
+            or not isinstance(value.get("name"), str):
+        raise ValueError(f"{source} must be a JSON object with string \"kind\" and "
+                         "\"name\" (and the \"target\" and \"options\" its kind reads)")
+    return value

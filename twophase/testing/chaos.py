@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.errors import TwophaseError
+from twophase.errors import InvalidRequest, TwophaseError
+from twophase.participant import Verifiable
 from twophase.protocol import CommitScope
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon, clean_env
@@ -243,6 +244,8 @@ class ChaosOptions:
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
     iceberg_local: bool = False  # IcebergParticipant on a SQL catalog in the workdir
+    # participants rebuilt by kind from descriptors (entry points: a third party's too)
+    participants: tuple[dict[str, Any], ...] = ()
     job: JobConfig | None = None  # a user's job; chaos writes its input
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
@@ -316,7 +319,16 @@ class _Chaos:
         self.cfg = self._config()
         self.cfg_path = self.work / "job.json"
         self.cfg.dump(self.cfg_path)
-        built = build_participants(self.cfg)
+        try:
+            built = build_participants(self.cfg)
+        except InvalidRequest as exc:  # a kind nobody registered, a malformed descriptor
+            raise ChaosError(str(exc)) from None
+        blind = [p.describe() for p in built if not isinstance(p, Verifiable)]
+        if blind:
+            raise ChaosError(
+                f"chaos cannot count the rows of {', '.join(blind)}: its class does not "
+                "implement read_back(column); inherit twophase.participant.Verifiable "
+                "(docs/writing-a-participant.md) so the verifier can read its output")
         self.participant_names = [p.name for p in built]
         self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
         self.batch_seconds: list[float] = [3.0]
@@ -357,6 +369,7 @@ class _Chaos:
                     "type": "sql", "uri": f"sqlite:///{self.work / 'iceberg-catalog.db'}",
                     "warehouse": f"file://{self.work / 'iceberg'}",
                 } if o.iceberg_local else None,
+                participants=[dict(d) for d in o.participants] or None,
                 partitions=o.partitions,
                 max_attempts=5,
                 vote_timeout=60.0,

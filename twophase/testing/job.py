@@ -68,6 +68,10 @@ class JobConfig:
     delta_options: dict[str, str] | None = None  # its storage_options (s3:// only)
     iceberg_table: str | None = None  # IcebergParticipant: "namespace.name"
     iceberg_catalog: dict[str, str] | None = None  # pyiceberg load_catalog properties
+    # Any participant kind rebuilt by kind (the twophase.participants entry points, e.g. a
+    # third-party package's): descriptors {"kind", "name", "target", "options"}, secrets
+    # from TWOPHASE_SECRET_<PARTICIPANT>_<KEY> as for `twophase resolve`
+    participants: list[dict[str, Any]] | None = None
     partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
@@ -181,9 +185,13 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
         parts.append(IcebergParticipant(cfg.iceberg_table, cfg.iceberg_catalog or {},
                                         mode="complete" if cfg.aggregate == "complete"
                                         else "append"))
+    if cfg.participants:
+        from twophase.participant import rebuild
+
+        parts.extend(rebuild(d) for d in cfg.participants)
     if not parts:
         raise ValueError("the job needs at least one of: pg_dsn, files_path, kafka_bootstrap, "
-                         "sql_urls, delta_path, iceberg_table")
+                         "sql_urls, delta_path, iceberg_table, participants")
     return parts
 
 

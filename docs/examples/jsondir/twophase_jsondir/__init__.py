@@ -23,13 +23,15 @@ from twophase.participant import (
     Descriptor,
     Handle,
     Participant,
+    ReadBack,
     Rebuildable,
+    Verifiable,
 )
 
 __all__ = ["JsonDirParticipant"]
 
 
-class JsonDirParticipant(Participant, Rebuildable):
+class JsonDirParticipant(Participant, Rebuildable, Verifiable):
     kind = "jsondir"
 
     def __init__(self, path: str, *, name: str | None = None) -> None:
@@ -94,6 +96,14 @@ class JsonDirParticipant(Participant, Rebuildable):
     @classmethod
     def from_descriptor(cls, descriptor: Descriptor, secrets: Mapping[str, str]) -> Any:
         return cls(descriptor["target"], name=descriptor["name"])
+
+    # -- optional: verifiable by `twophase chaos` (it counts every row after the kills)
+    def read_back(self, column: str) -> ReadBack:
+        values = tuple(json.loads(line)[column] for f in sorted(self.path.glob("*.jsonl"))
+                       for line in f.read_text(encoding="utf-8").splitlines())
+        staged = self.path / "_prepared"
+        return ReadBack(values=values, prepared=len(list(staged.glob("*.jsonl"))),
+                        temp=len(list(staged.glob("*.tmp"))))
 
 
 def _fsync_dir(path: Path) -> None:
