@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,7 @@ import psycopg
 import pytest
 
 from tests.support.kafka import kafka_branches_committed, real_kafka_servers
+from tests.support.user import run_reference_job
 from twophase import failpoints
 from twophase.testing.chaos import PER_BRANCH_POINTS, TABLE_POINTS, VICTIMS, points_for
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
@@ -79,19 +77,6 @@ def _params() -> list[Any]:
     return out
 
 
-def _run_job(
-    cfg_path: Path, env_extra: dict[str, str], log: Path
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.run(
-            [sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-            env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=600, check=False,
-        )
-
-
 def _prepared(pg_dsn: str) -> list[str]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
@@ -132,7 +117,8 @@ def run_case(
     log = tmp / "job.log"
     write_input(cfg.input_dir, BATCHES, ROWS)
     try:
-        first = _run_job(cfg_path, fp_env if victim != "coordinator" else {}, log)
+        first = run_reference_job(cfg_path, fp_env if victim != "coordinator" else {}, log,
+                                  drop=())
         fired = failpoints.fired(str(once))
         assert len(fired) == kills, (fired, first.returncode, log.read_text()[-3000:])
         pid = int(fired[0].split("pid=")[1].split()[0])
@@ -149,7 +135,7 @@ def run_case(
             daemon.start()  # restart on the same port and store, without failpoints
         # Restart from the checkpoint with one more batch and run to the end.
         write_input(cfg.input_dir, 1, ROWS, first=BATCHES)
-        second = _run_job(cfg_path, {}, log)
+        second = run_reference_job(cfg_path, {}, log, drop=())
         assert second.returncode == 0, log.read_text()[-3000:]
         lines = [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")]
         assert lines[-1] == {"done": True}

@@ -27,3 +27,23 @@ def user_env() -> dict[str, str]:
     if found != ours:
         env["PYTHONPATH"] = str(Path(ours).parent)
     return env
+
+
+def run_reference_job(
+    cfg_path: Path, env_extra: dict[str, str], log: Path,
+    *, drop: tuple[str, ...] = ("PYSPARK_PYTHON",),
+) -> subprocess.CompletedProcess[str]:
+    """The reference job (``python -m twophase.testing.job CONFIG``) as its own driver
+    process, so that a failpoint can SIGKILL it: this environment without any failpoint
+    variable or ``drop``, plus ``env_extra``; stderr appended to ``log``."""
+    import os
+
+    from twophase import failpoints
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, *drop)}
+    env.update(env_extra)
+    with open(log, "a") as err:
+        return subprocess.run([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=600, check=False)

@@ -14,7 +14,6 @@ batch Spark replays adds no version."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
+from tests.support.user import run_reference_job
 from twophase import failpoints
 from twophase.participant import Participant
 from twophase.sinks.delta import DeltaParticipant, app_id
@@ -35,17 +35,6 @@ from twophase.testing.verify import verify
 pytestmark = pytest.mark.spark
 
 BATCHES, ROWS = 3, 40
-
-
-def _run_job(cfg_path: Path, env_extra: dict[str, str],
-             log: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.run([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                              timeout=600, check=False)
 
 
 def _duckdb_ids(dt: DeltaTable) -> list[int]:
@@ -79,13 +68,13 @@ def test_delta_and_postgres_exactly_once_one_version_per_batch(
     if spec:
         env = {failpoints.ENV: spec.format(delta=delta.name),
                failpoints.ONCE_DIR_ENV: str(once)}
-        first = _run_job(cfg_path, env, log)
+        first = run_reference_job(cfg_path, env, log)
         assert len(failpoints.fired(str(once))) == 1, log.read_text()[-3000:]
         if victim == "driver":
             assert first.returncode == -9, log.read_text()[-3000:]
         write_input(cfg.input_dir, 1, ROWS, first=BATCHES)
         batches += 1
-    second = _run_job(cfg_path, {}, log)
+    second = run_reference_job(cfg_path, {}, log)
     assert second.returncode == 0, log.read_text()[-3000:]
     assert [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")][-1] == \
         {"done": True}

@@ -11,7 +11,6 @@ leaves exactly one snapshot per batch, never two."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import psycopg
 import pytest
 
 from tests.sinks.iceberg.iceberg_support import local_catalog
+from tests.support.user import run_reference_job
 from twophase import failpoints
 from twophase.sinks.iceberg import IcebergParticipant
 from twophase.sinks.postgres import PostgresParticipant
@@ -79,8 +79,6 @@ def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
     driver and worker kills (the batch-commit failpoints among them): every id once in
     each, one snapshot / version per batch, nothing left unreferenced."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "report.json"
     proc = subprocess.run(
@@ -104,17 +102,6 @@ def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
 KILL_BATCHES, KILL_ROWS = 3, 40
 
 
-def _run_job(cfg_path: Path, env_extra: dict[str, str],
-             log: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.run([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                              timeout=600, check=False)
-
-
 @pytest.mark.parametrize(("victim", "spec"), [
     ("driver", "before_batch_commit=kill*1"),
     ("driver", "after_batch_commit=kill*1"),
@@ -136,13 +123,13 @@ def test_iceberg_and_postgres_exactly_once_one_snapshot_per_batch_under_kills(
     cfg.dump(cfg_path)
     write_input(cfg.input_dir, KILL_BATCHES, KILL_ROWS)
     env = {failpoints.ENV: spec.format(ice=ice.name), failpoints.ONCE_DIR_ENV: str(once)}
-    first = _run_job(cfg_path, env, log)
+    first = run_reference_job(cfg_path, env, log)
     assert len(failpoints.fired(str(once))) == 1, log.read_text()[-3000:]
     if victim == "driver":
         assert first.returncode == -9, log.read_text()[-3000:]
     write_input(cfg.input_dir, 1, KILL_ROWS, first=KILL_BATCHES)
     batches = KILL_BATCHES + 1
-    second = _run_job(cfg_path, {}, log)
+    second = run_reference_job(cfg_path, {}, log)
     assert second.returncode == 0, log.read_text()[-3000:]
     assert [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")][-1] == \
         {"done": True}

@@ -13,7 +13,6 @@ under random kills (``test_chaos_cli_mariadb``).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.sinks.sql.sql_support import pg_url
+from tests.support.user import run_reference_job
 from twophase import failpoints
 from twophase.testing.chaos import PER_BRANCH_POINTS, points_for
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
@@ -31,19 +31,6 @@ from twophase.testing.verify import verify
 pytestmark = pytest.mark.spark
 
 BATCHES, ROWS = 3, 40
-
-
-def _run_job(
-    cfg_path: Path, env_extra: dict[str, str], log: Path
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.run(
-            [sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-            env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=600, check=False,
-        )
 
 
 FAST = {("worker", "after_prepare"), ("driver", "after_decision")}
@@ -77,7 +64,8 @@ def test_spark_kill_then_restart_is_exactly_once(
     cfg.dump(cfg_path)
     write_input(cfg.input_dir, BATCHES, ROWS)
 
-    first = _run_job(cfg_path, {failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}, log)
+    first = run_reference_job(
+        cfg_path, {failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}, log, drop=())
     fired = failpoints.fired(str(once))
     assert len(fired) == 1, (fired, first.returncode, log.read_text()[-3000:])
     if victim == "driver":
@@ -88,7 +76,7 @@ def test_spark_kill_then_restart_is_exactly_once(
         assert first.returncode != -9, log.read_text()[-3000:]
 
     write_input(cfg.input_dir, 1, ROWS, first=BATCHES)
-    second = _run_job(cfg_path, {}, log)
+    second = run_reference_job(cfg_path, {}, log, drop=())
     assert second.returncode == 0, log.read_text()[-3000:]
     lines = [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")]
     assert lines[-1] == {"done": True}
