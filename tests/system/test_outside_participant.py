@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.user import user_env
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -180,9 +181,7 @@ def test_the_chaos_runner_rebuilds_an_outside_participant_by_kind(tmp_path: Path
     rebuilt by kind from its entry point in the job's driver and its Python workers: the
     user's venv holds twophase (with pyspark) and the example package, installed by pip;
     the job is SIGKILLed and restarted, and every id is counted through its read_back."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYSPARK_PYTHON")
-           and not k.startswith("TWOPHASE_")}
+    env = user_env()
     # the user's venv: this environment's packages (pyspark is too big to install per test)
     # and the example installed into it by pip, entry point and all
     venv = tmp_path / "venv"

@@ -78,8 +78,6 @@ def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
     """``twophase chaos --iceberg-local --delta-local``: both tables in one sink under random
     driver and worker kills (the batch-commit failpoints among them): every id once in
     each, one snapshot / version per batch, nothing left unreferenced."""
-    import json
-
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "twophase.cli", "chaos", "--iceberg-local", "--delta-local",
