@@ -292,7 +292,7 @@ def _hot_routes(svc: _Service) -> HotRoutes:
         now = st.clock()
         events: list[p.Event] = [
             p.Vote(branch=v.branch, epoch=body.epoch, yes=v.yes, now=now, handle=v.handle,
-                   reason=v.reason, digest=v.digest)
+                   reason=v.reason, digest=v.digest, task=v.task)
             for v in body.votes
         ]
         txn = await st.apply_async(key, events)

@@ -116,6 +116,9 @@ class VoteItem(_Strict):
     reason: Text | None = None
     digest: str | None = Field(default=None, max_length=128, pattern=r"^[0-9a-z:]+$",
                                description="content digest of the rows voted on")
+    task: str | None = Field(default=None, max_length=128, pattern=r"^[0-9A-Za-z.:/_-]+$",
+                             description="the Spark task attempt voting: the first vote "
+                             "of a branch wins, another attempt's is not recorded")
     metrics: BranchMetricsIn | None = None
 
 

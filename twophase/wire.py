@@ -96,6 +96,7 @@ class BranchOut(TypedDict):
     reason: str | None
     ack: DecisionName | None
     digest: NotRequired[str | None]  # absent in answers of older coordinators
+    task: NotRequired[str | None]  # the Spark task attempt whose vote counts (0.3 on)
 
 
 class TxnOut(TypedDict):
@@ -186,13 +187,16 @@ def _decision_name(d: p.Decision | None) -> DecisionName | None:
 
 
 def encode_branch(b: p.BranchState) -> BranchOut:
-    return {
+    out: BranchOut = {
         "vote": _decision_name(b.vote),
         "handle": dict(b.handle) if b.handle is not None else None,
         "reason": b.reason,
         "ack": _decision_name(b.ack),
         "digest": b.digest,
     }
+    if b.task is not None:  # only votes that name their task attempt carry it
+        out["task"] = b.task
+    return out
 
 
 def encode_branches(branches: Mapping[str, p.BranchState]) -> dict[str, BranchOut]:
@@ -264,6 +268,7 @@ class VoteIn:
     reason: str | None = None
     metrics: BranchMetrics | None = None
     digest: str | None = None  # content digest of the rows voted on (twophase.digest)
+    task: str | None = None  # the Spark task attempt voting (first YES of a branch wins)
 
 
 class BeginBody(TypedDict):
@@ -282,6 +287,7 @@ class VoteBody(TypedDict):
     reason: str | None
     metrics: NotRequired[BranchMetrics]
     digest: NotRequired[str]  # sent only when set: older services refuse unknown keys
+    task: NotRequired[str]  # sent only when set, as digest
 
 
 class VotesBody(TypedDict):
@@ -357,6 +363,8 @@ def _vote(v: VoteIn) -> VoteBody:
         out["metrics"] = v.metrics
     if v.digest:
         out["digest"] = v.digest
+    if v.task:
+        out["task"] = v.task
     return out
 
 
@@ -451,6 +459,7 @@ def decode_branch(d: Mapping[str, Any], where: str = "branch") -> p.BranchState:
         reason=_opt(d, "reason", str, where),
         ack=_decision(d.get("ack"), f"{where}.ack"),
         digest=_opt(d, "digest", str, where),
+        task=_opt(d, "task", str, where),
     )
 
 

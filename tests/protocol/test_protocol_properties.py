@@ -30,7 +30,8 @@ CHECKPOINTS = (0, 1, 2)
 VOTE_TIMEOUT = 10.0
 BRANCHES = tuple(f"{q}/{i}" for q in PARTICIPANTS for i in range(PARTITIONS))
 UNKNOWN_BRANCH = "files/0"  # not a participant of the sink
-EPOCHS = ("writer", "stale", "newer")  # relative to the attempt's writer epoch
+EPOCHS = ("writer", "stale", "newer")
+TASKS = (None, "3.0/7", "3.0/9", "3.1/12")  # Spark task attempts (stage.attempt/task id)  # relative to the attempt's writer epoch
 Refusal = type[p.ProtocolError] | None
 
 
@@ -41,12 +42,15 @@ class Model:
     A vote is recorded only while undecided and before the deadline; one NO, a deadline,
     an abandon or an admin abort decides ABORT; every YES decides COMMIT; a decision never
     changes; acks must name the decision, and the attempt is finished once every branch
-    (COMMIT) or every YES voter (ABORT) acked.
+    (COMMIT) or every YES voter (ABORT) acked. A vote names its Spark task attempt: the
+    first vote of a branch wins, another attempt's vote is answered and never recorded,
+    and only the same attempt (or one that names none) contradicting itself is refused.
     """
 
     epoch: int
     deadline: float
     votes: dict[str, Decision] = field(default_factory=dict)
+    tasks: dict[str, str | None] = field(default_factory=dict)  # the winning task attempts
     decision: Decision | None = None
     acks: set[str] = field(default_factory=set)
     changes: int = 0  # accepted messages that changed the attempt
@@ -70,7 +74,9 @@ class Model:
             if ev.branch not in BRANCHES:
                 return p.UnknownBranch
             earlier = self.votes.get(ev.branch)
-            if earlier is not None and earlier != _vote(ev):
+            winner = self.tasks.get(ev.branch)
+            another = winner is not None and ev.task is not None and winner != ev.task
+            if earlier is not None and earlier != _vote(ev) and not another:
                 return p.IllegalTransition  # a vote never changes
         if isinstance(ev, p.Ack | p.ForceAck):
             if ev.branch not in BRANCHES:
@@ -89,6 +95,7 @@ class Model:
                     self.decision = Decision.ABORT
                 else:
                     self.votes[ev.branch] = _vote(ev)
+                    self.tasks[ev.branch] = ev.task
                     if not ev.yes:
                         self.decision = Decision.ABORT
                     elif len(self.votes) == len(BRANCHES):
@@ -121,6 +128,7 @@ class Model:
         assert txn.state == self.state, (txn.state, self.state, self)
         assert txn.decision == self.decision
         assert {b: s.vote for b, s in txn.branches.items() if s.vote} == self.votes
+        assert {b: s.task for b, s in txn.branches.items() if s.vote} == self.tasks
         assert {b for b, s in txn.branches.items() if s.ack} == self.acks
         assert txn.version == self.changes, "version increases by one per change"
 
@@ -245,15 +253,21 @@ class ProtocolMachine(RuleBasedStateMachine):
         branch=st.sampled_from((*BRANCHES, UNKNOWN_BRANCH)),
         yes=st.booleans(),
         epoch=st.sampled_from(EPOCHS),
+        task=st.sampled_from(TASKS),
     )
-    def vote(self, batch_id: int, back: int, branch: str, yes: bool, epoch: str) -> None:
+    def vote(
+        self, batch_id: int, back: int, branch: str, yes: bool, epoch: str, task: str | None
+    ) -> None:
+        """A task attempt votes: a retried or speculative copy of a task (another ``task``)
+        may vote after the first attempt of its branch did, either way."""
         txn = self._target(batch_id, back)
         if txn is None:
             return
         self._apply(
             txn,
             p.Vote(branch=branch, epoch=self._epoch(txn, epoch), yes=yes, now=self.now,
-                   handle={"gid": branch} if yes else None, reason=None if yes else "refused"),
+                   handle={"gid": branch} if yes else None, reason=None if yes else "refused",
+                   task=task),
         )
 
     @precondition(lambda self: self.epoch > 0 and self.attempts)

@@ -7,7 +7,7 @@ row's ``version``; the HTTP layer only translates. The driver and the tasks ask 
 package what to do next. Modules:
 
 - :mod:`.records`: states, decisions, transactions, sink rows, branch ids;
-- :mod:`.machine`: events, the complete transition table, :func:`handle`;
+- :mod:`.machine`: events, the complete transition table, the vote table, :func:`handle`;
 - :mod:`.attempts`: :func:`register`, :func:`begin` (a table of cases), :func:`committed`;
 - :mod:`.recovery`: the recovery rule, :func:`recovery_action`;
 - :mod:`.retry`: the driver's next step after an attempt, :func:`next_step`.
@@ -28,6 +28,7 @@ from twophase.protocol.attempts import (
 )
 from twophase.protocol.machine import (
     TRANSITIONS,
+    VOTE_CASES,
     Abandon,
     Ack,
     AdminAbort,
@@ -39,8 +40,11 @@ from twophase.protocol.machine import (
     Refuse,
     Rule,
     Vote,
+    VoteCase,
+    VoteOutcome,
     handle,
     kind_of,
+    vote_case,
 )
 from twophase.protocol.records import (
     BranchState,
@@ -63,6 +67,7 @@ from twophase.protocol.retry import Step, StepKind, next_step, permanent
 __all__ = [
     "BEGIN_CASES",
     "TRANSITIONS",
+    "VOTE_CASES",
     "Abandon",
     "Ack",
     "AdminAbort",
@@ -93,6 +98,8 @@ __all__ = [
     "TxnKey",
     "UnknownBranch",
     "Vote",
+    "VoteCase",
+    "VoteOutcome",
     "begin",
     "branch_id",
     "committed",
@@ -103,4 +110,5 @@ __all__ = [
     "permanent",
     "recovery_action",
     "register",
+    "vote_case",
 ]

@@ -30,6 +30,7 @@ from twophase.protocol.records import BranchState, Decision, State, Transaction
 
 __all__ = [
     "TRANSITIONS",
+    "VOTE_CASES",
     "Abandon",
     "Ack",
     "AdminAbort",
@@ -41,8 +42,11 @@ __all__ = [
     "Refuse",
     "Rule",
     "Vote",
+    "VoteCase",
+    "VoteOutcome",
     "handle",
     "kind_of",
+    "vote_case",
 ]
 
 
@@ -59,6 +63,7 @@ class Vote:
     handle: Mapping[str, str] | None = None
     reason: str | None = None
     digest: str | None = None
+    task: str | None = None  # the Spark task attempt voting (a retry or a speculative copy)
 
 
 @dataclass(frozen=True)
@@ -282,34 +287,101 @@ def _maybe_finish(txn: Transaction, now: float) -> Transaction:
     return txn
 
 
+class VoteOutcome(str, enum.Enum):
+    """What one vote does to its branch (the right column of :data:`VOTE_CASES`)."""
+
+    RECORD = "record"  # the branch's first vote: kept, and the decision taken when due
+    UNCHANGED = "unchanged"  # answered with the record as it is; nothing is written
+    CHANGED = "changed"  # refused: the same task attempt contradicts its own vote
+    DEADLINE = "deadline"  # past the vote deadline: ABORT is decided instead
+
+
+@dataclass(frozen=True)
+class VoteCase:
+    """One row of the vote table: when it applies to (transaction, branch, vote), and
+    what the vote does."""
+
+    name: str
+    applies: Callable[[Transaction, BranchState, Vote], bool]
+    outcome: VoteOutcome
+
+
+def _other_attempt(current: BranchState, ev: Vote) -> bool:
+    """The vote comes from another Spark task attempt than the one already recorded (a
+    task retried after its executor died, or a speculative copy)."""
+    return current.task is not None and ev.task is not None and current.task != ev.task
+
+
+def _same_side(current: BranchState, ev: Vote) -> bool:
+    return current.vote == (Decision.COMMIT if ev.yes else Decision.ABORT)
+
+
+VOTE_CASES: Final[tuple[VoteCase, ...]] = (
+    VoteCase(
+        "another task attempt of a branch that has voted: the first vote wins, this one "
+        "is not recorded (Spark's output commit coordinator authorises one attempt per "
+        "partition the same way); what it prepared under the same name is the branch's, "
+        "anything else it left is swept by recovery",
+        lambda t, b, e: b.vote is not None and _other_attempt(b, e),
+        VoteOutcome.UNCHANGED,
+    ),
+    VoteCase(
+        "the same vote again (a retried call): harmless",
+        lambda t, b, e: b.vote is not None and _same_side(b, e),
+        VoteOutcome.UNCHANGED,
+    ),
+    VoteCase(
+        "the same task attempt votes the other way: refused, a vote never changes",
+        lambda t, b, e: b.vote is not None,
+        VoteOutcome.CHANGED,
+    ),
+    VoteCase(
+        "a late first vote (the deadline or another branch's NO decided ABORT): "
+        "recorded nowhere; recovery aborts whatever it left prepared",
+        lambda t, b, e: t.state.decided,
+        VoteOutcome.UNCHANGED,
+    ),
+    VoteCase(
+        "a first vote after the vote deadline: ABORT is decided",
+        lambda t, b, e: e.now >= t.deadline,
+        VoteOutcome.DEADLINE,
+    ),
+    VoteCase("the branch's first vote", lambda t, b, e: True, VoteOutcome.RECORD),
+)
+"""The vote table, first match wins; the last row always applies."""
+
+
+def vote_case(txn: Transaction, ev: Vote) -> VoteCase:
+    """The row of :data:`VOTE_CASES` a vote falls under (after the epoch checks)."""
+    current = _branch(txn, ev.branch)
+    return next(c for c in VOTE_CASES if c.applies(txn, current, ev))
+
+
 def _on_vote(txn: Transaction, ev: Event) -> Transaction:
     assert isinstance(ev, Vote)
     if ev.epoch != txn.epoch:
         raise IllegalTransition(
             f"vote carries epoch {ev.epoch} but attempt {txn.attempt} belongs to epoch {txn.epoch}"
         )
-    current = _branch(txn, ev.branch)
-    vote = Decision.COMMIT if ev.yes else Decision.ABORT
-    if current.vote is not None:
-        if current.vote != vote:
-            raise IllegalTransition(
-                f"branch {ev.branch} already voted {current.vote.value}; a vote never changes"
-            )
-        return txn  # the same vote again: harmless
-    if txn.state.decided:
-        # A late first vote (after the deadline or another NO) does not alter a decision.
-        # Record nothing: an ABORT decision does not wait for branches that were too late;
-        # recovery aborts whatever they left prepared.
-        if txn.decision == Decision.COMMIT:  # pragma: no cover - commit needs every vote
-            raise AssertionError("COMMIT decided without every vote")
+    case = vote_case(txn, ev)
+    if case.outcome == VoteOutcome.UNCHANGED:
+        if txn.decision == Decision.COMMIT and txn.branches[ev.branch].vote is None:
+            raise AssertionError("COMMIT decided without every vote")  # pragma: no cover
         return txn
-    if ev.now >= txn.deadline:
+    if case.outcome == VoteOutcome.CHANGED:
+        raise IllegalTransition(
+            f"branch {ev.branch} already voted {txn.branches[ev.branch].vote.value}"  # type: ignore[union-attr]
+            "; a vote never changes"
+        )
+    if case.outcome == VoteOutcome.DEADLINE:
         return _decide(txn, Decision.ABORT, ev.now, "vote deadline passed")
+    vote = Decision.COMMIT if ev.yes else Decision.ABORT
     st = BranchState(
         vote=vote,
         handle=MappingProxyType(dict(ev.handle or {})) if ev.yes else None,
         reason=None if ev.yes else (ev.reason or "voted NO without a reason"),
         digest=ev.digest if ev.yes else None,
+        task=ev.task,
     )
     txn = _with_branch(replace(txn, state=State.PREPARING), ev.branch, st)
     if not ev.yes:

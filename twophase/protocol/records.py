@@ -94,6 +94,7 @@ class BranchState:
     reason: str | None = None  # why it voted NO
     ack: Decision | None = None  # the outcome the branch confirmed it applied
     digest: str | None = None  # content digest of the rows voted on (a redo must match it)
+    task: str | None = None  # the Spark task attempt whose vote counts (the first one)
 
 
 @dataclass(frozen=True)
