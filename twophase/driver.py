@@ -21,35 +21,34 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
+from twophase.commit import apply_decision, commit_batches
 from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError, headline
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
 from twophase.participant import (
     EMPTY_BRANCH,
-    Handle,
     Participant,
     descriptor_of,
     is_empty_branch,
 )
 from twophase.protocol import (
     BeginKind,
-    CommitScope,
-    Decision,
     StepKind,
     TxnKey,
     next_step,
-    parse_branch_id,
 )
 from twophase.task import (
     INPUT_SPLIT,
     PLAN_PROPERTY,
+    PREPARE,
     BatchPlan,
     plan_from_property,
     plan_property,
@@ -181,6 +180,10 @@ class TransactionalSink:
         if not retry_budget_s > 0:
             raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
         self.participants = tuple(participants)
+        # A participant whose prepared branch dies with its process (Kafka's in-task
+        # transaction) needs every task alive until the decision: one barrier stage.
+        # Otherwise tasks prepare and end, and the driver commits after the job.
+        self.gang = any(not p.durable_prepare for p in self.participants)
         self.split_columns, single = _split_rule(self.participants)
         self.one_branch = single  # participants' keys or complete mode fix the split
         if single:
@@ -261,8 +264,9 @@ class TransactionalSink:
 
     def _check_cluster(self, df: DataFrame, partitions: int) -> None:
         """Refuse, before anything is begun or written, a batch Spark would refuse
-        mid-way: barrier stages need all their tasks running at once."""
-        if partitions <= self._slots_checked:
+        mid-way: barrier stages need all their tasks running at once (only a sink with
+        an in-task participant runs one)."""
+        if not self.gang or partitions <= self._slots_checked:
             return  # checked before (master and dynamic allocation are fixed at start)
         conf = df.sparkSession.conf
         master = conf.get("spark.master", "local") or "local"
@@ -384,7 +388,8 @@ class TransactionalSink:
         laps.lap("frame_s")
         n_in = _input_partitions(direct if direct is not None else df)
         laps.lap("split_s")
-        if n_in is not None and (n_in > slots or self.partitions not in (None, n_in)):
+        if n_in is not None and ((self.gang and n_in > slots)
+                                 or self.partitions not in (None, n_in)):
             n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
         # n_in == 0: Spark planned no partition at all, the batch has no rows
         partitions = self.partitions or (1 if n_in == 0 else n_in or slots)
@@ -453,10 +458,22 @@ class TransactionalSink:
                 final = (relay_acks(client, txn.key, self._epoch, outcomes)
                          or client.get(txn.key))
                 laps.lap("relay_s")
-                final, batch_error = self._commit_batches(client, final,
-                                                          redone_handles(outcomes))
-                laps.lap("batch_commit_s")
-                job_error = job_error or batch_error
+                if plan.mode == PREPARE:
+                    # No task waited for the decision: take it (a job that ended without
+                    # every vote aborts) and apply it from here.
+                    if final.decision is None:
+                        final = client.abandon(final.key, self._epoch, (
+                            f"Spark job failed: {job_error}" if job_error else
+                            "the prepare job ended without every branch's vote"))
+                    final, commit_error = apply_decision(client, self._epoch,
+                                                         self.participants, final)
+                    laps.lap("commit_s")
+                else:
+                    final, commit_error = commit_batches(client, self._epoch,
+                                                         self.participants, final,
+                                                         redone_handles(outcomes))
+                    laps.lap("batch_commit_s")
+                job_error = job_error or commit_error
             rule = partial(next_step, max_attempts=self.max_attempts, backoff=self.backoff,
                            job_error=job_error)
             step = rule(final, aborted=aborted, finishing=finishing)
@@ -477,50 +494,6 @@ class TransactionalSink:
                 raise BatchFailed(step.reason)
             if step.delay > 0:  # FINISH or RETRY: begin again
                 time.sleep(step.delay)
-
-    def _commit_batches(
-        self, client: CoordinatorClient, txn: Transaction, redone: Mapping[str, Handle]
-    ) -> tuple[Transaction, str]:
-        """Under a COMMIT decision, commit each once-per-batch participant (a table) with
-        every branch's handle at once and acknowledge its branches. Returns the record
-        after the acks and the first commit's error ("" when none failed).
-
-        The tasks left these branches prepared (``twophase.task``), so this runs after
-        every job whose attempt is COMMIT, also a job that failed after the decision: the
-        votes' handles are in the coordinator's record. A commit that fails leaves the
-        branches unacknowledged, and the retry rule finishes the batch again (the table's
-        marker makes a second commit a no-op)."""
-        if txn.decision != Decision.COMMIT:
-            return txn, ""
-        assert self._epoch is not None
-        error = ""
-        for part in self.participants:
-            if part.commit_scope != CommitScope.BATCH:
-                continue
-            mine = {bid: st for bid, st in txn.branches.items()
-                    if parse_branch_id(bid)[0] == part.name}
-            if all(st.ack is not None for st in mine.values()):
-                continue
-            handles = {}
-            for bid, st in mine.items():
-                handle = redone.get(bid) or st.handle
-                if not is_empty_branch(handle):
-                    handles[parse_branch_id(bid)[1]] = dict(handle or {})
-            try:
-                failpoints.hit("before_batch_commit", part.name)
-                if handles:  # every branch empty: nothing was written, nothing to commit
-                    part.commit_batch(txn.key, handles)
-                failpoints.hit("after_batch_commit", part.name)
-            except Exception as exc:
-                cause = f"{part.describe()}: batch commit failed: {type(exc).__name__}: {exc}"
-                log.warning("sink %s batch %d: %s; finishing it again", self.name,
-                            txn.batch_id, cause)
-                error = error or cause
-                continue
-            txn = client.ack(txn.key, self._epoch,
-                             [(bid, Decision.COMMIT) for bid, st in mine.items()
-                              if st.ack is None])
-        return txn, error
 
     def _check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""
@@ -591,7 +564,7 @@ class TransactionalSink:
             self._plan_template(),
             key=txn.key,
             partitions=txn.partitions,
-            mode="finish" if kind == BeginKind.IN_DOUBT else "run",
+            mode="finish" if kind == BeginKind.IN_DOUBT else "run" if self.gang else PREPARE,
             handles=handles,
             digests=digests,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
@@ -607,7 +580,7 @@ class TransactionalSink:
                 or self.one_branch or _jvm_context(df) is None):
             return None
         return df.mapInArrow(self._task(None, self._schema(df)), _report_struct(),
-                             barrier=True)
+                             barrier=self.gang)
 
     def _schema(self, df: DataFrame) -> Any:
         """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
@@ -635,20 +608,24 @@ class TransactionalSink:
         )
 
         def task(batches: Any) -> Any:
-            from pyspark import BarrierTaskContext
+            from pyspark import TaskContext
 
             entered = time.perf_counter()
-            ctx = BarrierTaskContext.get()
+            ctx = TaskContext.get()  # a BarrierTaskContext in a barrier stage
+            assert ctx is not None, "a Spark task always has its context"
             partition = ctx.partitionId()
+            # unique in the application: a retried or speculative copy has its own
+            attempt = f"{ctx.stageId()}/{ctx.taskAttemptId()}"
             plan = template if fixed is not None else plan_from_property(
                 template, ctx.getLocalProperty(PLAN_PROPERTY))
             it = iter(batches)
             first = next(it, None)
             before = time.perf_counter() - entered  # Spark's first rows: the task's too
             if first is None:
-                out = run_partition(plan, partition, arrow_schema, iter(()))
+                out = run_partition(plan, partition, arrow_schema, iter(()), task=attempt)
             else:  # the rows stream on to the participants, never held here
-                out = run_partition(plan, partition, first.schema, itertools.chain([first], it))
+                out = run_partition(plan, partition, first.schema,
+                                    itertools.chain([first], it), task=attempt)
             out.task_s += before
             out.prepare_s += before
             yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
@@ -672,7 +649,7 @@ class TransactionalSink:
             else:
                 split = df.repartition(plan.partitions)
             job = split.mapInArrow(self._task(None if sc is not None else plan, arrow_schema),
-                                   _report_struct(), barrier=True)
+                                   _report_struct(), barrier=self.gang)
         if sc is not None:
             sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
         try:
@@ -921,7 +898,9 @@ def _input_partitions(df: DataFrame) -> int | None:
 def _short_error(exc: BaseException) -> str:
     """The first meaningful line of a (possibly huge) Spark/Py4J error: a participant's
     cause-and-fix sentence (:func:`~twophase.errors.headline`) wherever it is, else the
-    first line naming an error."""
+    Python error a task raised, else the JVM's own exception line (Py4J's first line,
+    "An error occurred while calling o280.collectToPython.", says nothing), else the
+    first line."""
     text = str(exc)
     found = headline(text)
     if found:
@@ -932,7 +911,15 @@ def _short_error(exc: BaseException) -> str:
         if idx >= 0:
             line = text[idx:].splitlines()[0]
             return line[:500]
+    jvm = _JVM_CAUSE.search(text)
+    if jvm is not None:
+        return f"{jvm.group(1)}: {jvm.group(2).strip()}"[:500]
     return (text.splitlines() or [type(exc).__name__])[0][:500]
+
+
+# A JVM exception line as Py4J prints it: ": org.apache.spark.SparkException: why".
+_JVM_CAUSE: Final = re.compile(
+    r"^(?::\s*)?(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error)):\s*(.+)$", re.MULTILINE)
 
 
 def _failure(sink: str, batch_id: int, exc: TwophaseError) -> tuple[str, TwophaseError]:

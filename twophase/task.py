@@ -5,9 +5,18 @@ tests drive it directly with real participants and a real coordinator. One task 
 the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 1. settle what earlier attempts of this checkpoint left prepared (recovery rule);
-2. ``run``: prepare every branch, vote, wait for the decision, apply it, acknowledge;
+2. ``prepare`` (the default, in ordinary tasks): prepare every branch, vote, and end; the
+   driver applies the decision after the job (``twophase.commit``);
+   ``run`` (a participant whose prepare dies with its process, Kafka's in-task
+   transaction; one barrier stage): prepare, vote, wait for the decision, apply it,
+   acknowledge;
    ``finish``: COMMIT is already decided, so commit what is prepared and redo what is
    lost (Kafka), then acknowledge.
+
+A vote names the Spark task attempt that cast it (``run_partition``'s ``task``): when
+Spark runs a task again (its executor died, or a speculative copy) the first vote of the
+branch is the one that counts (the protocol's vote table), and a task whose vote was not
+recorded leaves the branch to the vote that was.
 
 A participant that commits once per batch (``CommitScope.BATCH``: a table) is prepared and
 aborted here like any other, but under COMMIT its branches are left for the driver, which
@@ -59,8 +68,12 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["INPUT_SPLIT", "BatchPlan", "BranchOutcome", "redone_handles", "relay_acks",
-           "run_partition", "split_of"]
+__all__ = ["INPUT_SPLIT", "PREPARE", "BatchPlan", "BranchOutcome", "redone_handles",
+           "relay_acks", "run_partition", "split_of"]
+
+PREPARE: Final = "prepare"
+"""The plan's mode when every participant's prepare is durable: tasks prepare and vote,
+the driver commits (no task waits for the decision, no barrier stage)."""
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
@@ -79,7 +92,7 @@ class BatchPlan:
     key: TxnKey  # the attempt this task runs
     epoch: int
     partitions: int
-    mode: str  # "run" a new attempt, or "finish" one whose decision is COMMIT
+    mode: str  # PREPARE or "run" a new attempt, or "finish" one whose decision is COMMIT
     coordinator_url: str
     token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
     participants: tuple[Participant, ...]
@@ -333,6 +346,7 @@ def _run_attempt(
     batches: Iterator[pa.RecordBatch],
     client: CoordinatorClient,
     out: BranchOutcome,
+    task: str | None,
 ) -> None:
     t0 = time.perf_counter()
     digest = RowsDigest(schema)  # stored with the vote: a redo must match it
@@ -351,21 +365,25 @@ def _run_attempt(
     for part, res in zip(plan.participants, results, strict=True):
         ref, bid = plan.ref(part, partition), branch_id(part.name, partition)
         if isinstance(res, PrepareRefused):
-            votes.append(VoteIn(branch=bid, yes=False, reason=str(res)))
+            votes.append(VoteIn(branch=bid, yes=False, reason=str(res), task=task))
         elif isinstance(res, Exception):
             # An unexpected failure while preparing: vote NO with the cause so the batch
             # aborts now instead of at the vote deadline, undo what this task prepared,
             # and fail the task so the driver sees the error.
-            votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(res).__name__}: {res}"))
+            votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(res).__name__}: {res}",
+                                task=task))
             unexpected = unexpected or res
         else:
             prepared.append((part, ref, res))
             # prepares run together: each branch's time is the partition's prepare time
             measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
             votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
-                                metrics=measured, digest=digest.value()))
+                                metrics=measured, digest=digest.value(), task=task))
     if unexpected is not None:
-        _vote_and_abort(plan, client, votes, prepared)
+        if plan.mode == PREPARE:
+            _abort_unrecorded(client.vote(plan.key, plan.epoch, votes), task, prepared)
+        else:
+            _vote_and_abort(plan, client, votes, prepared)
         if not isinstance(unexpected, TargetProblem):
             raise unexpected
         # A target's permanent refusal is said in full by the NO vote (the driver leads
@@ -381,6 +399,13 @@ def _run_attempt(
 
     t1 = time.perf_counter()
     out.vote_s = t1 - t0 - out.prepare_s
+    refused = [v for v in votes if not v.yes]
+    if refused:
+        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
+    if plan.mode == PREPARE:  # the driver applies the decision after the job
+        _abort_unrecorded(answer, task, prepared)
+        out.decision = answer.decision.value if answer.decision is not None else ""
+        return
     # The last voter's answer already carries the decision: no long-poll needed then.
     decision = answer.decision or _await_decision(plan, client)
     out.wait_s = time.perf_counter() - t1
@@ -399,9 +424,6 @@ def _run_attempt(
     _acknowledge(plan, client, out, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
-    refused = [v for v in votes if not v.yes]
-    if refused:
-        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
 
 
 _QUEUE_DEPTH: Final = 2  # Arrow batches waiting per participant: bounds a task's memory
@@ -564,6 +586,24 @@ def _vote_and_abort(
                 part.abort(ref, handle)
 
 
+def _abort_unrecorded(
+    answer: Transaction, task: str | None,
+    prepared: list[tuple[Participant, BranchRef, Handle]],
+) -> None:
+    """Once ABORT is decided, abort what this task prepared and no other vote stands for:
+    its own recorded YES (the driver aborts it too; aborting twice is success) or a
+    branch with no recorded vote (this task was late). A branch whose recorded vote is
+    another task attempt's is left alone: it is that vote's, under the same name."""
+    if answer.decision != Decision.ABORT:
+        return
+    for part, ref, handle in prepared:
+        st = answer.branches.get(ref.branch_id)
+        if is_empty_branch(handle) or st is None:
+            continue
+        if st.vote is None or st.task is None or st.task == task:
+            part.abort(ref, handle)
+
+
 def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
     deadline = time.monotonic() + plan.decision_timeout
     while True:
@@ -584,8 +624,10 @@ def run_partition(
     schema: pa.Schema,
     batches: Iterable[pa.RecordBatch],
     client: CoordinatorClient | None = None,
+    task: str | None = None,
 ) -> BranchOutcome:
-    """Run this partition's branches of one attempt to the end (see module docstring).
+    """Run this partition's branches of one attempt to the end (see module docstring);
+    ``task`` names the Spark task attempt running it (its votes carry it).
 
     A new attempt streams the partition's rows into every participant as Spark hands
     them over (see ``_prepare_streaming``); only a finish, which may redo a lost branch
@@ -602,7 +644,7 @@ def run_partition(
             out.rows = sum(b.num_rows for b in rows)
             _finish_commit(plan, partition, schema, rows, cl, out)
         else:
-            _run_attempt(plan, partition, schema, iter(batches), cl, out)
+            _run_attempt(plan, partition, schema, iter(batches), cl, out, task)
     finally:
         for part in plan.participants:
             part.close()

@@ -124,31 +124,31 @@ def test_vote_table_first_task_attempt_wins() -> None:
     attempt's vote is answered and never recorded, whichever way it votes; the same
     attempt contradicting itself is refused; a late first vote changes nothing."""
     first = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0,
-                                  handle={"gid": "a"}, task="3.0/7"))
+                                  handle={"gid": "a"}, task="3/7"))
     assert first.branches["pg/0"].task == "3.0/7"
     # another attempt's YES with another handle: the first YES and its handle stay
-    dup = Vote(branch="pg/0", epoch=1, yes=True, now=101.0, handle={"gid": "b"}, task="3.0/9")
+    dup = Vote(branch="pg/0", epoch=1, yes=True, now=101.0, handle={"gid": "b"}, task="3/9")
     assert p.vote_case(first, dup).outcome == p.VoteOutcome.UNCHANGED
     assert p.handle(first, dup) is first
     # another attempt's NO (a speculative copy that failed): the batch is not aborted
-    no = Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="lost race", task="3.1/12")
+    no = Vote(branch="pg/0", epoch=1, yes=False, now=101.0, reason="lost race", task="4/12")
     assert p.handle(first, no) is first and first.decision is None
     # the same attempt changing its vote: refused
     with pytest.raises(p.IllegalTransition, match="a vote never changes"):
-        p.handle(first, Vote(branch="pg/0", epoch=1, yes=False, now=101.0, task="3.0/7"))
+        p.handle(first, Vote(branch="pg/0", epoch=1, yes=False, now=101.0, task="3/7"))
     # after COMMIT, a stage re-run's vote cannot replace the voted handle
     committed = _vote_all(first)
     assert committed.decision == Decision.COMMIT
-    rerun = Vote(branch="pg/0", epoch=1, yes=True, now=103.0, handle={"gid": "c"}, task="4.0/30")
+    rerun = Vote(branch="pg/0", epoch=1, yes=True, now=103.0, handle={"gid": "c"}, task="5/30")
     assert p.handle(committed, rerun) is committed
     assert dict(committed.branches["pg/0"].handle or {}) == {"gid": "a"}
     # a late first vote after an ABORT: nothing recorded
-    aborted = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, task="3.0/7"))
-    late = Vote(branch="pg/1", epoch=1, yes=True, now=101.0, task="3.0/8")
+    aborted = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=False, now=101.0, task="3/7"))
+    late = Vote(branch="pg/1", epoch=1, yes=True, now=101.0, task="3/8")
     assert p.vote_case(aborted, late).name.startswith("a late first vote")
     assert p.handle(aborted, late) is aborted
     # a first vote past the deadline decides ABORT
-    past = Vote(branch="pg/0", epoch=1, yes=True, now=200.0, task="3.0/7")
+    past = Vote(branch="pg/0", epoch=1, yes=True, now=200.0, task="3/7")
     assert p.vote_case(_new(), past).outcome == p.VoteOutcome.DEADLINE
     assert p.handle(_new(), past).decision == Decision.ABORT
 

@@ -31,7 +31,7 @@ VOTE_TIMEOUT = 10.0
 BRANCHES = tuple(f"{q}/{i}" for q in PARTICIPANTS for i in range(PARTITIONS))
 UNKNOWN_BRANCH = "files/0"  # not a participant of the sink
 EPOCHS = ("writer", "stale", "newer")  # relative to the attempt's writer epoch
-TASKS = (None, "3.0/7", "3.0/9", "3.1/12")  # Spark task attempts (stage.attempt/task id)
+TASKS = (None, "3/7", "3/9", "4/12")  # Spark task attempts (stage/task attempt id)
 Refusal = type[p.ProtocolError] | None
 
 

@@ -1,0 +1,186 @@
+"""The driver applies a decided attempt after its prepare job: the protocol's step 4.
+
+Without the barrier stage (every participant's prepare is durable) the tasks prepare,
+vote and end; nothing waits for the decision in a task. Once the job is over the driver
+reads the coordinator's record and applies it to every branch that voted YES, from the
+handle the vote carried:
+
+- COMMIT: each branch-scope participant's branches are committed in bounded parallel
+  (``commit`` is idempotent through the participant's marker), then every once-per-batch
+  participant (a table) is committed once with all its branches' handles;
+- ABORT: every YES branch is aborted (a branch that never voted is found by name by the
+  next attempt's tasks, or by ``twophase resolve``).
+
+What was applied is acknowledged in chunks (one request stays far below the service's
+body limit, however many branches). A branch whose commit failed stays unacknowledged:
+the retry rule finishes the batch again, and the participant's marker makes a second
+commit a no-op. This is Spark's DataSource V2 split (tasks write, the driver's committer
+commits) and Flink's committer.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Final
+
+from twophase import failpoints
+from twophase.participant import BranchRef, Handle, Participant, is_empty_branch
+from twophase.protocol import CommitScope, Decision, TxnKey, parse_branch_id
+
+if TYPE_CHECKING:
+    from twophase.client import CoordinatorClient
+    from twophase.protocol import Transaction
+
+__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "apply_decision", "commit_batches", "send_acks"]
+
+log = logging.getLogger("twophase.sink")
+
+COMMIT_THREADS: Final = 8
+"""Branches applied at once from the driver: enough to hide each commit's round trip
+(``COMMIT PREPARED``, a rename, a multipart completion), few enough for a database's
+connection limit (each thread opens its own connection per participant)."""
+
+ACK_CHUNK: Final = 1000
+"""Acknowledgements per request (a request of 1,000 acks is ~60 KiB)."""
+
+_Work = tuple[Participant, BranchRef, Handle]
+
+
+def send_acks(
+    client: CoordinatorClient, key: TxnKey, epoch: int, acks: Sequence[tuple[str, Decision]]
+) -> Transaction | None:
+    """Acknowledge ``acks`` in chunks of :data:`ACK_CHUNK`; the record after the last one
+    (None when there was nothing to send)."""
+    txn = None
+    for i in range(0, len(acks), ACK_CHUNK):
+        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK])
+    return txn
+
+
+def apply_decision(
+    client: CoordinatorClient, epoch: int, participants: Sequence[Participant],
+    txn: Transaction,
+) -> tuple[Transaction, str]:
+    """Apply ``txn``'s decision to its YES branches from here (see the module docstring).
+    Returns the record afterwards and the first failure's cause ("" when none failed)."""
+    decision = txn.decision
+    if decision is None:
+        return txn, ""
+    by_name = {p.name: p for p in participants}
+    work: list[_Work] = []
+    settled: list[tuple[str, Decision]] = []
+    for bid, st in txn.branches.items():
+        if st.ack is not None or st.vote != Decision.COMMIT:
+            continue  # applied already, or nothing prepared to wait for
+        name, partition = parse_branch_id(bid)
+        part = by_name[name]
+        if decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH:
+            continue  # the table's one commit for the batch, below
+        if is_empty_branch(st.handle):
+            settled.append((bid, decision))  # voted with no rows: nothing to apply
+            continue
+        ref = BranchRef(*txn.key, participant=name, partition=partition)
+        work.append((part, ref, dict(st.handle or {})))
+    done, error = _apply_all(work, decision)
+    after = send_acks(client, txn.key, epoch, settled + [(b, decision) for b in done]) or txn
+    if decision == Decision.COMMIT:
+        after, batch_error = commit_batches(client, epoch, participants, after)
+        error = error or batch_error
+    return after, error
+
+
+def _apply_all(work: list[_Work], decision: Decision) -> tuple[list[str], str]:
+    """Apply ``decision`` to every branch of ``work``, :data:`COMMIT_THREADS` at a time,
+    each thread with its own copies of the participants (a participant object holds one
+    connection). Returns the branch ids applied and the first failure."""
+    if not work:
+        return [], ""
+    lanes = min(COMMIT_THREADS, len(work))
+    chunks = [work[i::lanes] for i in range(lanes)]
+    if lanes == 1:
+        results = [_apply_lane(chunks[0], decision)]
+    else:
+        with ThreadPoolExecutor(lanes, thread_name_prefix="twophase-commit") as pool:
+            results = list(pool.map(lambda c: _apply_lane(c, decision), chunks))
+    done = [b for applied, _ in results for b in applied]
+    error = next((e for _, e in results if e), "")
+    return done, error
+
+
+def _apply_lane(items: list[_Work], decision: Decision) -> tuple[list[str], str]:
+    own: dict[str, Participant] = {}
+    done: list[str] = []
+    error = ""
+    try:
+        for part, ref, handle in items:
+            mine = own.get(part.name)
+            if mine is None:  # a fresh copy: opens its own connection when first used
+                mine = own[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+            try:
+                failpoints.hit("before_commit", part.name, ref.partition)
+                if decision == Decision.COMMIT:
+                    mine.commit(ref, handle)
+                else:
+                    mine.abort(ref, handle)
+                failpoints.hit("after_commit", part.name, ref.partition)
+            except Exception as exc:
+                cause = (f"{part.describe()} partition {ref.partition}: "
+                         f"{decision.value.lower()} failed: {type(exc).__name__}: {exc}")
+                log.warning("sink %s batch %d: %s; the batch is finished again", ref.sink,
+                            ref.batch_id, cause)
+                error = error or cause
+                continue
+            done.append(ref.branch_id)
+    finally:
+        for p in own.values():
+            p.close()
+    return done, error
+
+
+def commit_batches(
+    client: CoordinatorClient, epoch: int, participants: Sequence[Participant],
+    txn: Transaction, redone: Mapping[str, Handle] | None = None,
+) -> tuple[Transaction, str]:
+    """Under a COMMIT decision, commit each once-per-batch participant (a table) with
+    every branch's handle at once and acknowledge its branches. Returns the record after
+    the acks and the first commit's error ("" when none failed).
+
+    The tasks left these branches prepared, so this runs after every job whose attempt
+    is COMMIT, also a job that failed after the decision: the votes' handles are in the
+    coordinator's record (``redone``: handles of branches a finish wrote again). A commit
+    that fails leaves the branches unacknowledged, and the retry rule finishes the batch
+    again (the table's marker makes a second commit a no-op)."""
+    if txn.decision != Decision.COMMIT:
+        return txn, ""
+    redone = redone or {}
+    error = ""
+    for part in participants:
+        if part.commit_scope != CommitScope.BATCH:
+            continue
+        mine = {bid: st for bid, st in txn.branches.items()
+                if parse_branch_id(bid)[0] == part.name}
+        if all(st.ack is not None for st in mine.values()):
+            continue
+        handles = {}
+        for bid, st in mine.items():
+            handle = redone.get(bid) or st.handle
+            if not is_empty_branch(handle):
+                handles[parse_branch_id(bid)[1]] = dict(handle or {})
+        try:
+            failpoints.hit("before_batch_commit", part.name)
+            if handles:  # every branch empty: nothing was written, nothing to commit
+                part.commit_batch(txn.key, handles)
+            failpoints.hit("after_batch_commit", part.name)
+        except Exception as exc:
+            cause = f"{part.describe()}: batch commit failed: {type(exc).__name__}: {exc}"
+            log.warning("sink %s batch %d: %s; finishing it again", txn.sink,
+                        txn.batch_id, cause)
+            error = error or cause
+            continue
+        txn = send_acks(client, txn.key, epoch,
+                        [(bid, Decision.COMMIT) for bid, st in mine.items()
+                         if st.ack is None]) or txn
+    return txn, error
