@@ -273,9 +273,10 @@ class TransactionalSink:
         dyn = (conf.get("spark.dynamicAllocation.enabled", "false") or "false").lower()
         if dyn == "true" and not master.startswith("local"):
             raise InvalidRequest(
-                f"sink {self.name!r}: spark.dynamicAllocation.enabled=true, but the sink "
-                "runs each batch as a barrier stage, which Spark does not run under "
-                "dynamic allocation; start the application with "
+                f"sink {self.name!r}: spark.dynamicAllocation.enabled=true, but "
+                f"{self._in_task()} keeps its prepared branches in-task until the "
+                "decision, so the sink runs each batch as a barrier stage, which Spark "
+                "does not run under dynamic allocation; start the application with "
                 "--conf spark.dynamicAllocation.enabled=false and a fixed executor count "
                 "(--num-executors / spark.cores.max) covering the sink's partitions"
             )
@@ -291,12 +292,17 @@ class TransactionalSink:
         if slots < partitions:
             raise InvalidRequest(
                 f"sink {self.name!r}: a batch needs {partitions} task slots at once (one "
-                f"barrier task per partition) but the cluster offers {slots} (waited "
+                f"barrier task per partition, as {self._in_task()} keeps its prepared "
+                f"branches in-task) but the cluster offers {slots} (waited "
                 f"{self.cluster_wait:.0f}s for executors); pass partitions<={slots} to "
                 "the sink, or give the application more executor cores "
                 "(spark.cores.max / --num-executors x spark.executor.cores)"
             )
         self._slots_checked = partitions
+
+    def _in_task(self) -> str:
+        """The participants whose prepared branch lives only in its task (why a gang)."""
+        return ", ".join(p.describe() for p in self.participants if not p.durable_prepare)
 
     @property
     def console_url(self) -> str | None:

@@ -98,17 +98,38 @@ def test_connection_pickles_with_the_pinned_certificate(tmp_path: Path) -> None:
         plain.close()
 
 
-def test_more_partitions_than_slots_refused_before_anything_is_written(
+def test_more_partitions_than_slots_run_in_ordinary_tasks(spark: Any, tmp_path: Path) -> None:
+    """local[2] has 2 task slots; a sink whose participants prepare durably runs 5
+    partitions on them (ordinary tasks, no barrier stage): every row lands once, in 5
+    files, and the batch's report says 5 partitions."""
+    import pyarrow.dataset as ds
+
+    out = tmp_path / "out"
+    sink = TransactionalSink("slots", [StagedFileParticipant(path=str(out))],
+                             f"sqlite:///{tmp_path / 's.db'}", lineage="slots-1",
+                             partitions=5, cluster_wait=1)
+    sink(_batch(spark, 10), 0)
+    sink.close()
+    assert sink.history[-1].partitions == 5
+    rows = ds.dataset(out, format="parquet").to_table()
+    assert rows.num_rows == 10
+    assert len(list(out.glob("*.parquet"))) == 5
+
+
+def test_in_task_participant_needs_a_slot_per_partition_refused_before_any_write(
     spark: Any, tmp_path: Path
 ) -> None:
-    """local[2] has 2 task slots; 3 partitions is refused at once, with the fix, and
-    neither the coordinator (its store file) nor the folder was touched."""
-    out = tmp_path / "out"
-    files = StagedFileParticipant(path=str(out))
-    sink = TransactionalSink("slots", [files], f"sqlite:///{tmp_path / 's.db'}",
+    """A Kafka participant keeps its transaction in its task until the decision, so its
+    sink still runs one barrier stage: 3 partitions on local[2]'s 2 slots are refused at
+    once, naming the participant and the fix, and the coordinator (its store file) was
+    never started."""
+    from twophase.sinks.kafka import KafkaParticipant
+
+    kafka = KafkaParticipant(topic="t", config={"bootstrap.servers": "127.0.0.1:9"})
+    sink = TransactionalSink("slots", [kafka], f"sqlite:///{tmp_path / 's.db'}",
                              lineage="slots-1", partitions=3, cluster_wait=1)
-    with pytest.raises(ValueError, match=r"needs 3 task slots .* offers 2 .* partitions<=2"):
+    with pytest.raises(ValueError, match=r"needs 3 task slots .* kafka participant .* "
+                                         r"in-task\) but the cluster offers 2 .* partitions<=2"):
         sink(_batch(spark, 10), 0)
     sink.close()
     assert not (tmp_path / "s.db").exists()
-    assert not out.exists() or not any(out.rglob("*"))

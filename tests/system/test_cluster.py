@@ -173,78 +173,95 @@ def test_daemon_exactly_once_through_link_cut_and_driver_kill(
         daemon.stop()
 
 
-REFUSALS = r'''
+ANY_SHAPE = r"""
 import json, sys
 from pathlib import Path
 from pyspark.sql import SparkSession
 from twophase import TransactionalSink
+from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.postgres import PostgresParticipant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.job import EVENT_DDL
 
 cfg = json.loads(Path(sys.argv[1]).read_text())
 
-def attempt(conf, partitions):
-    builder = SparkSession.builder.appName("twophase-refusal")
+def run(conf, participants, partitions, ckpt):
+    builder = SparkSession.builder.appName("twophase-any-shape")
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    sink = TransactionalSink(
-        "orders", [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["table"]),
-                   StagedFileParticipant(path=cfg["files"])],
-        coordinator=cfg["coordinator"], partitions=partitions, cluster_wait=5)
+    sink = TransactionalSink("orders", participants, coordinator=cfg["coordinator"],
+                             partitions=partitions, cluster_wait=5)
     q = (spark.readStream.schema(EVENT_DDL).parquet(cfg["input"]).writeStream
-         .foreachBatch(sink).option("checkpointLocation", cfg["ckpt"] + str(partitions))
+         .foreachBatch(sink).option("checkpointLocation", cfg["ckpt"] + ckpt)
          .trigger(availableNow=True).start())
     try:
         q.awaitTermination()
-        out = {"error": None}
+        out = {"error": None, "partitions": [r.partitions for r in sink.history]}
     except Exception as exc:
         out = {"error": str(exc)}
     sink.close()
     spark.stop()
     print(json.dumps(out), flush=True)
 
-attempt(cfg["conf"], 9)
-attempt({**cfg["conf"], "spark.dynamicAllocation.enabled": "true",
-         "spark.dynamicAllocation.shuffleTracking.enabled": "true",
-         "spark.dynamicAllocation.maxExecutors": "2",
-         "spark.scheduler.minRegisteredResourcesRatio": "0"}, 2)
-'''
+elastic = {**cfg["conf"], "spark.dynamicAllocation.enabled": "true",
+           "spark.dynamicAllocation.shuffleTracking.enabled": "true",
+           "spark.dynamicAllocation.minExecutors": "0",
+           "spark.dynamicAllocation.maxExecutors": "2",
+           "spark.dynamicAllocation.executorIdleTimeout": "2s",
+           "spark.executor.cores": "2",
+           "spark.speculation": "true", "spark.speculation.multiplier": "1.1",
+           "spark.speculation.quantile": "0.5", "spark.speculation.minTaskRuntime": "50ms",
+           "spark.scheduler.minRegisteredResourcesRatio": "0"}
+run(elastic, [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["table"]),
+              StagedFileParticipant(path=cfg["files"])], cfg["partitions"], "durable")
+run(elastic, [KafkaParticipant(topic="orders", config={"bootstrap.servers": "127.0.0.1:9"})],
+    2, "kafka")
+"""
 
 
-def test_too_many_partitions_and_dynamic_allocation_refused_before_any_write(
+def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """9 partitions on a cluster of 4 task slots, then dynamic allocation: the query fails
-    with the cause and the fix, no coordinator was started (its store file does not
-    exist), the PostgreSQL table was never created and the folder holds nothing."""
-    write_input(tmp_path / "in", 1, ROWS)
+    """The barrier-free sink on an elastic cluster as users run it: dynamic allocation
+    (standalone, shuffle tracking, executors from 0 to 2), speculation on, and 48
+    partitions per batch on 4 task slots, into PostgreSQL + files: every id exactly once,
+    nothing left prepared. A sink with an in-task Kafka transaction still needs its
+    barrier stage: it is refused under dynamic allocation before anything is written,
+    with the cause and the fix."""
+    batches, partitions = 3, 48
+    write_input(tmp_path / "in", batches, ROWS)
     table = "orders_" + secrets.token_hex(4)
     store = tmp_path / "coord.db"
     cfg = {"pg_dsn": cluster.pg_dsn, "table": table, "files": str(tmp_path / "files"),
            "coordinator": f"sqlite:///{store}", "input": str(tmp_path / "in"),
-           "ckpt": str(tmp_path / "ckpt"), "conf": cluster.spark_conf()}
+           "ckpt": str(tmp_path / "ckpt"), "conf": cluster.spark_conf(),
+           "partitions": partitions}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    (tmp_path / "refusals.py").write_text(REFUSALS)
-    driver = Driver([str(tmp_path / "refusals.py"), str(tmp_path / "cfg.json")],
+    (tmp_path / "any_shape.py").write_text(ANY_SHAPE)
+    driver = Driver([str(tmp_path / "any_shape.py"), str(tmp_path / "cfg.json")],
                     tmp_path / "driver.log", env={"SPARK_LOCAL_IP": cluster.host})
-    assert driver.wait(300) == 0, driver.tail()
-    slots, dyn = (x["error"] for x in driver.lines)
-    assert slots and "needs 9 task slots" in slots and "offers 4" in slots, slots
-    assert "partitions<=4" in slots and "spark.cores.max" in slots
-    assert dyn and "spark.dynamicAllocation.enabled=true" in dyn, dyn
-    assert "spark.dynamicAllocation.enabled=false" in dyn
-    assert not store.exists()
-    assert not (tmp_path / "files").exists() or not any((tmp_path / "files").rglob("*"))
+    assert driver.wait(400) == 0, driver.tail()
+    durable, kafka = driver.lines
+    assert durable["error"] is None, durable
+    assert durable["partitions"] == [partitions] * batches, durable
+    assert kafka["error"] and "spark.dynamicAllocation.enabled=true" in kafka["error"], kafka
+    assert "in-task" in kafka["error"] and "spark.dynamicAllocation.enabled=false" in kafka[
+        "error"], kafka
     import psycopg
+    import pyarrow.dataset as ds
 
     with psycopg.connect(cluster.pg_dsn) as conn:
-        found = conn.execute("select count(*) from pg_tables where tablename = %s",
-                             (table,)).fetchone()
+        ids = [r[0] for r in conn.execute(f"select id from {table}").fetchall()]
         prepared = conn.execute("select count(*) from pg_prepared_xacts").fetchone()
-    assert found == (0,)
+    assert sorted(ids) == expected_ids(batches, ROWS)
     assert prepared == (0,)
+    files = ds.dataset(tmp_path / "files", format="parquet").to_table(columns=["id"])
+    assert sorted(files.column("id").to_pylist()) == expected_ids(batches, ROWS)
+    staged = [f for f in (tmp_path / "files").rglob("*") if f.is_file() and "/_" in str(f)]
+    assert not staged, staged
+    print(json.dumps({"elastic": {"batches": batches, "partitions": partitions,
+                                  "slots": 4, "rows": len(ids)}}))
 
 
 if __name__ == "__main__":
