@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
 
-__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "apply_decision", "commit_batches", "send_acks"]
+__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "Committer", "commit_batches", "send_acks"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -60,61 +60,81 @@ def send_acks(
     return txn
 
 
-def apply_decision(
-    client: CoordinatorClient, epoch: int, participants: Sequence[Participant],
-    txn: Transaction,
-) -> tuple[Transaction, str]:
-    """Apply ``txn``'s decision to its YES branches from here (see the module docstring).
-    Returns the record afterwards and the first failure's cause ("" when none failed)."""
-    decision = txn.decision
-    if decision is None:
-        return txn, ""
-    by_name = {p.name: p for p in participants}
-    work: list[_Work] = []
-    settled: list[tuple[str, Decision]] = []
-    for bid, st in txn.branches.items():
-        if st.ack is not None or st.vote != Decision.COMMIT:
-            continue  # applied already, or nothing prepared to wait for
-        name, partition = parse_branch_id(bid)
-        part = by_name[name]
-        if decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH:
-            continue  # the table's one commit for the batch, below
-        if is_empty_branch(st.handle):
-            settled.append((bid, decision))  # voted with no rows: nothing to apply
-            continue
-        ref = BranchRef(*txn.key, participant=name, partition=partition)
-        work.append((part, ref, dict(st.handle or {})))
-    done, error = _apply_all(work, decision)
-    after = send_acks(client, txn.key, epoch, settled + [(b, decision) for b in done]) or txn
-    if decision == Decision.COMMIT:
-        after, batch_error = commit_batches(client, epoch, participants, after)
-        error = error or batch_error
-    return after, error
+class Committer:
+    """Applies decisions from the driver, for one sink: :data:`COMMIT_THREADS` lanes, each
+    with its own copies of the participants (a participant object holds one connection),
+    kept across batches so a batch's commits reuse the connections of the one before."""
 
+    def __init__(self, participants: Sequence[Participant]) -> None:
+        self.participants = tuple(participants)
+        self._by_name = {p.name: p for p in self.participants}
+        self._lanes: list[dict[str, Participant]] = [{} for _ in range(COMMIT_THREADS)]
+        self._pool: ThreadPoolExecutor | None = None
 
-def _apply_all(work: list[_Work], decision: Decision) -> tuple[list[str], str]:
-    """Apply ``decision`` to every branch of ``work``, :data:`COMMIT_THREADS` at a time,
-    each thread with its own copies of the participants (a participant object holds one
-    connection). Returns the branch ids applied and the first failure."""
-    if not work:
-        return [], ""
-    lanes = min(COMMIT_THREADS, len(work))
-    chunks = [work[i::lanes] for i in range(lanes)]
-    if lanes == 1:
-        results = [_apply_lane(chunks[0], decision)]
-    else:
-        with ThreadPoolExecutor(lanes, thread_name_prefix="twophase-commit") as pool:
-            results = list(pool.map(lambda c: _apply_lane(c, decision), chunks))
-    done = [b for applied, _ in results for b in applied]
-    error = next((e for _, e in results if e), "")
-    return done, error
+    def apply(
+        self, client: CoordinatorClient, epoch: int, txn: Transaction
+    ) -> tuple[Transaction, str]:
+        """Apply ``txn``'s decision to its YES branches (see the module docstring).
+        Returns the record afterwards and the first failure's cause ("" when none)."""
+        decision = txn.decision
+        if decision is None:
+            return txn, ""
+        work: list[_Work] = []
+        settled: list[tuple[str, Decision]] = []
+        for bid, st in txn.branches.items():
+            if st.ack is not None or st.vote != Decision.COMMIT:
+                continue  # applied already, or nothing prepared to wait for
+            name, partition = parse_branch_id(bid)
+            part = self._by_name[name]
+            if decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH:
+                continue  # the table's one commit for the batch, below
+            if is_empty_branch(st.handle):
+                settled.append((bid, decision))  # voted with no rows: nothing to apply
+                continue
+            ref = BranchRef(*txn.key, participant=name, partition=partition)
+            work.append((part, ref, dict(st.handle or {})))
+        done, error = self._apply_all(work, decision)
+        acks = settled + [(b, decision) for b in done]
+        after = send_acks(client, txn.key, epoch, acks) or txn
+        if decision == Decision.COMMIT:
+            after, batch_error = commit_batches(client, epoch, self.participants, after)
+            error = error or batch_error
+        return after, error
 
+    def close(self) -> None:
+        """Close every lane's participant copies and the threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for lane in self._lanes:
+            for p in lane.values():
+                p.close()
+            lane.clear()
 
-def _apply_lane(items: list[_Work], decision: Decision) -> tuple[list[str], str]:
-    own: dict[str, Participant] = {}
-    done: list[str] = []
-    error = ""
-    try:
+    def _apply_all(self, work: list[_Work], decision: Decision) -> tuple[list[str], str]:
+        """Apply ``decision`` to every branch of ``work``, one lane per thread. Returns
+        the branch ids applied and the first failure."""
+        if not work:
+            return [], ""
+        lanes = min(COMMIT_THREADS, len(work))
+        chunks = [work[i::lanes] for i in range(lanes)]
+        if lanes == 1:
+            results = [self._apply_lane(0, chunks[0], decision)]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMMIT_THREADS,
+                                                thread_name_prefix="twophase-commit")
+            results = list(self._pool.map(
+                lambda i: self._apply_lane(i, chunks[i], decision), range(lanes)))
+        done = [b for applied, _ in results for b in applied]
+        error = next((e for _, e in results if e), "")
+        return done, error
+
+    def _apply_lane(self, lane: int, items: list[_Work], decision: Decision
+                    ) -> tuple[list[str], str]:
+        own = self._lanes[lane]
+        done: list[str] = []
+        error = ""
         for part, ref, handle in items:
             mine = own.get(part.name)
             if mine is None:  # a fresh copy: opens its own connection when first used
@@ -127,6 +147,7 @@ def _apply_lane(items: list[_Work], decision: Decision) -> tuple[list[str], str]
                     mine.abort(ref, handle)
                 failpoints.hit("after_commit", part.name, ref.partition)
             except Exception as exc:
+                mine.close()  # its connection may be broken: the next use opens another
                 cause = (f"{part.describe()} partition {ref.partition}: "
                          f"{decision.value.lower()} failed: {type(exc).__name__}: {exc}")
                 log.warning("sink %s batch %d: %s; the batch is finished again", ref.sink,
@@ -134,10 +155,7 @@ def _apply_lane(items: list[_Work], decision: Decision) -> tuple[list[str], str]
                 error = error or cause
                 continue
             done.append(ref.branch_id)
-    finally:
-        for p in own.values():
-            p.close()
-    return done, error
+        return done, error
 
 
 def commit_batches(

@@ -8,10 +8,15 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
    only narrow steps (the split is then fixed by the batch's offsets: no shuffle), else by
    a stable hash of every column. A batch known to be empty before any job runs is
    voted and acknowledged by the driver alone (no Spark job);
-3. run one barrier task per partition (``mapInArrow(..., barrier=True)``): all tasks of a
-   batch are alive together, so each can hold its prepared branches while it waits for
-   the decision; data goes from the executors to the systems, never through the driver;
-4. return only when the coordinator shows the attempt COMMITTED. An aborted attempt is
+3. prepare: one ordinary task per partition (``mapInArrow``) prepares every
+   participant's branch, votes naming its Spark task attempt, and ends; data goes from
+   the executors to the systems, never through the driver. A sink with an in-task
+   participant (Kafka, whose transaction dies with its producer) runs one barrier stage
+   instead, each task waiting for the decision and applying it (ARCHITECTURE.md);
+4. decide and commit: after the job the coordinator's record holds the decision (an
+   undecided attempt is abandoned: ABORT), and the driver applies it to every branch
+   that voted YES (``twophase.commit``), tables once per batch;
+5. return only when the coordinator shows the attempt COMMITTED. An aborted attempt is
    retried in place with backoff, a bounded number of times, then the query fails with
    the participant, partition and cause.
 """
@@ -29,7 +34,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
-from twophase.commit import apply_decision, commit_batches
+from twophase.commit import Committer, commit_batches
 from twophase.connection import check_coordinator
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError, headline
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
@@ -126,9 +131,10 @@ class TransactionalSink:
     On a cluster the embedded coordinator listens on the driver's
     ``spark.driver.bindAddress`` and the tasks reach it at ``spark.driver.host``
     (``coordinator_host=`` overrides both; ``coordinator_tls=(certfile, keyfile)`` serves
-    it over HTTPS). Before anything is written, a batch needs as many task slots as
-    partitions (waiting up to ``cluster_wait`` seconds for executors to register) and no
-    dynamic allocation: a barrier stage cannot run otherwise (docs/cluster.md).
+    it over HTTPS). A sink with an in-task participant (Kafka) runs each batch as a
+    barrier stage: before anything is written it needs as many task slots as partitions
+    (waiting up to ``cluster_wait`` seconds for executors to register) and no dynamic
+    allocation; other sinks run on any cluster shape (docs/cluster.md).
     """
 
     def __init__(
@@ -223,6 +229,7 @@ class TransactionalSink:
             setup_logging("info")
         else:
             _default_logging()
+        self._committer = Committer(self.participants)  # the driver's commits (no gang)
         self.history: list[BatchReport] = []
         self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
@@ -349,7 +356,9 @@ class TransactionalSink:
         return _Listener()
 
     def close(self) -> None:
-        """Release the coordinator connection (stops an embedded coordinator)."""
+        """Release the coordinator connection (stops an embedded coordinator) and the
+        driver's participant connections."""
+        self._committer.close()
         if self._client is not None:
             self._client.close()
         if self._conn is not None:
@@ -471,8 +480,7 @@ class TransactionalSink:
                         final = client.abandon(final.key, self._epoch, (
                             f"Spark job failed: {job_error}" if job_error else
                             "the prepare job ended without every branch's vote"))
-                    final, commit_error = apply_decision(client, self._epoch,
-                                                         self.participants, final)
+                    final, commit_error = self._committer.apply(client, self._epoch, final)
                     laps.lap("commit_s")
                 else:
                     final, commit_error = commit_batches(client, self._epoch,
@@ -600,7 +608,7 @@ class TransactionalSink:
         return self._schema_of[1]
 
     def _task(self, fixed: BatchPlan | None, arrow_schema: Any) -> Callable[[Any], Any]:
-        """The barrier task's function. With ``fixed`` it runs that plan; without, it reads
+        """The task's function. With ``fixed`` it runs that plan; without, it reads
         the batch's plan from the job's local property (``PLAN_PROPERTY``, set by
         ``_run_tasks``) over the sink's template (participants, coordinator, token: never
         in a property, which Spark's event log records)."""
@@ -640,7 +648,8 @@ class TransactionalSink:
 
     def _run_tasks(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None
                    ) -> tuple[list[dict[str, Any]], str]:
-        """One barrier task per partition; returns the tasks' reports and the job error.
+        """One task per partition (a barrier stage for an in-task participant); returns
+        the tasks' reports and the job error.
         ``direct`` (``_job_frame``) is run as planned when the plan keeps Spark's split."""
         sc = _jvm_context(df)
         arrow_schema = self._schema(df)
