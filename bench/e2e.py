@@ -537,7 +537,8 @@ def _phase_line(title: str, runs: dict[str, list[Run]], a50: float) -> str:
             f"{p50('begin_s'):.1f}, plan {p50('plan_s'):.1f}, job {p50('job_s'):.1f} "
             f"[Spark's part {job_spark:.1f}; slowest task {p50('task_s'):.1f} = prepare "
             f"{p50('prepare_s'):.1f} + vote {p50('vote_s'):.1f} + wait {p50('wait_s'):.1f} + "
-            f"commit {p50('commit_s'):.1f}], relay {p50('relay_s'):.1f}, batch commit "
+            f"commit {p50('commit_s'):.1f}], decide {p50('decide_s'):.1f}, driver's commit "
+            f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
             f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
             f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}")
 

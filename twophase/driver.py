@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 from twophase import failpoints
 from twophase.commit import Committer, commit_batches
 from twophase.connection import check_coordinator
+from twophase.decide import decide, votes_of
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError, headline
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
 from twophase.participant import (
@@ -81,7 +82,7 @@ _REPORT_SCHEMA = (
     "partition long, rows long, decision string, recovered long, redone long, "
     "prepare_s double, wait_s double, commit_s double, vote_s double, task_s double, "
     "error string, acks string, "
-    "redone_handles string"
+    "redone_handles string, votes string"
 )
 
 
@@ -100,7 +101,8 @@ class BatchReport:
     # seconds per phase, measured: the driver's (frame_s: the job's DataFrame; split_s:
     # its planning and its split read; setup_s: coordinator, preflight, checks;
     # begin_s; settle_s: an empty relation's votes and acks; plan_s; job_s: the Spark
-    # job; relay_s: the tasks' acks; batch_commit_s;
+    # job; decide_s: the tasks' votes sent; driver_commit_s: the decision applied from
+    # the driver; in-task path: relay_s: the tasks' acks; batch_commit_s;
     # driver_s: the rest) and the tasks' (prepare_s, vote_s, wait_s, commit_s, task_s:
     # the slowest task's), so job_s - task_s is Spark's own share of the job
     phases: dict[str, float] = field(default_factory=dict)
@@ -468,21 +470,20 @@ class TransactionalSink:
                 laps.lap("plan_s")
                 outcomes, job_error = self._run_tasks(df, plan, direct)
                 laps.lap("job_s")
-                # The tasks' acks in one call (its answer is the record after them); the
-                # coordinator's record, not the job's fate, says what comes next.
-                final = (relay_acks(client, txn.key, self._epoch, outcomes)
-                         or client.get(txn.key))
-                laps.lap("relay_s")
                 if plan.mode == PREPARE:
-                    # No task waited for the decision: take it (a job that ended without
-                    # every vote aborts) and apply it from here.
-                    if final.decision is None:
-                        final = client.abandon(final.key, self._epoch, (
-                            f"Spark job failed: {job_error}" if job_error else
-                            "the prepare job ended without every branch's vote"))
+                    # No task waited for the decision: the driver sends every task's
+                    # votes (an undecided attempt, its job failed, is abandoned), then
+                    # applies the decision from here.
+                    final = decide(client, txn, self._epoch, votes_of(outcomes), job_error)
+                    laps.lap("decide_s")
                     final, commit_error = self._committer.apply(client, self._epoch, final)
-                    laps.lap("commit_s")
+                    laps.lap("driver_commit_s")
                 else:
+                    # The tasks' acks in one call (its answer is the record after them);
+                    # the coordinator's record, not the job's fate, says what comes next.
+                    final = (relay_acks(client, txn.key, self._epoch, outcomes)
+                             or client.get(txn.key))
+                    laps.lap("relay_s")
                     final, commit_error = commit_batches(client, self._epoch,
                                                          self.participants, final,
                                                          redone_handles(outcomes))
@@ -737,7 +738,7 @@ class TransactionalSink:
 
 _TASK_PHASES: Final = ("prepare_s", "vote_s", "wait_s", "commit_s", "task_s")
 _DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s",
-                          "job_s", "relay_s", "batch_commit_s")
+                          "job_s", "decide_s", "driver_commit_s", "relay_s", "batch_commit_s")
 
 
 class _Laps:

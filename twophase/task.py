@@ -5,8 +5,9 @@ tests drive it directly with real participants and a real coordinator. One task 
 the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 1. settle what earlier attempts of this checkpoint left prepared (recovery rule);
-2. ``prepare`` (the default, in ordinary tasks): prepare every branch, vote, and end; the
-   driver applies the decision after the job (``twophase.commit``);
+2. ``prepare`` (the default, in ordinary tasks): prepare every branch and end, the votes
+   going back with the job's result; the driver sends them (``twophase.decide``) and
+   applies the decision (``twophase.commit``);
    ``run`` (a participant whose prepare dies with its process, Kafka's in-task
    transaction; one barrier stage): prepare, vote, wait for the decision, apply it,
    acknowledge;
@@ -15,8 +16,7 @@ the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 A vote names the Spark task attempt that cast it (``run_partition``'s ``task``): when
 Spark runs a task again (its executor died, or a speculative copy) the first vote of the
-branch is the one that counts (the protocol's vote table), and a task whose vote was not
-recorded leaves the branch to the vote that was.
+branch is the one that counts (the protocol's vote table).
 
 A participant that commits once per batch (``CommitScope.BATCH``: a table) is prepared and
 aborted here like any other, but under COMMIT its branches are left for the driver, which
@@ -61,7 +61,7 @@ from twophase.protocol import (
     branch_id,
     recovery_action,
 )
-from twophase.wire import AckBody, BranchMetrics, VoteIn, acks_body
+from twophase.wire import AckBody, BranchMetrics, VoteIn, acks_body, votes_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -72,8 +72,9 @@ __all__ = ["INPUT_SPLIT", "PREPARE", "BatchPlan", "BranchOutcome", "redone_handl
            "relay_acks", "run_partition", "split_of"]
 
 PREPARE: Final = "prepare"
-"""The plan's mode when every participant's prepare is durable: tasks prepare and vote,
-the driver commits (no task waits for the decision, no barrier stage)."""
+"""The plan's mode when every participant's prepare is durable: tasks prepare and hand
+their votes back with the job's result; the driver sends them and commits (no task waits
+for the decision, no barrier stage)."""
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
@@ -129,6 +130,7 @@ class BranchOutcome:
     error: str = ""
     acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
     redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
+    votes: str = ""  # prepare mode: this task's votes as the wire's vote bodies (JSON list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -379,11 +381,11 @@ def _run_attempt(
             measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
             votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
                                 metrics=measured, digest=digest.value(), task=task))
+    if plan.mode == PREPARE:
+        _hand_over_votes(plan, votes, unexpected, out, t0)
+        return
     if unexpected is not None:
-        if plan.mode == PREPARE:
-            _abort_unrecorded(client.vote(plan.key, plan.epoch, votes), task, prepared)
-        else:
-            _vote_and_abort(plan, client, votes, prepared)
+        _vote_and_abort(plan, client, votes, prepared)
         if not isinstance(unexpected, TargetProblem):
             raise unexpected
         # A target's permanent refusal is said in full by the NO vote (the driver leads
@@ -402,10 +404,6 @@ def _run_attempt(
     refused = [v for v in votes if not v.yes]
     if refused:
         out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
-    if plan.mode == PREPARE:  # the driver applies the decision after the job
-        _abort_unrecorded(answer, task, prepared)
-        out.decision = answer.decision.value if answer.decision is not None else ""
-        return
     # The last voter's answer already carries the decision: no long-poll needed then.
     decision = answer.decision or _await_decision(plan, client)
     out.wait_s = time.perf_counter() - t1
@@ -424,6 +422,28 @@ def _run_attempt(
     _acknowledge(plan, client, out, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
+
+
+def _hand_over_votes(
+    plan: BatchPlan, votes: list[VoteIn], unexpected: Exception | None, out: BranchOutcome,
+    t0: float,
+) -> None:
+    """``prepare`` mode: the task's votes go back with the job's result, and the driver
+    sends every task's at once (``twophase.decide``): one result per partition is what
+    Spark keeps of a task run twice (a retry, a speculative copy), so the votes the
+    coordinator sees are one task attempt's per branch. YES votes first: a NO then decides
+    ABORT with every prepared branch recorded, so the driver aborts them all. An
+    unexpected error fails the task instead (Spark runs it again; a new attempt finds
+    what this one prepared under the same names); a target's permanent refusal is said
+    in full by its NO vote."""
+    if unexpected is not None and not isinstance(unexpected, TargetProblem):
+        raise unexpected
+    ordered = sorted(votes, key=lambda v: not v.yes)
+    out.votes = json.dumps(votes_body(plan.epoch, ordered)["votes"])
+    out.prepare_s = time.perf_counter() - t0
+    refused = [v for v in ordered if not v.yes]
+    if refused:
+        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
 
 
 _QUEUE_DEPTH: Final = 2  # Arrow batches waiting per participant: bounds a task's memory
@@ -584,24 +604,6 @@ def _vote_and_abort(
         for part, ref, handle in prepared:
             if not is_empty_branch(handle):
                 part.abort(ref, handle)
-
-
-def _abort_unrecorded(
-    answer: Transaction, task: str | None,
-    prepared: list[tuple[Participant, BranchRef, Handle]],
-) -> None:
-    """Once ABORT is decided, abort what this task prepared and no other vote stands for:
-    its own recorded YES (the driver aborts it too; aborting twice is success) or a
-    branch with no recorded vote (this task was late). A branch whose recorded vote is
-    another task attempt's is left alone: it is that vote's, under the same name."""
-    if answer.decision != Decision.ABORT:
-        return
-    for part, ref, handle in prepared:
-        st = answer.branches.get(ref.branch_id)
-        if is_empty_branch(handle) or st is None:
-            continue
-        if st.vote is None or st.task is None or st.task == task:
-            part.abort(ref, handle)
 
 
 def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
