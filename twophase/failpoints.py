@@ -36,10 +36,11 @@ POINTS: Final = (
     "before_begin",  # driver, before asking the coordinator to begin
     "before_prepare",  # task, per branch
     "after_prepare",  # task, per branch: prepared, vote not sent
-    "after_vote",  # task: votes sent, decision not read
+    "after_vote",  # task on the in-task path: votes sent, decision not read
     "after_decision",  # coordinator: decision written, answer not sent
-    "before_commit",  # task, per branch: decision known, not applied
-    "after_commit",  # task, per branch: applied, ack not sent
+    "before_commit",  # per branch, where it is applied (the driver; the task on the
+    # in-task path): decision known, not applied
+    "after_commit",  # per branch, the same: applied, ack not sent
     "before_ack",  # task, per branch
     "before_batch_commit",  # driver, per batch participant: COMMIT decided, table untouched
     "after_batch_commit",  # driver, per batch participant: table committed, acks not sent

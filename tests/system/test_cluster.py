@@ -30,6 +30,7 @@ from tests.support.cluster import (
     executor_failpoints,
     wait_for_claims,
 )
+from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon
 from twophase.testing.verify import verify
@@ -192,7 +193,8 @@ def run(conf, participants, partitions, ckpt):
     spark = builder.getOrCreate()
     sink = TransactionalSink("orders", participants, coordinator=cfg["coordinator"],
                              partitions=partitions, cluster_wait=5)
-    q = (spark.readStream.schema(EVENT_DDL).parquet(cfg["input"]).writeStream
+    q = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
+         .parquet(cfg["input"]).writeStream
          .foreachBatch(sink).option("checkpointLocation", cfg["ckpt"] + ckpt)
          .trigger(availableNow=True).start())
     try:
@@ -208,10 +210,11 @@ elastic = {**cfg["conf"], "spark.dynamicAllocation.enabled": "true",
            "spark.dynamicAllocation.shuffleTracking.enabled": "true",
            "spark.dynamicAllocation.minExecutors": "0",
            "spark.dynamicAllocation.maxExecutors": "2",
-           "spark.dynamicAllocation.executorIdleTimeout": "2s",
+           "spark.dynamicAllocation.executorIdleTimeout": "30s",
            "spark.executor.cores": "2",
            "spark.speculation": "true", "spark.speculation.multiplier": "1.1",
            "spark.speculation.quantile": "0.5", "spark.speculation.minTaskRuntime": "50ms",
+           "spark.speculation.efficiency.enabled": "false",
            "spark.scheduler.minRegisteredResourcesRatio": "0"}
 run(elastic, [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["table"]),
               StagedFileParticipant(path=cfg["files"])], cfg["partitions"], "durable")
@@ -226,16 +229,24 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     """The barrier-free sink on an elastic cluster as users run it: dynamic allocation
     (standalone, shuffle tracking, executors from 0 to 2), speculation on, and 48
     partitions per batch on 4 task slots, into PostgreSQL + files: every id exactly once,
-    nothing left prepared. A sink with an in-task Kafka transaction still needs its
+    nothing left prepared, although a stalled task of each run is copied by speculation
+    (both copies prepare the same branch). A sink with an in-task Kafka transaction still needs its
     barrier stage: it is refused under dynamic allocation before anything is written,
     with the cause and the fix."""
     batches, partitions = 3, 48
     write_input(tmp_path / "in", batches, ROWS)
     table = "orders_" + secrets.token_hex(4)
     store = tmp_path / "coord.db"
+    # Partition 7's first task of the run stalls 20 s after preparing its files branch, so
+    # Spark launches a speculative copy of it; every prepare of partition 7 is counted.
+    once = tmp_path / "once"
+    files_name = StagedFileParticipant(path=str(tmp_path / "files")).name
+    spec = (f"before_prepare@{files_name}/7=sleep(0.01)*1000;"
+            f"after_prepare@{files_name}/7=sleep(20)*1")
     cfg = {"pg_dsn": cluster.pg_dsn, "table": table, "files": str(tmp_path / "files"),
            "coordinator": f"sqlite:///{store}", "input": str(tmp_path / "in"),
-           "ckpt": str(tmp_path / "ckpt"), "conf": cluster.spark_conf(),
+           "ckpt": str(tmp_path / "ckpt"),
+           "conf": cluster.spark_conf(**executor_failpoints(spec, once)),
            "partitions": partitions}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     (tmp_path / "any_shape.py").write_text(ANY_SHAPE)
@@ -243,7 +254,7 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
                     tmp_path / "driver.log", env={"SPARK_LOCAL_IP": cluster.host})
     assert driver.wait(400) == 0, driver.tail()
     durable, kafka = driver.lines
-    assert durable["error"] is None, durable
+    assert durable["error"] is None, (durable["error"][-3000:], driver.tail())
     assert durable["partitions"] == [partitions] * batches, durable
     assert kafka["error"] and "spark.dynamicAllocation.enabled=true" in kafka["error"], kafka
     assert "in-task" in kafka["error"] and "spark.dynamicAllocation.enabled=false" in kafka[
@@ -260,8 +271,12 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     assert sorted(files.column("id").to_pylist()) == expected_ids(batches, ROWS)
     staged = [f for f in (tmp_path / "files").rglob("*") if f.is_file() and "/_" in str(f)]
     assert not staged, staged
+    # partition 7 was prepared more often than once a batch: a speculative copy ran
+    copies = len(list(once.glob("before_prepare*")))
+    assert copies > batches, f"no speculative copy of partition 7 ran ({copies} prepares)"
     print(json.dumps({"elastic": {"batches": batches, "partitions": partitions,
-                                  "slots": 4, "rows": len(ids)}}))
+                                  "slots": 4, "rows": len(ids),
+                                  "prepares_of_partition_7": copies}}))
 
 
 if __name__ == "__main__":
