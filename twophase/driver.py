@@ -403,7 +403,7 @@ class TransactionalSink:
         # job runs it when it keeps Spark's split (the plan travels as a local property).
         direct = self._job_frame(df)
         laps.lap("frame_s")
-        n_in = _input_partitions(direct if direct is not None else df)
+        n_in = _input_partitions(direct if direct is not None else df, any_split=not self.gang)
         laps.lap("split_s")
         if n_in is not None and ((self.gang and n_in > slots)
                                  or self.partitions not in (None, n_in)):
@@ -875,40 +875,51 @@ _SOURCES = frozenset({
 })
 
 
-def _input_partitions(df: DataFrame) -> int | None:
+def _input_partitions(df: DataFrame, any_split: bool = False) -> int | None:
     """How many partitions the batch has as Spark made it, when a replay of the batch
     makes the same split: its RDD lineage is one source RDD and then only one-to-one
     (narrow, same partition) steps, no shuffle, no union, no coalesce (which a barrier
-    stage would refuse anyway); 0 when the source is known to hold no rows at all. None
-    otherwise, or when it cannot be told (Spark Connect).
+    stage would refuse anyway); 0 when the source is known to hold no rows at all. With
+    ``any_split`` (a sink whose prepares are durable: only a redo, which the vote's digest
+    checks, needs a replay split alike) also a split that comes from a shuffle, a union
+    or a coalesce, as planned (a stateful aggregation's ``spark.sql.shuffle.partitions``):
+    no second shuffle. None otherwise, or when it cannot be told (Spark Connect).
     foreachBatch hands the batch over as an RDD scan, so the RDD, not the plan, is read.
     Plans the batch; runs no job."""
     try:
         rdd = df._jdf.queryExecution().toRdd()
-        stack, sources, empty = [rdd], 0, True
-        while stack:  # each JVM call is a py4j round trip (~0.3-1 ms): as few as possible
-            node = stack.pop()
-            deps = node.dependencies()
-            n_deps = deps.size()
-            if n_deps == 0:
-                kind = node.getClass().getSimpleName()
-                if kind not in _SOURCES:
-                    return None
-                sources += 1
-                if kind == "ParallelCollectionRDD":  # local rows: are there any?
-                    empty = empty and all(p.values().isEmpty() for p in node.partitions())
-                elif kind != "EmptyRDD":
-                    empty = False
-            for i in range(n_deps):
-                dep = deps.apply(i)
-                if dep.getClass().getSimpleName() != "OneToOneDependency":
-                    return None
-                stack.append(dep.rdd())
-        if sources != 1:
-            return None
-        return 0 if empty else int(rdd.getNumPartitions())
+        stable = _replayed_alike(rdd)
+        if stable is None and any_split:
+            return int(rdd.getNumPartitions())
+        return stable
     except Exception:  # no JVM plan to read (Spark Connect): fall back to the hash split
         return None
+
+
+def _replayed_alike(rdd: Any) -> int | None:
+    """``_input_partitions`` for a split a replay makes alike (see there)."""
+    stack, sources, empty = [rdd], 0, True
+    while stack:  # each JVM call is a py4j round trip (~0.3-1 ms): as few as possible
+        node = stack.pop()
+        deps = node.dependencies()
+        n_deps = deps.size()
+        if n_deps == 0:
+            kind = node.getClass().getSimpleName()
+            if kind not in _SOURCES:
+                return None
+            sources += 1
+            if kind == "ParallelCollectionRDD":  # local rows: are there any?
+                empty = empty and all(p.values().isEmpty() for p in node.partitions())
+            elif kind != "EmptyRDD":
+                empty = False
+        for i in range(n_deps):
+            dep = deps.apply(i)
+            if dep.getClass().getSimpleName() != "OneToOneDependency":
+                return None
+            stack.append(dep.rdd())
+    if sources != 1:
+        return None
+    return 0 if empty else int(rdd.getNumPartitions())
 
 
 def _short_error(exc: BaseException) -> str:

@@ -72,6 +72,20 @@ def test_plans_with_a_shuffle_or_a_union_keep_the_hash_split(spark: Any) -> None
     assert _input_partitions(df.repartition(3)) is None
 
 
+def test_a_durable_sink_keeps_the_querys_own_split(spark: Any) -> None:
+    """A sink whose prepares are durable writes a shuffled batch (a stateful
+    aggregation's ``spark.sql.shuffle.partitions``) with the split Spark made: no second
+    shuffle by every column."""
+    df = spark.range(100)
+    counts = df.groupBy((df.id % 3).alias("k")).count()
+    shuffled = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    assert _input_partitions(counts, any_split=True) == counts.rdd.getNumPartitions()
+    assert counts.rdd.getNumPartitions() in (shuffled, 1)  # AQE may coalesce a batch plan
+    assert _input_partitions(df.repartition(7), any_split=True) == 7
+    assert _input_partitions(df.union(spark.range(5)), any_split=True) == (
+        df.rdd.getNumPartitions() + spark.range(5).rdd.getNumPartitions())
+
+
 def test_an_empty_relation_commits_without_a_spark_job(spark: Any, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # preflight=False: the executors' check is one Spark job per sink start, not per
