@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from twophase.cli.common import descriptor
+
 EPILOG = """\
 examples:
   twophase chaos                                     10 kills, demo job, private PostgreSQL + files
@@ -150,7 +152,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             print(f"twophase chaos: cannot read job config {args.job}: {exc}", file=sys.stderr)
             return 2
     try:
-        extra = tuple(_descriptor(text) for text in args.participant)
+        extra = tuple(descriptor(text) for text in args.participant)
     except ValueError as exc:
         print(f"twophase chaos: --participant: {exc}", file=sys.stderr)
         return 2
@@ -270,24 +272,3 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))
     return 0 if report["ok"] else 1
 
-
-def _descriptor(text: str) -> dict[str, Any]:
-    """One --participant value: a JSON descriptor, or @FILE holding one."""
-    source = "it"
-    if text.startswith("@"):
-        source = text[1:]
-        try:
-            text = Path(source).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot read {source}: {exc.strerror or exc}") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{source} is not JSON ({exc.msg} at char {exc.pos}): pass a "
-                         "descriptor such as '{\"kind\": \"mykind\", \"name\": \"p1\", "
-                         "\"target\": \"...\", \"options\": {}}'") from None
-    if not isinstance(value, dict) or not isinstance(value.get("kind"), str) \
-            or not isinstance(value.get("name"), str):
-        raise ValueError(f"{source} must be a JSON object with string \"kind\" and "
-                         "\"name\" (and the \"target\" and \"options\" its kind reads)")
-    return value

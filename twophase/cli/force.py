@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
+
+from twophase.cli.common import add_coordinator_flags, require_store
 
 EPILOG = """\
 examples:
@@ -42,11 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--reason", required=True, help="why (kept in the history)")
     p.add_argument("--branch", action="append", default=None, metavar="PARTICIPANT/N",
                    help="ack only this branch (repeatable; default: every unacknowledged)")
-    p.add_argument("--coordinator", "--store", dest="coordinator",
-                   default=os.environ.get("TWOPHASE_COORDINATOR"), metavar="URL",
-                   help="http(s)://host:port of a daemon, or a store URL "
-                   "(default: $TWOPHASE_COORDINATOR)")
-    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
+    add_coordinator_flags(p)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--json", action="store_true", help="JSON result")
     p.set_defaults(run=run)
@@ -98,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc), 2)
     try:
+        if not args.coordinator.startswith(("http://", "https://")):
+            require_store(args.coordinator, "force")
         with connect(args.coordinator, args.token) as conn:
             client = conn.client()
             txn = client.get(key)
