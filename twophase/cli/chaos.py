@@ -24,13 +24,13 @@ examples:
   twophase chaos --kafka-tansu --victims driver,worker,broker
                                                     ... and kill/restart that broker too
   twophase chaos --files-s3-local                   the files go to a private S3-API server
+                                                    (moto) instead of a folder
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
   twophase chaos --delta-local                      also write a Delta table (one version per
                                                     batch; delta extra)
   twophase chaos --iceberg-local --delta-local --kafka-tansu --coordinator-mode daemon --kills 40
                                                     PostgreSQL + files + Iceberg + Delta + Kafka
                                                     in one sink (iceberg extra)
-                                                    (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
                                                     chaos writes the input into its

@@ -1,4 +1,4 @@
-"""``twophase demo``: the main job, end to end, on a machine with no servers prepared.
+"""twophase demo: the main job, end to end, on a machine with no servers prepared.
 
 Generated events (deterministic ids, one Parquet input file per micro-batch) stream
 through a TransactionalSink with an embedded coordinator into staged Parquet files and a

@@ -1,10 +1,10 @@
-"""``twophase force``: settle one stuck transaction by hand, with a reason.
+"""twophase force: settle one stuck transaction by hand, with a reason.
 
-``ack``: the operator states that the transaction's unacknowledged branches are settled
+ack: the operator states that the transaction's unacknowledged branches are settled
 (committed or aborted by hand, per the decision), so the coordinator can finish it.
-``abort``: write ABORT for an undecided transaction whose writer is gone (a decided one
+abort: write ABORT for an undecided transaction whose writer is gone (a decided one
 keeps its decision). Both go through the daemon's admin API and are kept, with the
-reason, in the transaction's history. ``twophase resolve`` is the safer first choice:
+reason, in the transaction's history. twophase resolve is the safer first choice:
 it asks each participant's own system before acknowledging anything.
 """
 

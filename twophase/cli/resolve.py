@@ -1,4 +1,4 @@
-"""``twophase resolve``: settle the in-doubt branches of a sink whose job is gone."""
+"""twophase resolve: settle the in-doubt branches of a sink whose job is gone."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ examples:
   TWOPHASE_COORDINATOR=sqlite:///tp.db twophase resolve orders --json
   twophase resolve orders --coordinator sqlite:///tp.db \\
       --pg-dsn postgresql://u@db/app --pg-table orders --files-path /data/orders
-  twophase resolve orders --coordinator http://coord:7070 \\
-      --participant '{"kind": "delta", "name": "delta-orders", "target": "/lake/orders"}'
+  twophase resolve orders --coordinator http://coord:7070 --participant @lake.json
 
 By default the participants are rebuilt from the descriptors the coordinator recorded
 when the sink's writer registered (kind, target, non-secret options). Secrets are never
@@ -25,7 +24,8 @@ stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
 TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
 TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
 all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
---files-*, --kafka-* and --participant flags name the participants by hand instead.
+--files-*, --kafka-* and --participant flags name the participants by hand instead
+(a descriptor as the daemon lists it: GET /v1/sinks/SINK/participants).
 
 Every unfinished transaction of the sink is settled by the recovery rule: a COMMIT
 decision commits what is prepared, anything else aborts it (presumed abort), and

@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="at start, wait this long for an unreachable store (e.g. a database "
                    "container still starting), retrying with a log line; 0 = fail at once "
                    "(default 120s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the daemon's log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log every request (slower)")
     p.set_defaults(run=run)
 

@@ -1,4 +1,4 @@
-"""``twophase sinks``: per sink, the last committed batch, in-doubt count and age, alerts."""
+"""twophase sinks: per sink, the last committed batch, in-doubt count and age, alerts."""
 
 from __future__ import annotations
 
