@@ -154,3 +154,24 @@ def test_resolve_by_hand_needs_no_test_tooling(tmp_path: Path) -> None:
         result = json.loads(out.stderr.strip().splitlines()[-1])
         assert result == {"rc": 0, "testing": []}, (by_hand, out.stderr)
         assert json.loads(out.stdout)["actions"][0]["action"] == "abort", out.stdout
+
+
+def test_demo_starts_a_daemon_with_the_flag_chaos_uses(tmp_path: Path) -> None:
+    """``--coordinator-mode daemon`` means in ``demo`` what it means in ``chaos``: a
+    ``twophase serve`` process on WORKDIR/coordinator.db, which the job writes through."""
+    work = tmp_path / "demo"
+    out = _run("demo", "--coordinator-mode", "daemon", "--coordinator", "http://x:7070",
+               "--workdir", str(work))
+    assert out.returncode == 2 and "not both" in out.stdout, out.stdout + out.stderr
+    out = _run("demo", "--coordinator-mode", "daemon", "--no-postgres", "--batches", "2",
+               "--rows-per-batch", "50", "--partitions", "2", "--workdir", str(work))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "coordinator daemon (twophase serve) on http://127.0.0.1:" in out.stdout
+    assert "OK: every id exactly once" in out.stdout
+    assert (work / "coordinator.log").is_file()  # the daemon's own log: it ran apart
+    store = Store(f"sqlite:///{work / 'coordinator.db'}", create=False)
+    try:
+        states = [row.txn.state for row in store.list(sink="demo_orders")]
+    finally:
+        store.close()
+    assert states == [State.COMMITTED] * 2, states

@@ -82,7 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-files", action="store_true", help="no staged-files participant")
     p.add_argument("--kafka-bootstrap", default=None, metavar="HOST:PORT",
                    help="also write to this Kafka (judged from its partition logs, cross-checked "
-                   "with a read_committed consumer)")
+                   "with a read_committed consumer); 'local': a private broker, as in "
+                   "twophase demo (--kafka-tansu)")
     p.add_argument("--kafka-tansu", action="store_true",
                    help="also write to a private tansu broker (judged from its partition logs)")
     p.add_argument("--kafka-reuse", action="store_true",
@@ -138,6 +139,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
         if not args.quiet and not args.json:
             print(msg, flush=True)
 
+    if args.kafka_bootstrap == "local":  # demo's spelling of a private broker
+        args.kafka_bootstrap, args.kafka_tansu = None, True
     if args.victims is None:
         victims: tuple[str, ...] = ("driver", "worker") + (
             ("coordinator",) if args.coordinator_mode == "daemon" else ())
