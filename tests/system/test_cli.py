@@ -175,3 +175,43 @@ def test_demo_starts_a_daemon_with_the_flag_chaos_uses(tmp_path: Path) -> None:
     finally:
         store.close()
     assert states == [State.COMMITTED] * 2, states
+
+
+def test_serve_and_the_operator_commands_take_the_environment(tmp_path: Path) -> None:
+    """The daemon from $TWOPHASE_STORE (as the Docker image sets it) and $TWOPHASE_TOKEN,
+    the tools from $TWOPHASE_COORDINATOR and the same token: no flag needed."""
+    import httpx
+
+    from twophase.testing.servers import free_port
+
+    out = _run("serve")
+    assert out.returncode == 2 and "pass --store URL or set TWOPHASE_STORE" in out.stderr
+    port = free_port()
+    env = {"TWOPHASE_STORE": f"sqlite:///{tmp_path / 'env.db'}", "TWOPHASE_TOKEN": "t0k",
+           "TWOPHASE_STORE_WAIT": "0"}
+    base = {k: v for k, v in os.environ.items() if k != "TWOPHASE_COORDINATOR"}
+    daemon = subprocess.Popen([str(TWOPHASE), "serve", "--port", str(port)],
+                              env={**base, **env}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert daemon.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        tools = {"TWOPHASE_COORDINATOR": url, "TWOPHASE_TOKEN": "t0k"}
+        out = _run("sinks", "--json", env=tools)
+        assert out.returncode == 0 and json.loads(out.stdout) == [], out.stderr
+        out = _run("txns", "--json", env=tools)
+        assert out.returncode == 0 and json.loads(out.stdout) == [], out.stderr
+        out = _run("sinks", env={**tools, "TWOPHASE_TOKEN": "wrong"})
+        assert out.returncode == 1 and "unauthorized" in out.stderr, out.stderr
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert (tmp_path / "env.db").is_file()
