@@ -1,9 +1,10 @@
 """The ``twophase`` command line.
 
 One module per subcommand (``serve``, ``txns``, ``sinks``, ``force``, ``demo``,
-``resolve``, ``chaos``), each
-with ``register(subparsers)``; a command imports what it needs only when it runs, so
-``twophase --help`` works without pyspark, psycopg or confluent-kafka installed.
+``resolve``, ``chaos``), each with ``register(subparsers)``, and ``common`` for the flags
+and store handling the operator commands share; a command imports what it needs only
+when it runs, so ``twophase --help`` works without pyspark, psycopg or confluent-kafka
+installed.
 """
 
 from __future__ import annotations
