@@ -52,7 +52,7 @@ def require_store(url: str, command: str) -> None:
         return
     what = "it is a folder" if path.is_dir() else "the file does not exist"
     raise StoreMissing(
-        f"no SQLite store at {path.absolute()}: {what} (a typo in --coordinator?); "
+        f"no SQLite store at {path.absolute()}: {what} (a typo in the URL?); "
         f"twophase {command} works on an existing store and never creates one: pass the "
         "file the coordinator writes (sqlite:///relative/path.db from this folder, "
         "sqlite:////absolute/path.db) or the daemon's http://host:port"
