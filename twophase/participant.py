@@ -417,7 +417,7 @@ def rebuild(descriptor: Mapping[str, Any], secrets: Mapping[str, str] | None = N
             f"install the package that provides it (it registers the kind under the "
             f"{ENTRY_POINT_GROUP!r} entry-point group), or call "
             "twophase.participant.register_kind(kind, cls), or name the participant by "
-            "hand (twophase resolve --job)"
+            "hand (twophase resolve --participant, --pg-dsn, --files-path, --kafka-bootstrap)"
         )
     module, _, qual = path.partition(":")
     cls = getattr(importlib.import_module(module), qual)

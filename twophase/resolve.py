@@ -67,7 +67,8 @@ def participants_from(
         raise InvalidRequest(
             "the coordinator has no participant descriptors for this sink (it was last "
             "registered before descriptors were recorded, or its participants have no "
-            "descriptor()): name the participants by hand (--job, --pg-dsn, ...)"
+            "descriptor()): name the participants by hand (twophase resolve --participant, "
+            "--pg-dsn, --files-path, --kafka-bootstrap)"
         )
     return [
         rebuild(d, None if secrets is None or d.get("name") not in secrets

@@ -25,6 +25,41 @@ def test_core_dependencies_exclude_the_extras() -> None:
     assert meta["scripts"]["twophase"] == "twophase.cli:main"
 
 
+def _console_script() -> Path:
+    """The ``twophase`` command pip installed beside this interpreter, as a user runs it."""
+    script = Path(sys.executable).parent / "twophase"
+    assert script.is_file(), f"{script} missing: pip install -e . into this venv"
+    return script
+
+
+def test_version_is_one_number_everywhere() -> None:
+    """pyproject.toml, ``twophase.__version__`` and the installed ``twophase --version``
+    say the same version (a stale install or a forgotten bump fails here)."""
+    import twophase
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = subprocess.run([str(_console_script()), "--version"], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"twophase {meta['version']}", (out.stdout, meta["version"])
+    assert twophase.__version__ == meta["version"]
+    assert meta["version"] == "0.3.0"
+    assert f"## {meta['version']} " in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_metadata_states_python_versions_and_pyspark() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    supported = SpecifierSet(meta["requires-python"])
+    for minor in ("3.10", "3.11", "3.12", "3.13"):
+        assert minor in supported, (minor, meta["requires-python"])
+        assert f"Programming Language :: Python :: {minor}" in meta["classifiers"]
+    assert "3.9" not in supported
+    assert "Typing :: Typed" in meta["classifiers"]
+    assert "pyspark>=4.0" in meta["optional-dependencies"]["spark"]
+
+
 def test_cli_help_and_core_imports_do_not_load_extras() -> None:
     code = (
         "import sys, contextlib, io\n"

@@ -1,9 +1,10 @@
 """The ``twophase`` command line.
 
 One module per subcommand (``serve``, ``txns``, ``sinks``, ``force``, ``demo``,
-``resolve``, ``chaos``), each
-with ``register(subparsers)``; a command imports what it needs only when it runs, so
-``twophase --help`` works without pyspark, psycopg or confluent-kafka installed.
+``resolve``, ``chaos``), each with ``register(subparsers)``, and ``common`` for the flags
+and store handling the operator commands share; a command imports what it needs only
+when it runs, so ``twophase --help`` works without pyspark, psycopg or confluent-kafka
+installed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from twophase import __version__
 from twophase.cli import chaos, demo, force, resolve, serve, sinks, txns
 
 DESCRIPTION = """\
@@ -33,6 +33,20 @@ examples:
 """
 
 
+def version() -> str:
+    """The installed distribution's version (what pip installed), else the source tree's
+    (a checkout run without installing)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("twophase")
+    except PackageNotFoundError:
+        from twophase import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="twophase",
@@ -40,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"twophase {__version__}")
+    parser.add_argument("--version", action="version", version=f"twophase {version()}",
+                        help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for command in (serve, txns, sinks, force, demo, resolve, chaos):

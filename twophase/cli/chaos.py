@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from twophase.cli.common import descriptor
+
 EPILOG = """\
 examples:
   twophase chaos                                     10 kills, demo job, private PostgreSQL + files
@@ -22,13 +24,13 @@ examples:
   twophase chaos --kafka-tansu --victims driver,worker,broker
                                                     ... and kill/restart that broker too
   twophase chaos --files-s3-local                   the files go to a private S3-API server
+                                                    (moto) instead of a folder
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
   twophase chaos --delta-local                      also write a Delta table (one version per
                                                     batch; delta extra)
   twophase chaos --iceberg-local --delta-local --kafka-tansu --coordinator-mode daemon --kills 40
                                                     PostgreSQL + files + Iceberg + Delta + Kafka
                                                     in one sink (iceberg extra)
-                                                    (moto) instead of a folder
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
                                                     by `python -m twophase.testing.job`);
                                                     chaos writes the input into its
@@ -80,7 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-files", action="store_true", help="no staged-files participant")
     p.add_argument("--kafka-bootstrap", default=None, metavar="HOST:PORT",
                    help="also write to this Kafka (judged from its partition logs, cross-checked "
-                   "with a read_committed consumer)")
+                   "with a read_committed consumer); 'local': a private broker, as in "
+                   "twophase demo (--kafka-tansu)")
     p.add_argument("--kafka-tansu", action="store_true",
                    help="also write to a private tansu broker (judged from its partition logs)")
     p.add_argument("--kafka-reuse", action="store_true",
@@ -136,6 +139,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
         if not args.quiet and not args.json:
             print(msg, flush=True)
 
+    if args.kafka_bootstrap == "local":  # demo's spelling of a private broker
+        args.kafka_bootstrap, args.kafka_tansu = None, True
     if args.victims is None:
         victims: tuple[str, ...] = ("driver", "worker") + (
             ("coordinator",) if args.coordinator_mode == "daemon" else ())
@@ -150,7 +155,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             print(f"twophase chaos: cannot read job config {args.job}: {exc}", file=sys.stderr)
             return 2
     try:
-        extra = tuple(_descriptor(text) for text in args.participant)
+        extra = tuple(descriptor(text) for text in args.participant)
     except ValueError as exc:
         print(f"twophase chaos: --participant: {exc}", file=sys.stderr)
         return 2
@@ -270,24 +275,3 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))
     return 0 if report["ok"] else 1
 
-
-def _descriptor(text: str) -> dict[str, Any]:
-    """One --participant value: a JSON descriptor, or @FILE holding one."""
-    source = "it"
-    if text.startswith("@"):
-        source = text[1:]
-        try:
-            text = Path(source).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"cannot read {source}: {exc.strerror or exc}") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{source} is not JSON ({exc.msg} at char {exc.pos}): pass a "
-                         "descriptor such as '{\"kind\": \"mykind\", \"name\": \"p1\", "
-                         "\"target\": \"...\", \"options\": {}}'") from None
-    if not isinstance(value, dict) or not isinstance(value.get("kind"), str) \
-            or not isinstance(value.get("name"), str):
-        raise ValueError(f"{source} must be a JSON object with string \"kind\" and "
-                         "\"name\" (and the \"target\" and \"options\" its kind reads)")
-    return value

@@ -1,4 +1,4 @@
-"""``twophase demo``: the main job, end to end, on a machine with no servers prepared.
+"""twophase demo: the main job, end to end, on a machine with no servers prepared.
 
 Generated events (deterministic ids, one Parquet input file per micro-batch) stream
 through a TransactionalSink with an embedded coordinator into staged Parquet files and a
@@ -24,6 +24,7 @@ examples:
   twophase demo                               10 batches x 1,000 rows into files + PostgreSQL
   twophase demo --batches 50 --rows-per-batch 10000
   twophase demo --no-postgres                 files only
+  twophase demo --coordinator-mode daemon     through a `twophase serve` daemon it starts
   twophase demo --kafka-bootstrap local       also a Kafka topic on a private tansu broker
   twophase demo --kafka-bootstrap host:9092   also a Kafka topic on your broker
 
@@ -84,7 +85,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(Kafka is judged from its partition logs)")
     p.add_argument("--coordinator", default=None, metavar="URL",
                    help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
-                   "instead of the embedded one in WORKDIR/coordinator.db")
+                   "instead of one the demo starts")
+    p.add_argument("--coordinator-mode", choices=["embedded", "daemon"], default="embedded",
+                   help="the coordinator the demo starts, on WORKDIR/coordinator.db: embedded "
+                   "in the driver, or a `twophase serve` process (as in twophase chaos) "
+                   "(default embedded)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.set_defaults(run=run)
 
@@ -99,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     if args.batches < 1 or args.rows_per_batch < 1:
         console.print("twophase demo: --batches and --rows-per-batch must be >= 1")
+        return 2
+    if args.coordinator and args.coordinator_mode == "daemon":
+        console.print("twophase demo: pass --coordinator URL (a daemon of yours) or "
+                      "--coordinator-mode daemon (one the demo starts), not both")
         return 2
     try:
         import pyspark  # noqa: F401
@@ -131,6 +140,17 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"private PostgreSQL on {pg_dsn}")
                 except PostgresUnavailable as exc:
                     console.print(f"[yellow]could not start PostgreSQL ({exc}): files only.[/]")
+        coordinator, token = args.coordinator, None
+        if coordinator is None and args.coordinator_mode == "daemon":
+            import secrets
+
+            from twophase.testing.servers import LocalDaemon
+
+            token = secrets.token_urlsafe(16)
+            servers.append(LocalDaemon(f"sqlite:///{work / 'coordinator.db'}", token,
+                                       work / "coordinator.log").start())
+            coordinator = servers[-1].url
+            console.print(f"coordinator daemon (twophase serve) on {coordinator}")
         kafka = args.kafka_bootstrap
         if kafka == "local":
             servers.append(LocalTansu().start())
@@ -139,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = JobConfig(
             input_dir=str(work / "input"),
             checkpoint=str(work / "checkpoint"),
-            coordinator=args.coordinator or f"sqlite:///{work / 'coordinator.db'}",
+            coordinator=coordinator or f"sqlite:///{work / 'coordinator.db'}",
+            token=token,
             sink="demo_orders",
             pg_dsn=pg_dsn,
             pg_table="demo_orders",
@@ -152,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         # its console can be opened while the job streams.
         from twophase.connection import connect
 
-        console_conn = connect(cfg.coordinator)
+        console_conn = connect(cfg.coordinator, cfg.token)
         conns.append(console_conn)
         console.print(f"console (live, signed in): {console_conn.url}/ui#token="
                       f"{console_conn.token}")

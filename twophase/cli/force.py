@@ -1,10 +1,10 @@
-"""``twophase force``: settle one stuck transaction by hand, with a reason.
+"""twophase force: settle one stuck transaction by hand, with a reason.
 
-``ack``: the operator states that the transaction's unacknowledged branches are settled
+ack: the operator states that the transaction's unacknowledged branches are settled
 (committed or aborted by hand, per the decision), so the coordinator can finish it.
-``abort``: write ABORT for an undecided transaction whose writer is gone (a decided one
+abort: write ABORT for an undecided transaction whose writer is gone (a decided one
 keeps its decision). Both go through the daemon's admin API and are kept, with the
-reason, in the transaction's history. ``twophase resolve`` is the safer first choice:
+reason, in the transaction's history. twophase resolve is the safer first choice:
 it asks each participant's own system before acknowledging anything.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
+
+from twophase.cli.common import add_coordinator_flags, require_store
 
 EPILOG = """\
 examples:
@@ -42,11 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--reason", required=True, help="why (kept in the history)")
     p.add_argument("--branch", action="append", default=None, metavar="PARTICIPANT/N",
                    help="ack only this branch (repeatable; default: every unacknowledged)")
-    p.add_argument("--coordinator", "--store", dest="coordinator",
-                   default=os.environ.get("TWOPHASE_COORDINATOR"), metavar="URL",
-                   help="http(s)://host:port of a daemon, or a store URL "
-                   "(default: $TWOPHASE_COORDINATOR)")
-    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
+    add_coordinator_flags(p)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--json", action="store_true", help="JSON result")
     p.set_defaults(run=run)
@@ -98,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc), 2)
     try:
+        if not args.coordinator.startswith(("http://", "https://")):
+            require_store(args.coordinator, "force")
         with connect(args.coordinator, args.token) as conn:
             client = conn.client()
             txn = client.get(key)

@@ -1,4 +1,4 @@
-"""``twophase resolve``: settle the in-doubt branches of a sink whose job is gone."""
+"""twophase resolve: settle the in-doubt branches of a sink whose job is gone."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import json
 import sys
 from typing import Any
 
+from twophase.cli.common import add_coordinator_flags, descriptor
+
 EPILOG = """\
 examples:
   twophase resolve orders --coordinator http://coord:7070 --dry-run
   twophase resolve orders --coordinator sqlite:///tp.db --secrets secrets.json
-  twophase resolve --coordinator sqlite:///tp.db --sink orders \\
+  TWOPHASE_COORDINATOR=sqlite:///tp.db twophase resolve orders --json
+  twophase resolve orders --coordinator sqlite:///tp.db \\
       --pg-dsn postgresql://u@db/app --pg-table orders --files-path /data/orders
+  twophase resolve orders --coordinator http://coord:7070 --participant @lake.json
 
 By default the participants are rebuilt from the descriptors the coordinator recorded
 when the sink's writer registered (kind, target, non-secret options). Secrets are never
@@ -20,13 +24,15 @@ stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
 TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
 TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
 all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
---files-*, --kafka-* flags and --job name the participants by hand instead.
+--files-*, --kafka-* and --participant flags name the participants by hand instead
+(a descriptor as the daemon lists it: GET /v1/sinks/SINK/participants).
 
 Every unfinished transaction of the sink is settled by the recovery rule: a COMMIT
 decision commits what is prepared, anything else aborts it (presumed abort), and
 prepared leftovers the participants find by name are settled the same way. A lost Kafka
 branch under a COMMIT decision needs the data again: restart the query to redo it.
-Exit code 0 when nothing is left unresolved.
+--dry-run changes nothing anywhere: on a store URL it reads the store without starting
+a coordinator on it. Exit code 0 when nothing is left unresolved.
 """
 
 
@@ -38,58 +44,60 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--coordinator", required=True,
-                   help="store URL (sqlite:///..., postgresql://...) or daemon URL (http://...)")
-    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
     p.add_argument("sink_arg", nargs="?", metavar="SINK", help="sink name")
-    p.add_argument("--sink", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sink", default=None, help=argparse.SUPPRESS)  # before SINK was positional
+    add_coordinator_flags(p)
     p.add_argument("--secrets", default=None, metavar="FILE.json",
-                   help="secrets per participant name, for participants rebuilt from the "
-                   "coordinator's descriptors (default: from the environment)")
+                   help="secrets per participant name, for participants rebuilt from "
+                   "descriptors (default: from the environment)")
+    p.add_argument("--participant", action="append", default=[], metavar="DESCRIPTOR",
+                   help="a participant by hand, rebuilt by kind: a JSON descriptor "
+                   "'{\"kind\": ..., \"name\": ..., \"target\": ..., \"options\": {...}}' "
+                   "or @FILE.json holding one; repeatable")
+    p.add_argument("--pg-dsn", default=None, metavar="DSN",
+                   help="a PostgreSQL participant by hand: its database")
+    p.add_argument("--pg-table", default=None, metavar="TABLE",
+                   help="its table (default: the sink name)")
+    p.add_argument("--files-path", default=None, metavar="PATH",
+                   help="a staged-files participant by hand: its folder or s3:// prefix")
+    p.add_argument("--files-format", default="parquet", choices=["parquet", "jsonl"],
+                   help="its file format (default parquet)")
+    p.add_argument("--kafka-bootstrap", default=None, metavar="HOST:PORT",
+                   help="a Kafka participant by hand: its bootstrap servers")
+    p.add_argument("--kafka-topic", default=None, metavar="TOPIC",
+                   help="its topic (default: the sink name)")
     p.add_argument("--job", default=None, metavar="CONFIG.json",
-                   help="take participants from a twophase.testing.job config file")
-    p.add_argument("--pg-dsn", default=None)
-    p.add_argument("--pg-table", default=None)
-    p.add_argument("--files-path", default=None)
-    p.add_argument("--files-format", default="parquet", choices=["parquet", "jsonl"])
-    p.add_argument("--kafka-bootstrap", default=None)
-    p.add_argument("--kafka-topic", default=None)
-    p.add_argument("--dry-run", action="store_true", help="show what would be done")
+                   help="the participants of a `twophase chaos --job` config file")
+    p.add_argument("--dry-run", action="store_true",
+                   help="show what would be done; change nothing anywhere")
     p.add_argument("--json", action="store_true", help="JSON report")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from twophase.connection import connect
+    from twophase.cli.common import read_store, require_store
+    from twophase.connection import check_coordinator, connect
     from twophase.errors import TwophaseError
-    from twophase.resolve import participants_from, resolve_sink
 
     args.sink = args.sink or args.sink_arg
     if not args.sink:
         print("twophase resolve: name the sink (twophase resolve SINK --coordinator URL)",
               file=sys.stderr)
         return 2
-    by_hand = args.job or args.pg_dsn or args.files_path or args.kafka_bootstrap
+    if not args.coordinator:
+        print("twophase resolve: pass --coordinator URL (or set TWOPHASE_COORDINATOR)",
+              file=sys.stderr)
+        return 2
     try:
-        with connect(args.coordinator, args.token) as conn:
-            client = conn.client()
-            try:
-                if by_hand:
-                    participants = _by_hand(args)
-                else:
-                    secrets = None
-                    if args.secrets:
-                        with open(args.secrets, encoding="utf-8") as fh:
-                            secrets = json.load(fh)
-                    participants = participants_from(client.participants(args.sink), secrets)
-                try:
-                    report = resolve_sink(client, args.sink, participants,
-                                          dry_run=args.dry_run)
-                finally:
-                    for part in participants:
-                        part.close()
-            finally:
-                client.close()
+        location = check_coordinator(args.coordinator)
+        if not location.startswith(("http://", "https://")):
+            require_store(location, "resolve")
+        if args.dry_run and not location.startswith(("http://", "https://")):
+            with read_store(location, "resolve") as reader:
+                report = _resolve(reader, args)
+        else:
+            with connect(location, args.token) as conn:
+                report = _resolve(conn.client(), args)
     except (TwophaseError, ValueError, OSError, ImportError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}))
@@ -99,26 +107,55 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _by_hand(args: argparse.Namespace) -> list[Any]:
-    """Participants named by flags or a job config (instead of the recorded descriptors)."""
-    from twophase.errors import InvalidRequest
-    from twophase.testing.job import JobConfig, build_participants
+def _resolve(source: Any, args: argparse.Namespace) -> Any:
+    """Rebuild or name the participants, then apply the recovery rule (``source``: the
+    coordinator's client, or a store reader for a dry run)."""
+    from twophase.resolve import participants_from, resolve_sink
+
+    secrets = None
+    if args.secrets:
+        with open(args.secrets, encoding="utf-8") as fh:
+            secrets = json.load(fh)
+    by_hand = (args.job or args.pg_dsn or args.files_path or args.kafka_bootstrap
+               or args.participant)
+    if by_hand:
+        participants = _by_hand(args, secrets)
+    else:
+        participants = participants_from(source.participants(args.sink), secrets)
+    try:
+        return resolve_sink(source, args.sink, participants, dry_run=args.dry_run)
+    finally:
+        for part in participants:
+            part.close()
+
+
+def _by_hand(args: argparse.Namespace, secrets: dict[str, Any] | None) -> list[Any]:
+    """Participants named by flags (or a chaos job config) instead of the recorded
+    descriptors; built from the participants' own classes, no test tooling."""
+    from twophase.participant import rebuild
 
     if args.job:
-        cfg = JobConfig.load(args.job)
-    else:
-        cfg = JobConfig(input_dir="", checkpoint="", coordinator=args.coordinator,
-                        sink=args.sink, pg_dsn=args.pg_dsn,
-                        pg_table=args.pg_table or args.sink, files_path=args.files_path,
-                        files_format=args.files_format, kafka_bootstrap=args.kafka_bootstrap,
-                        kafka_topic=args.kafka_topic or args.sink)
-    try:
-        return build_participants(cfg)
-    except ValueError as exc:
-        raise InvalidRequest(
-            f"{exc} (name the sink's participants with --pg-dsn/--pg-table, --files-path, "
-            "--kafka-bootstrap/--kafka-topic or --job)"
-        ) from None
+        from twophase.testing.job import JobConfig, build_participants
+
+        return build_participants(JobConfig.load(args.job))
+    parts: list[Any] = []
+    if args.pg_dsn:
+        from twophase.sinks.postgres import PostgresParticipant
+
+        parts.append(PostgresParticipant(dsn=args.pg_dsn, table=args.pg_table or args.sink))
+    if args.files_path:
+        from twophase.sinks.files import StagedFileParticipant
+
+        parts.append(StagedFileParticipant(path=args.files_path, format=args.files_format))
+    if args.kafka_bootstrap:
+        from twophase.sinks.kafka import KafkaParticipant
+
+        parts.append(KafkaParticipant(topic=args.kafka_topic or args.sink,
+                                      config={"bootstrap.servers": args.kafka_bootstrap}))
+    for text in args.participant:
+        d = descriptor(text)
+        parts.append(rebuild(d, None if secrets is None else secrets.get(d["name"])))
+    return parts
 
 
 def _print(args: argparse.Namespace, report: Any) -> None:

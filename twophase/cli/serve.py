@@ -45,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--store", required=True, metavar="URL",
-                   help="sqlite:///path.db (default kind) or postgresql://user@host:port/db")
+    p.add_argument("--store", default=os.environ.get("TWOPHASE_STORE"), metavar="URL",
+                   help="sqlite:///path.db or postgresql://user@host:port/db, created if "
+                   "missing (default: $TWOPHASE_STORE)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
     p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
@@ -61,11 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--alert-after", default="10m",
                    help="flag decided transactions not fully acknowledged after this long "
                    "(default 10m)")
-    p.add_argument("--store-wait", default="120s", metavar="DURATION",
+    p.add_argument("--store-wait", default=os.environ.get("TWOPHASE_STORE_WAIT", "120s"),
+                   metavar="DURATION",
                    help="at start, wait this long for an unreachable store (e.g. a database "
                    "container still starting), retrying with a log line; 0 = fail at once "
-                   "(default 120s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                   "(default: $TWOPHASE_STORE_WAIT, else 120s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the daemon's log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log every request (slower)")
     p.set_defaults(run=run)
 
@@ -78,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
 
+    if not args.store:
+        print("twophase serve: no store: pass --store URL or set TWOPHASE_STORE "
+              "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
+        return 2
     if not args.token and not args.insecure:
         print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN "
               "(or --insecure to run without authentication)", file=sys.stderr)

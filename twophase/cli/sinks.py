@@ -1,12 +1,13 @@
-"""``twophase sinks``: per sink, the last committed batch, in-doubt count and age, alerts."""
+"""twophase sinks: per sink, the last committed batch, in-doubt count and age, alerts."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
+
+from twophase.cli.common import add_coordinator_flags, require_store
 
 EPILOG = """\
 examples:
@@ -27,11 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--coordinator", "--store", dest="coordinator",
-                   default=os.environ.get("TWOPHASE_COORDINATOR"), metavar="URL",
-                   help="http(s)://host:port of a daemon, or a store URL "
-                   "(default: $TWOPHASE_COORDINATOR)")
-    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
+    add_coordinator_flags(p)
     p.add_argument("--json", action="store_true", help="JSON for scripts")
     p.set_defaults(run=run)
 
@@ -55,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        if not args.coordinator.startswith(("http://", "https://")):
+            require_store(args.coordinator, "sinks")
         sinks = fetch_sinks(args.coordinator, token=args.token)
     except (TwophaseError, ValueError) as exc:
         print(f"twophase sinks: {exc}", file=sys.stderr)

@@ -16,6 +16,8 @@ from typing import IO, Any
 from rich.console import Console
 from rich.table import Table
 
+from twophase.cli.common import add_coordinator_flags, require_store
+
 _STYLE = {
     "OPEN": "cyan", "PREPARING": "cyan", "COMMITTING": "yellow", "COMMITTED": "green",
     "ABORTING": "magenta", "ABORTED": "red",
@@ -76,8 +78,6 @@ still not acknowledged after --alert-after).
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    import os
-
     p = sub.add_parser(
         "txns",
         help="list transactions and their branches (table, or --json)",
@@ -85,14 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--coordinator", "--store", dest="coordinator",
-                   default=os.environ.get("TWOPHASE_COORDINATOR"), metavar="URL",
-                   help="http(s)://host:port of a daemon, or a store URL "
-                   "(default: $TWOPHASE_COORDINATOR)")
+    add_coordinator_flags(p)
     p.add_argument("--sink", help="only this sink")
     p.add_argument("--state", help="only this state (or ALERT)")
     p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
-    p.add_argument("--token", default=None, help="daemon token (default: $TWOPHASE_TOKEN)")
     p.add_argument("--json", action="store_true", help="JSON for scripts")
     p.set_defaults(run=run)
 
@@ -111,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        if not args.coordinator.startswith(("http://", "https://")):
+            require_store(args.coordinator, "txns")
         txns = fetch(args.coordinator, sink=args.sink, state=args.state, limit=args.limit,
                      token=args.token)
     except (TwophaseError, ValueError) as exc:
