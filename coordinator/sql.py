@@ -210,7 +210,7 @@ class Rows:
         self,
         conn: Connection,
         txn: p.Transaction,
-        evs: Sequence[tuple[p.Event | p.Begin, p.Transaction]],
+        evs: Sequence[tuple[p.Event | p.Begin, p.State]],
         now: float,
     ) -> None:
         """Append (event, state after it) pairs to the transaction's history."""
@@ -220,7 +220,7 @@ class Rows:
             hist.append({
                 "sink": txn.sink, "lineage": txn.lineage, "checkpoint": txn.batch_id,
                 "attempt": txn.attempt, "at": now, "kind": kind, "branch": branch,
-                "detail": json.dumps(detail), "state": after.state.value,
+                "detail": json.dumps(detail), "state": after.value,
             })
         if len(hist) == 1:
             run(conn, self.q.ins_event, hist[0])

@@ -139,7 +139,7 @@ class Store:
         conn: Connection,
         old: p.Transaction | None,
         new: p.Transaction,
-        evs: Sequence[tuple[p.Event | p.Begin, p.Transaction]],
+        evs: Sequence[tuple[p.Event | p.Begin, p.State]],
     ) -> None:
         now = self.clock()
         if old is None:
@@ -201,7 +201,7 @@ class Store:
                 ev: p.Event | p.Begin = req
                 if old is not None:
                     ev = p.Abandon(epoch=req.epoch, reason=t.reason or "abandoned", now=req.now)
-                self._persist(conn, old, t, [(ev, t)])
+                self._persist(conn, old, t, [(ev, t.state)])
                 changes.append((old, t))
             return res, changes
 
@@ -224,14 +224,8 @@ class Store:
             old = self.rows.load_txn(conn, key)
             if old is None:
                 raise TransactionNotFound.for_key(key)
-            new = old
-            applied: list[tuple[p.Event | p.Begin, p.Transaction]] = []
-            for ev in events:
-                nxt = p.handle(new, ev)
-                if nxt is not new:
-                    applied.append((ev, nxt))
-                    new = nxt
-            if new is old:
+            new, applied = p.handle_all(old, events)
+            if not applied:
                 return old, []
             self._persist(conn, old, new, applied)
             if new.state == p.State.COMMITTED:

@@ -125,7 +125,7 @@ def test_vote_table_first_task_attempt_wins() -> None:
     attempt contradicting itself is refused; a late first vote changes nothing."""
     first = p.handle(_new(), Vote(branch="pg/0", epoch=1, yes=True, now=101.0,
                                   handle={"gid": "a"}, task="3/7"))
-    assert first.branches["pg/0"].task == "3.0/7"
+    assert first.branches["pg/0"].task == "3/7"
     # another attempt's YES with another handle: the first YES and its handle stay
     dup = Vote(branch="pg/0", epoch=1, yes=True, now=101.0, handle={"gid": "b"}, task="3/9")
     assert p.vote_case(first, dup).outcome == p.VoteOutcome.UNCHANGED
@@ -547,3 +547,44 @@ def test_new_lineage_refused_while_an_old_lineage_batch_is_committing() -> None:
     rec = p.SinkRecord("orders", epoch=1, lineage="lin-a")
     with pytest.raises(p.ProtocolError, match="twophase resolve"):
         p.begin(rec, (), _begin(epoch=2, lineage="lin-b"), committing_elsewhere=(committing,))
+
+
+_EVENTS = st.one_of(
+    st.builds(lambda b, y, t, now: Vote(branch=b, epoch=1, yes=y, now=now,
+                                        handle={"h": b} if y else None, task=t),
+              st.sampled_from(["pg/0", "pg/1", "files/0", "files/1"]), st.booleans(),
+              st.sampled_from([None, "1/1", "1/2"]), st.sampled_from([101.0, 200.0])),
+    st.builds(lambda b, o: Ack(branch=b, epoch=1, outcome=o, now=102.0),
+              st.sampled_from(["pg/0", "pg/1", "files/0", "files/1"]),
+              st.sampled_from([Decision.COMMIT, Decision.ABORT])),
+    st.builds(lambda now: Expire(now=now), st.sampled_from([101.0, 200.0])),
+    st.just(Abandon(epoch=1, reason="gave up", now=103.0)),
+)
+
+
+@given(st.lists(_EVENTS, max_size=14))
+def test_handle_all_is_handle_one_by_one(events: list[p.Event]) -> None:
+    """The store applies a request's events with ``handle_all`` (the branches copied once,
+    O(1) per vote or ack); it must answer exactly as ``handle`` event by event: the same
+    record, the same version, the same states after each change, the same refusal."""
+    txn = _new()
+    want, states, refused = txn, [], None
+    for ev in events:
+        try:
+            nxt = p.handle(want, ev)
+        except p.ProtocolError as exc:
+            refused = type(exc)
+            break
+        if nxt is not want:
+            states.append((ev, nxt.state))
+        want = nxt
+    if refused is not None:
+        with pytest.raises(refused):
+            p.handle_all(txn, events)
+        return
+    got, changed = p.handle_all(txn, events)
+    assert changed == states
+    assert (got is txn) == (want is txn)
+    assert dict(got.branches) == dict(want.branches)
+    assert (got.state, got.version, got.reason, got.decided_at, got.finished_at) == (
+        want.state, want.version, want.reason, want.decided_at, want.finished_at)

@@ -43,6 +43,7 @@ from twophase.protocol.machine import (
     VoteCase,
     VoteOutcome,
     handle,
+    handle_all,
     kind_of,
     vote_case,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "branch_id",
     "committed",
     "handle",
+    "handle_all",
     "kind_of",
     "next_step",
     "parse_branch_id",

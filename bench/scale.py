@@ -1,0 +1,213 @@
+"""What a batch of P branches costs the coordinator, and a 200-partition stream on 4 slots.
+
+Two sections, side by side in one run (issue 30):
+
+1. **Coordinator per branch.** A daemon (``twophase serve`` as a user starts it: its own
+   process, SQLite store) and the driver's own calls for one batch of P branches: begin,
+   the votes sent in chunks (``twophase.decide``, as the sink sends its tasks' votes),
+   the acknowledgements in chunks (``twophase.commit.send_acks``). Per P (default 4, 64,
+   256, 1,024, 4,096): requests per batch, JSON bytes sent and received per batch, the
+   daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time.
+2. **200 partitions on 4 slots** (``local[4]``): the same stream (one Parquet file per
+   batch, ``repartition(200)`` in the query) written by at-least-once ``foreachBatch``
+   (A: ``batch.write.parquet``) and by ``TransactionalSink`` with one
+   ``StagedFileParticipant`` (B: 200 ordinary tasks, the driver commits), alternating
+   pairs; each batch's time is Spark's ``triggerExecution``; rows/s B/A per pair and the
+   median. Both outputs are read back: every id once.
+
+The last line: ``scale: per_branch_4096_vs_4=R finished_4096=yes|no ratio@200p=X``, where
+R is the daemon's CPU per branch at 4,096 branches over that at 4 (issue 30's goal: within
+2x, and P = 4,096 finishes; B/A >= 0.9).
+
+Reproduce (from the repository root, in the README's venv, on an idle machine)::
+
+    .venv/bin/python bench/scale.py
+    .venv/bin/python bench/scale.py --sizes 4,64 --rounds 2 --pairs 1 --rows 2000  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from twophase import wire  # noqa: E402
+from twophase.client import CoordinatorClient  # noqa: E402
+from twophase.commit import ACK_CHUNK, send_acks  # noqa: E402
+from twophase.decide import VOTE_CHUNK, decide  # noqa: E402
+from twophase.protocol import Decision  # noqa: E402
+from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
+from twophase.testing.servers import LocalDaemon  # noqa: E402
+from twophase.wire import VoteIn  # noqa: E402
+
+TOKEN = "bench-scale-token"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_batch(client: CoordinatorClient, sink: str, epoch: int, batch: int, p: int
+              ) -> tuple[int, int, str]:
+    """One batch of ``p`` branches as the sink runs it; (requests, JSON bytes, state)."""
+    handle = {"kind": "files", "participant": "files", "file": "x" * 40, "rows": "1000"}
+    begun = client.begin(sink, "lineage-1", batch, epoch, ["files"], p, 300.0)
+    txn = begun.txn
+    assert txn is not None
+    votes = [VoteIn(branch=f"files/{i}", yes=True, handle=handle, digest="v2:" + "0" * 32,
+                    task=f"7/{i}") for i in range(p)]
+    decided = decide(client, txn, epoch, votes, "")
+    done = send_acks(client, txn.key, epoch, [(b, Decision.COMMIT) for b in decided.branches])
+    assert done is not None
+    chunks = -(-p // VOTE_CHUNK) + -(-p // ACK_CHUNK)
+    sent = len(json.dumps(wire.votes_body(epoch, votes))) + 80 * p  # votes + ack bodies
+    answer = len(json.dumps(wire.encode_txn(done)))
+    return 1 + chunks, sent + answer * (1 + chunks), done.state.value
+
+
+def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, float]:
+    daemon = LocalDaemon(f"sqlite:///{work / 'scale.db'}", TOKEN, work / "daemon.log")
+    daemon.start()
+    client = CoordinatorClient(daemon.url, TOKEN)
+    per_branch: dict[int, float] = {}
+    try:
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        for p in sizes:
+            sink = f"scale{p}"
+            epoch = client.register(sink)
+            cpu, wall, reqs, nbytes = [], [], 0, 0
+            for r in range(rounds):
+                c0, t0 = cpu_seconds(pid), time.perf_counter()
+                n, b, state = one_batch(client, sink, epoch, r, p)
+                wall.append(time.perf_counter() - t0)
+                cpu.append(cpu_seconds(pid) - c0)
+                reqs, nbytes = n, b
+                if state != "COMMITTED":
+                    raise SystemExit(f"P={p}: batch ended {state}")
+            ms = 1000 * statistics.median(cpu)
+            per_branch[p] = ms / p
+            print(f"  P={p:5d}: {reqs} requests/batch, {nbytes / 1024:8.1f} KiB JSON/batch, "
+                  f"daemon CPU {ms:8.1f} ms/batch = {1000 * per_branch[p]:7.1f} us/branch, "
+                  f"wall {1000 * statistics.median(wall):8.1f} ms", flush=True)
+    finally:
+        client.close()
+        daemon.stop()
+    return per_branch
+
+
+def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
+              ) -> list[tuple[int, float]]:
+    """One query; (rows, seconds) per batch from Spark's progress, warm-up first."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from twophase import TransactionalSink
+    from twophase.sinks.files import StagedFileParticipant
+
+    tag = uuid.uuid4().hex[:10]
+    out, ckpt = work / f"out-{tag}", work / f"ck-{tag}"
+    out.mkdir()
+    stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
+              .parquet(str(input_dir)).repartition(parts))
+    sink: TransactionalSink | None = None
+    if variant == "A":
+        def at_least_once(batch: Any, batch_id: int) -> None:
+            batch.write.mode("append").parquet(str(out))
+        writer = stream.writeStream.foreachBatch(at_least_once)
+    else:
+        sink = TransactionalSink(f"sc{tag}", [StagedFileParticipant(str(out), "parquet")],
+                                 coordinator=f"sqlite:///{work / f'coord-{tag}.db'}")
+        writer = stream.writeStream.foreachBatch(sink)
+    try:
+        q = (writer.option("checkpointLocation", str(ckpt)).trigger(availableNow=True)
+             .start())
+        q.awaitTermination()
+        batches = [(int(p["numInputRows"]), p["durationMs"]["triggerExecution"] / 1000)
+                   for p in q.recentProgress if p["numInputRows"]]
+        ids = ds.dataset(str(out), format="parquet").to_table(columns=["id"]).column("id")
+        expected = sum(n for n, _ in batches)
+        if len(ids) != expected or pc.count_distinct(ids).as_py() != expected:
+            raise SystemExit(f"{variant}: {len(ids)} rows for {expected} read")
+        if sink is not None and any(r.partitions != parts for r in sink.history):
+            raise SystemExit(f"B wrote {[r.partitions for r in sink.history]} partitions")
+        return batches
+    finally:
+        if sink is not None:
+            sink.close()
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def stream_section(work: Path, pairs: int, batches: int, rows: int, parts: int) -> float:
+    spark = spark_session({"spark.master": "local[4]"})
+    try:
+        warm = work / "in-warm"
+        write_input(warm, batches=2, rows_per_batch=1000)
+        for v in ("A", "B"):
+            run_query(spark, work, warm, v, parts)
+        input_dir = work / "in"
+        write_input(input_dir, batches=batches + 1, rows_per_batch=rows)
+        ratios = []
+        for i in range(pairs):
+            rates = {}
+            for v in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                measured = run_query(spark, work, input_dir, v, parts)[1:]
+                rates[v] = sum(n for n, _ in measured) / sum(s for _, s in measured)
+            ratios.append(rates["B"] / rates["A"])
+            print(f"  {parts} partitions pair {i + 1}: A {rates['A']:,.0f} rows/s, "
+                  f"B {rates['B']:,.0f} rows/s, B/A {ratios[-1]:.2f}", flush=True)
+        return statistics.median(ratios)
+    finally:
+        spark.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4,64,256,1024,4096",
+                    help="branches per batch, comma-separated (default 4,64,256,1024,4096)")
+    ap.add_argument("--rounds", type=int, default=5, help="batches per size (median)")
+    ap.add_argument("--pairs", type=int, default=3, help="A,B pairs of the stream section")
+    ap.add_argument("--batches", type=int, default=3, help="measured batches per run")
+    ap.add_argument("--rows", type=int, default=100_000, help="rows per batch of the stream")
+    ap.add_argument("--partitions", type=int, default=200, help="partitions per batch")
+    ap.add_argument("--no-stream", action="store_true", help="the coordinator section only")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    work = Path(tempfile.mkdtemp(prefix="twophase-scale-"))
+    print(f"scale: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; coordinator: "
+          f"daemon on SQLite, {args.rounds} batches per size", flush=True)
+    try:
+        per_branch = coordinator_section(sizes, args.rounds, work)
+        ratio = float("nan")
+        if not args.no_stream:
+            print(f"stream: local[4], {args.rows:,} rows per batch in {args.partitions} "
+                  f"partitions, {args.pairs} pairs", flush=True)
+            ratio = stream_section(work, args.pairs, args.batches, args.rows,
+                                   args.partitions)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lo, hi = min(sizes), max(sizes)
+    print(f"scale: load {os.getloadavg()[0]:.1f}; per_branch_{hi}_vs_{lo}="
+          f"{per_branch[hi] / per_branch[lo]:.2f} finished_{hi}="
+          f"{'yes' if hi in per_branch else 'no'} ratio@{args.partitions}p={ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
