@@ -220,3 +220,30 @@ def test_parse_duration() -> None:
     assert parse_duration("90") == 90
     with pytest.raises(ValueError, match="cannot read duration"):
         parse_duration("soon")
+
+
+def test_retention_keeps_up_with_a_fast_sink(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full purge is followed by another at the next round, not a minute later: with
+    10 a round (1,000 in the daemon), 25 finished transactions are gone after three rounds
+    one second apart, although purge_every is 60 s."""
+    from twophase.coordinator import background
+
+    monkeypatch.setattr(background, "PURGE_BATCH", 10)
+    PURGE_BATCH = background.PURGE_BATCH
+    sink = new_sink()
+    epoch = store.register(sink).epoch
+    now = time.time()
+    n = 2 * PURGE_BATCH + PURGE_BATCH // 2
+    for batch in range(n):
+        txn = _begin(store, sink, batch, epoch).txn
+        assert txn is not None
+        events: list[p.Event] = [p.Vote(b, epoch, True, now) for b in txn.branches]
+        events += [p.Ack(b, epoch, p.Decision.COMMIT, now) for b in txn.branches]
+        store.apply(txn.key, events)
+    bg = Background(store, Settings(retention=10.0, purge_every=60.0))
+    later = now + 100
+    assert [bg.tick(later + i)["purged"] for i in range(4)] == [
+        PURGE_BATCH, PURGE_BATCH, PURGE_BATCH // 2, 0]
+    assert store.list(sink=sink) == []
