@@ -291,3 +291,39 @@ def test_update_mode_aggregation_into_postgres_files_and_kafka(
         assert int(headers["twophase.batch"]) in (0, 1, 2)
         latest[value["customer"]] = value["count"]
     assert latest == want
+
+
+@pytest.mark.parametrize("mode", ["async_progress", "real_time"])
+def test_unsafe_stream_modes_are_refused_before_any_write(
+    spark: Any, tmp_path: Path, mode: str
+) -> None:
+    """A replayed batch must cover the offsets it covered before: asynchronous progress
+    tracking and real-time mode break that. Spark refuses both for a foreachBatch sink at
+    start, naming why, and the sink writes nothing (its coordinator never starts).
+    Should a Spark version let them through, docs/decisions.md says what the sink does."""
+    from twophase import TransactionalSink
+    from twophase.sinks.files import StagedFileParticipant
+
+    out, store = tmp_path / "out", tmp_path / "coord.db"
+    sink = TransactionalSink("unsafe", [StagedFileParticipant(str(out))],
+                             f"sqlite:///{store}")
+    writer = (spark.readStream.format("rate").option("rowsPerSecond", 5).load()
+              .writeStream.foreachBatch(sink)
+              .option("checkpointLocation", str(tmp_path / "ckpt")))
+    if mode == "async_progress":
+        writer = writer.option("asyncProgressTrackingEnabled", "true").trigger(
+            processingTime="1 second")
+        why = "does not support async progress tracking"
+    else:
+        writer = writer.outputMode("update").trigger(realTime="5 seconds")
+        why = "real-time mode"
+    with pytest.raises(Exception, match=why) as refused:
+        q = writer.start()
+        try:
+            q.awaitTermination(10)
+        finally:
+            q.stop()
+    assert "ForeachBatchSink" in str(refused.value)
+    sink.close()
+    assert not store.exists()
+    assert not out.exists() or not any(out.rglob("*"))
