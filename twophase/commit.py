@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 
 from twophase import failpoints
 from twophase.participant import BranchRef, Handle, Participant, is_empty_branch
-from twophase.protocol import CommitScope, Decision, TxnKey, parse_branch_id
+from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse_branch_id
 
 if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
@@ -100,6 +100,30 @@ class Committer:
             after, batch_error = commit_batches(client, epoch, self.participants, after)
             error = error or batch_error
         return after, error
+
+    def sweep(self, txn: Transaction) -> int:
+        """Before the query fails on ``txn``'s batch (no attempt left), abort what any of
+        its ABORT-decided attempts left prepared that no vote recorded (a task that failed
+        after preparing), found by name: nothing is left holding locks. Returns how many
+        branches were aborted."""
+        lane = self._lanes[0]
+        swept = 0
+        for attempt in range(1, txn.attempt + 1):
+            for part in self.participants:
+                mine = lane.get(part.name)
+                if mine is None:
+                    mine = lane[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+                for partition in range(txn.partitions):
+                    ref = BranchRef(txn.sink, txn.lineage, txn.batch_id, attempt,
+                                    part.name, partition)
+                    try:
+                        if mine.status(ref) == BranchStatus.PREPARED:
+                            mine.abort(ref, None)
+                            swept += 1
+                    except Exception as exc:  # the failure being raised says the rest
+                        log.warning("sink %s batch %d: %s partition %d left as it is: %s",
+                                    txn.sink, txn.batch_id, part.describe(), partition, exc)
+        return swept
 
     def close(self) -> None:
         """Close every lane's participant copies and the threads."""

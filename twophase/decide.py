@@ -48,6 +48,9 @@ def decide(
     """Send ``votes`` for ``txn`` in chunks; abandon the attempt if it is still undecided
     (``job_error`` says why). Returns the record with its decision."""
     after = txn
+    # every YES first: a NO then decides ABORT with each prepared branch on record, so
+    # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
+    votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
         after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK])
     if not votes:

@@ -47,6 +47,7 @@ from twophase.participant import (
 )
 from twophase.protocol import (
     BeginKind,
+    Decision,
     StepKind,
     TxnKey,
     next_step,
@@ -506,6 +507,8 @@ class TransactionalSink:
                 self._report(report, started)
                 return
             if step.kind == StepKind.GIVE_UP:
+                if final.decision == Decision.ABORT and not self.gang:
+                    self._committer.sweep(final)  # nothing left prepared behind the error
                 raise BatchFailed(step.reason)
             if step.delay > 0:  # FINISH or RETRY: begin again
                 time.sleep(step.delay)

@@ -327,3 +327,26 @@ def test_unsafe_stream_modes_are_refused_before_any_write(
     sink.close()
     assert not store.exists()
     assert not out.exists() or not any(out.rglob("*"))
+
+
+def test_a_task_failing_after_its_prepare_leaves_nothing_prepared_when_the_query_fails(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """Partition 1's task prepares its PostgreSQL branch, then fails (a failpoint raises):
+    the job fails, so its votes never reach the coordinator and the attempt aborts; with
+    no attempt left the query fails naming the cause, and the driver first aborts what
+    the failed task left prepared (found by name): no prepared transaction holds locks."""
+    from twophase.testing.job import build_participants
+
+    cfg = _job(tmp_path, pg_dsn, max_attempts=1)
+    write_input(cfg.input_dir, batches=1, rows_per_batch=20)
+    pg = build_participants(cfg)[0].name
+    done = _run_process(cfg, tmp_path, f"after_prepare@{pg}/1=raise")
+    assert done.returncode != 0
+    assert "FailpointHit" in done.stderr and "after_prepare" in done.stderr, done.stderr[-3000:]
+    assert _prepared(pg_dsn, cfg.sink) == []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regclass(%s)", (cfg.pg_table,)).fetchone()
+        rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(cfg.pg_table))).fetchone() if found and found[0] else (0,)
+    assert rows == (0,)
