@@ -73,6 +73,11 @@ def test_victim_points_cover_every_point() -> None:
     covered = {p for v in VICTIMS for mode in ("embedded", "daemon")
                for p in points_for(v, mode, tables=True)}
     assert covered == set(failpoints.POINTS)
+    # without an in-task participant the tasks only prepare; the driver commits
+    assert points_for("worker", "embedded", in_task=False) == ("before_prepare",
+                                                              "after_prepare")
+    assert {"before_commit", "after_commit"} <= set(
+        points_for("driver", "embedded", in_task=False))
     assert not set(TABLE_POINTS) & set(points_for("driver", "embedded"))  # tables only
     assert points_for("coordinator", "embedded") == ()
     with pytest.raises(ValueError, match="unknown victim"):

@@ -73,8 +73,12 @@ WORKER_POINTS = (
     "before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit",
     "before_ack",
 )
-# Task-side points hit once per branch (participant and partition known); the others are
-# hit once per task (partition only) or outside tasks.
+PREPARE_POINTS = ("before_prepare", "after_prepare")
+"""The task's points when no participant is in-task: tasks prepare, the driver commits."""
+DRIVER_COMMIT_POINTS = ("before_commit", "after_commit")
+"""Where the driver applies a decision to each branch (no in-task participant)."""
+# Points hit once per branch (participant and partition known); the others are hit once
+# per task (partition only) or outside tasks.
 PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit"})
 
 
@@ -82,15 +86,20 @@ class ChaosError(TwophaseError, RuntimeError):
     """The chaos run itself could not go on (bad options, a job that never finishes)."""
 
 
-def points_for(victim: str, mode: str, tables: bool = False) -> tuple[str, ...]:
+def points_for(
+    victim: str, mode: str, tables: bool = False, in_task: bool = True
+) -> tuple[str, ...]:
     """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode
-    (``tables``: the job writes a participant that commits once per batch)."""
+    (``tables``: the job writes a participant that commits once per batch; ``in_task``:
+    it writes an in-task participant (Kafka), so its tasks vote, wait, commit and
+    acknowledge; without one the tasks only prepare and the driver commits)."""
     if victim == "driver":
         # The embedded coordinator lives in the driver: its points kill the driver.
         return (DRIVER_POINTS + (TABLE_POINTS if tables else ())
+                + (() if in_task else DRIVER_COMMIT_POINTS)
                 + (COORDINATOR_POINTS if mode == "embedded" else ()))
     if victim == "worker":
-        return WORKER_POINTS
+        return WORKER_POINTS if in_task else PREPARE_POINTS
     if victim == "coordinator":
         return COORDINATOR_POINTS if mode == "daemon" else ()
     if victim == "broker":
@@ -331,6 +340,7 @@ class _Chaos:
                 "(docs/writing-a-participant.md) so the verifier can read its output")
         self.participant_names = [p.name for p in built]
         self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
+        self.in_task = any(not p.durable_prepare for p in built)
         self.batch_seconds: list[float] = [3.0]
         self.broker_down: list[float] = []
 
@@ -416,7 +426,7 @@ class _Chaos:
         return self.rng.choice(self.o.victims)
 
     def _choose_failpoint(self, victim: str) -> str | None:
-        points = points_for(victim, self.o.coordinator_mode, self.tables)
+        points = points_for(victim, self.o.coordinator_mode, self.tables, self.in_task)
         if not points:
             return None
         point = self.rng.choice(points)
