@@ -1,0 +1,201 @@
+"""Spark's own connectors read the tables twophase writes (issue 32).
+
+A streaming query writes a Delta table and an Iceberg table through one
+TransactionalSink (2 partitions, 4 micro-batches, partitioned by ``region``, a column
+``note`` added from batch 2 on: ``on_schema_change="add_columns"``). Then ONE Spark
+process of its own, with Spark's Delta connector (``delta-spark``) and Iceberg's Spark
+runtime from Maven Central (tests/support/spark_connectors.py: a Spark those are built
+for), reads both, and what it reads is compared with the rows the input holds and with
+delta-rs, pyiceberg and DuckDB:
+
+- the same rows, in the evolved schema (nulls for ``note`` before the change);
+- Delta: one version per batch (time travel to each); ``DESCRIBE DETAIL``; partition
+  pruning (the scan's PartitionFilters and files read) and data skipping on the add
+  actions' statistics (a filter on ``id`` reads only the files whose range holds it);
+  the app transaction: Spark's writer with ``txnAppId`` = the sink's app id skips a
+  ``txnVersion`` twophase committed and applies the next (delta-rs then sees it too);
+- Iceberg, through a JDBC catalog over pyiceberg's SQLite catalog: one snapshot per
+  batch with the summary naming sink, lineage and batch, each snapshot read by time
+  travel, partition and statistics pruning as pyiceberg plans it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from tests.sinks.iceberg.iceberg_support import local_catalog
+from tests.support.spark_connectors import spark_read
+from twophase.sinks.delta import DeltaParticipant, app_id
+from twophase.sinks.iceberg import IcebergParticipant
+from twophase.testing.job import write_input
+
+pytestmark = pytest.mark.spark
+
+SINK, BATCHES, ROWS, CHANGE_AT = "sparkreads", 4, 30, 2
+COLUMNS = [["id", "bigint"], ["customer", "string"], ["amount", "double"],
+           ["ts", "timestamp"], ["region", "string"], ["note", "string"]]
+PROBE_ID = 41  # batch 1, region r2
+
+
+def _expected() -> list[list[Any]]:
+    """What the input holds (twophase.testing.job.write_input), as each batch was sent."""
+    base = dt.datetime(2026, 1, 1)
+    return [[i, f"customer-{i % 97}", (i % 10_000) / 100,
+             (base + dt.timedelta(seconds=i)).strftime("%Y-%m-%d %H:%M:%S.%f"), f"r{i % 3}",
+             f"b{i // ROWS}" if i // ROWS >= CHANGE_AT else None]
+            for i in range(BATCHES * ROWS)]
+
+
+def _plain(records: list[dict[str, Any]]) -> list[list[Any]]:
+    out = []
+    for r in sorted(records, key=lambda r: int(r["id"])):
+        row = [r.get(c) for c, _ in COLUMNS]
+        row[3] = row[3].astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+        out.append(row)
+    return out
+
+
+def _duckdb_ids(paths: list[str]) -> list[int]:
+    return sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [paths]).fetchall())
+
+
+def _write(spark: Any, tmp_path: Path, delta: DeltaParticipant,
+           ice: IcebergParticipant) -> None:
+    from pyspark.sql import functions as F
+
+    from twophase import TransactionalSink
+
+    write_input(tmp_path / "in", batches=BATCHES, rows_per_batch=ROWS)
+    sink = TransactionalSink(SINK, [delta, ice], f"sqlite:///{tmp_path / 'coord.db'}",
+                             partitions=2)
+
+    def each(df: Any, batch_id: int) -> None:
+        out = df.select("id", "customer", F.col("amount").cast("double").alias("amount"),
+                        "ts", F.concat(F.lit("r"), (F.col("id") % 3).cast("string"))
+                        .alias("region"))
+        if batch_id >= CHANGE_AT:
+            out = out.withColumn("note", F.lit(f"b{batch_id}"))
+        sink(out, batch_id)
+
+    q = (spark.readStream.schema("id long, customer string, amount decimal(12,2), ts timestamp")
+         .option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
+         .writeStream.foreachBatch(each).option("checkpointLocation", str(tmp_path / "ckpt"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination(300)
+    sink.close()
+    assert q.exception() is None
+    assert [r.outcome for r in sink.history] == ["committed"] * BATCHES
+
+
+def test_spark_reads_the_delta_and_iceberg_tables_twophase_wrote(spark: Any,
+                                                                 tmp_path: Path) -> None:
+    from deltalake import DeltaTable
+
+    delta_path = str(tmp_path / "lake" / "orders")
+    catalog = {**local_catalog(tmp_path / "ice"), "name": "lake"}
+    delta = DeltaParticipant(delta_path, name="dl", partition_by=["region"],
+                             on_schema_change="add_columns")
+    ice = IcebergParticipant("shop.orders", catalog, name="ice", partition_by=["region"],
+                             on_schema_change="add_columns")
+    _write(spark, tmp_path, delta, ice)
+    want = _expected()
+
+    # what delta-rs, pyiceberg and DuckDB read, before Spark
+    dt_ = DeltaTable(delta_path)
+    [lineage] = {i["twophase.lineage"] for i in dt_.history() if i.get("twophase.sink") == SINK}
+    adds = pa.table(dt_.get_add_actions(flatten=True)).to_pylist()
+    assert _plain(dt_.to_pyarrow_table().to_pylist()) == want
+    assert _duckdb_ids(dt_.file_uris()) == [r[0] for r in want]
+    tbl = _ice_table(catalog)
+    files = list(tbl.scan().plan_files())
+    assert _plain(tbl.scan().to_arrow().to_pylist()) == want
+    assert _duckdb_ids([t.file.file_path.removeprefix("file://") for t in files]) == \
+        [r[0] for r in want]
+
+    row = {"customer": "spark", "amount": 1.5, "ts": "2026-02-01 00:00:00", "region": "r0",
+           "note": "spark"}
+    read = spark_read({
+        "delta": {"path": delta_path, "partition_column": "region", "partition_value": "r1",
+                  "probe_id": PROBE_ID, "app_id": app_id(SINK, lineage),
+                  "committed_batch": BATCHES - 1, "replay_id": 100_000, "new_id": 200_000,
+                  "row": row},
+        "iceberg": {"catalog": "lake", "table": "shop.orders",
+                    "uri": f"jdbc:sqlite:{tmp_path / 'ice' / 'catalog.db'}",
+                    "warehouse": catalog["warehouse"], "partition_column": "region",
+                    "partition_value": "r1", "probe_id": PROBE_ID},
+    }, tmp_path / "spark-reader.log")
+
+    print("spark reader seconds:", read["seconds"])
+    _check_delta(read["delta"], want, adds, delta_path, app_id(SINK, lineage))
+    _check_iceberg(read["iceberg"], want, _ice_table(catalog), lineage)
+
+
+def _check_delta(got: dict[str, Any], want: list[list[Any]], adds: list[dict[str, Any]],
+                 path: str, app: str) -> None:
+    from deltalake import DeltaTable
+
+    assert got["columns"] == COLUMNS
+    assert got["rows"] == want
+    assert got["detail"] == {"numFiles": len(adds), "partitionColumns": ["region"],
+                             "minReaderVersion": got["detail"]["minReaderVersion"],
+                             "minWriterVersion": got["detail"]["minWriterVersion"]}
+    # the create, batches 0 and 1, the column added (its own version, no rows), 2 and 3
+    assert got["versions"] == list(range(BATCHES + 2))
+    assert got["counts_by_version"] == [0, ROWS, 2 * ROWS, 2 * ROWS, 3 * ROWS, 4 * ROWS]
+    # partition pruning: the region filter is a partition filter; only its files are read
+    in_region = [a for a in adds if a["partition.region"] == "r1"]
+    part = got["partition_scan"]
+    assert "PartitionFilters: [isnotnull(region" in part["plan"], part["plan"]
+    assert part["metrics"]["numFiles"] == len(in_region) < len(adds), part["metrics"]
+    # data skipping on the statistics twophase wrote: only files whose id range holds it
+    holding = [a for a in adds if a["min.id"] <= PROBE_ID <= a["max.id"]]
+    probe = got["id_scan"]
+    assert probe["metrics"]["numFiles"] == len(holding) < len(adds), probe["metrics"]
+    # Spark's idempotent writer sees twophase's app transaction
+    n, last = BATCHES * ROWS, got["versions"][-1]
+    skipped, applied = got["txn_writes"]
+    assert skipped == {"txn_version": BATCHES - 1, "rows": n, "ids": [],
+                       "version": last}, skipped  # no new version
+    assert applied == {"txn_version": BATCHES, "rows": n + 3,
+                       "ids": [200_000, 200_001, 200_002], "version": last + 1}, applied
+    after = DeltaTable(path)  # and delta-rs sees Spark's
+    assert after.transaction_version(app) == BATCHES
+    assert _duckdb_ids(after.file_uris()) == [r[0] for r in want] + [200_000, 200_001, 200_002]
+
+
+def _ice_table(catalog: dict[str, str]) -> Any:
+    from pyiceberg.catalog import load_catalog
+
+    props = dict(catalog)
+    return load_catalog(props.pop("name"), **props).load_table("shop.orders")
+
+
+def _check_iceberg(got: dict[str, Any], want: list[list[Any]], tbl: Any,
+                   lineage: str) -> None:
+    assert got["columns"] == COLUMNS
+    assert [f.name for f in tbl.schema().fields] == [c for c, _ in COLUMNS]
+    assert got["rows"] == want
+    snaps = got["snapshots"]
+    assert [s["id"] for s in snaps] == [s.snapshot_id for s in tbl.metadata.snapshots]
+    assert [s["parent"] for s in snaps[1:]] == [s["id"] for s in snaps[:-1]]
+    assert [s["operation"] for s in snaps] == ["append"] * BATCHES
+    assert [{k: s["summary"].get(k) for k in ("twophase.sink", "twophase.lineage",
+                                              "twophase.batch", "twophase.participant")}
+            for s in snaps] == [{"twophase.sink": SINK, "twophase.lineage": lineage,
+                                 "twophase.batch": str(b), "twophase.participant": "ice"}
+                                for b in range(BATCHES)]
+    assert got["counts_by_snapshot"] == [(b + 1) * ROWS for b in range(BATCHES)]
+    total = len(list(tbl.scan().plan_files()))
+    assert got["data_files"] == total
+    in_region = len(list(tbl.scan(row_filter="region == 'r1'").plan_files()))
+    holding = len(list(tbl.scan(row_filter=f"id == {PROBE_ID}").plan_files()))
+    assert got["partition_scan"]["metrics"]["resultDataFiles"] == in_region < total, got[
+        "partition_scan"]
+    assert got["id_scan"]["metrics"]["resultDataFiles"] == holding < total, got["id_scan"]
