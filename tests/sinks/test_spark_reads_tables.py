@@ -22,6 +22,7 @@ delta-rs, pyiceberg and DuckDB:
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,30 @@ def _write(spark: Any, tmp_path: Path, delta: DeltaParticipant,
     assert [r.outcome for r in sink.history] == ["committed"] * BATCHES
 
 
-def test_spark_reads_the_delta_and_iceberg_tables_twophase_wrote(spark: Any,
-                                                                 tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Read:
+    """The tables as twophase left them (delta-rs's add actions, pyiceberg's table) and
+    what the one Spark process read of them."""
+
+    delta_path: str
+    app: str  # the sink's Delta app id
+    adds: list[dict[str, Any]]
+    lineage: str
+    catalog: dict[str, str]
+    spark: dict[str, Any]
+
+    def ice(self) -> Any:
+        from pyiceberg.catalog import load_catalog
+
+        props = dict(self.catalog)
+        return load_catalog(props.pop("name"), **props).load_table("shop.orders")
+
+
+@pytest.fixture(scope="module")
+def read(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Read:
     from deltalake import DeltaTable
 
+    tmp_path = tmp_path_factory.mktemp("spark-reads")
     delta_path = str(tmp_path / "lake" / "orders")
     catalog = {**local_catalog(tmp_path / "ice"), "name": "lake"}
     delta = DeltaParticipant(delta_path, name="dl", partition_by=["region"],
@@ -105,23 +126,12 @@ def test_spark_reads_the_delta_and_iceberg_tables_twophase_wrote(spark: Any,
     ice = IcebergParticipant("shop.orders", catalog, name="ice", partition_by=["region"],
                              on_schema_change="add_columns")
     _write(spark, tmp_path, delta, ice)
-    want = _expected()
-
-    # what delta-rs, pyiceberg and DuckDB read, before Spark
     dt_ = DeltaTable(delta_path)
     [lineage] = {i["twophase.lineage"] for i in dt_.history() if i.get("twophase.sink") == SINK}
     adds = pa.table(dt_.get_add_actions(flatten=True)).to_pylist()
-    assert _plain(dt_.to_pyarrow_table().to_pylist()) == want
-    assert _duckdb_ids(dt_.file_uris()) == [r[0] for r in want]
-    tbl = _ice_table(catalog)
-    files = list(tbl.scan().plan_files())
-    assert _plain(tbl.scan().to_arrow().to_pylist()) == want
-    assert _duckdb_ids([t.file.file_path.removeprefix("file://") for t in files]) == \
-        [r[0] for r in want]
-
     row = {"customer": "spark", "amount": 1.5, "ts": "2026-02-01 00:00:00", "region": "r0",
            "note": "spark"}
-    read = spark_read({
+    got = spark_read({
         "delta": {"path": delta_path, "partition_column": "region", "partition_value": "r1",
                   "probe_id": PROBE_ID, "app_id": app_id(SINK, lineage),
                   "committed_batch": BATCHES - 1, "replay_id": 100_000, "new_id": 200_000,
@@ -131,71 +141,92 @@ def test_spark_reads_the_delta_and_iceberg_tables_twophase_wrote(spark: Any,
                     "warehouse": catalog["warehouse"], "partition_column": "region",
                     "partition_value": "r1", "probe_id": PROBE_ID},
     }, tmp_path / "spark-reader.log")
-
-    print("spark reader seconds:", read["seconds"])
-    _check_delta(read["delta"], want, adds, delta_path, app_id(SINK, lineage))
-    _check_iceberg(read["iceberg"], want, _ice_table(catalog), lineage)
+    return Read(delta_path, app_id(SINK, lineage), adds, lineage, catalog, got)
 
 
-def _check_delta(got: dict[str, Any], want: list[list[Any]], adds: list[dict[str, Any]],
-                 path: str, app: str) -> None:
+def _delta_rs_rows(path: str, version: int) -> list[list[Any]]:
     from deltalake import DeltaTable
 
+    return _plain(DeltaTable(path, version=version).to_pyarrow_table().to_pylist())
+
+
+def test_delta_rows_versions_and_schema_as_delta_rs_and_duckdb(read: Read) -> None:
+    got, want = read.spark["delta"], _expected()
+    last = got["versions"][-1]  # before Spark's own writes below
+    assert _delta_rs_rows(read.delta_path, last) == want
     assert got["columns"] == COLUMNS
     assert got["rows"] == want
-    assert got["detail"] == {"numFiles": len(adds), "partitionColumns": ["region"],
-                             "minReaderVersion": got["detail"]["minReaderVersion"],
-                             "minWriterVersion": got["detail"]["minWriterVersion"]}
+    assert _duckdb_ids([f"{read.delta_path}/{a['path']}" for a in read.adds]) == \
+        [r[0] for r in want]
+    assert got["detail"] == {"numFiles": len(read.adds), "partitionColumns": ["region"],
+                             "minReaderVersion": 1, "minWriterVersion": 2}
     # the create, batches 0 and 1, the column added (its own version, no rows), 2 and 3
     assert got["versions"] == list(range(BATCHES + 2))
     assert got["counts_by_version"] == [0, ROWS, 2 * ROWS, 2 * ROWS, 3 * ROWS, 4 * ROWS]
+
+
+def test_delta_partition_pruning_and_statistics_used_by_spark(read: Read) -> None:
+    got, adds = read.spark["delta"], read.adds
     # partition pruning: the region filter is a partition filter; only its files are read
     in_region = [a for a in adds if a["partition.region"] == "r1"]
     part = got["partition_scan"]
     assert "PartitionFilters: [isnotnull(region" in part["plan"], part["plan"]
     assert part["metrics"]["numFiles"] == len(in_region) < len(adds), part["metrics"]
-    # data skipping on the statistics twophase wrote: only files whose id range holds it
-    holding = [a for a in adds if a["min.id"] <= PROBE_ID <= a["max.id"]]
+    # data skipping on the statistics twophase wrote: only files whose id range holds
+    # it (a file without statistics must be read)
+    holding = [a for a in adds if a.get("min.id") is None
+               or a["min.id"] <= PROBE_ID <= a["max.id"]]
     probe = got["id_scan"]
     assert probe["metrics"]["numFiles"] == len(holding) < len(adds), probe["metrics"]
-    # Spark's idempotent writer sees twophase's app transaction
+
+
+def test_delta_app_transaction_seen_by_sparks_idempotent_writer(read: Read) -> None:
+    from deltalake import DeltaTable
+
+    got = read.spark["delta"]
     n, last = BATCHES * ROWS, got["versions"][-1]
     skipped, applied = got["txn_writes"]
     assert skipped == {"txn_version": BATCHES - 1, "rows": n, "ids": [],
                        "version": last}, skipped  # no new version
     assert applied == {"txn_version": BATCHES, "rows": n + 3,
                        "ids": [200_000, 200_001, 200_002], "version": last + 1}, applied
-    after = DeltaTable(path)  # and delta-rs sees Spark's
-    assert after.transaction_version(app) == BATCHES
-    assert _duckdb_ids(after.file_uris()) == [r[0] for r in want] + [200_000, 200_001, 200_002]
+    after = DeltaTable(read.delta_path)  # and delta-rs and DuckDB see Spark's commit
+    assert after.transaction_version(read.app) == BATCHES
+    assert _duckdb_ids(after.file_uris()) == \
+        [r[0] for r in _expected()] + [200_000, 200_001, 200_002]
 
 
-def _ice_table(catalog: dict[str, str]) -> Any:
-    from pyiceberg.catalog import load_catalog
-
-    props = dict(catalog)
-    return load_catalog(props.pop("name"), **props).load_table("shop.orders")
-
-
-def _check_iceberg(got: dict[str, Any], want: list[list[Any]], tbl: Any,
-                   lineage: str) -> None:
-    assert got["columns"] == COLUMNS
+def test_iceberg_rows_and_evolved_schema_as_pyiceberg_and_duckdb(read: Read) -> None:
+    got, want, tbl = read.spark["iceberg"], _expected(), read.ice()
+    assert _plain(tbl.scan().to_arrow().to_pylist()) == want
+    files = [t.file.file_path.removeprefix("file://") for t in tbl.scan().plan_files()]
+    assert _duckdb_ids(files) == [r[0] for r in want]
     assert [f.name for f in tbl.schema().fields] == [c for c, _ in COLUMNS]
+    assert got["columns"] == COLUMNS
     assert got["rows"] == want
+
+
+def test_iceberg_one_snapshot_per_batch_with_the_marker(read: Read) -> None:
+    got, tbl = read.spark["iceberg"], read.ice()
     snaps = got["snapshots"]
     assert [s["id"] for s in snaps] == [s.snapshot_id for s in tbl.metadata.snapshots]
     assert [s["parent"] for s in snaps[1:]] == [s["id"] for s in snaps[:-1]]
     assert [s["operation"] for s in snaps] == ["append"] * BATCHES
     assert [{k: s["summary"].get(k) for k in ("twophase.sink", "twophase.lineage",
                                               "twophase.batch", "twophase.participant")}
-            for s in snaps] == [{"twophase.sink": SINK, "twophase.lineage": lineage,
+            for s in snaps] == [{"twophase.sink": SINK, "twophase.lineage": read.lineage,
                                  "twophase.batch": str(b), "twophase.participant": "ice"}
                                 for b in range(BATCHES)]
     assert got["counts_by_snapshot"] == [(b + 1) * ROWS for b in range(BATCHES)]
+
+
+def test_iceberg_partition_and_statistics_pruning_in_spark(read: Read) -> None:
+    got, tbl = read.spark["iceberg"], read.ice()
     total = len(list(tbl.scan().plan_files()))
     assert got["data_files"] == total
     in_region = len(list(tbl.scan(row_filter="region == 'r1'").plan_files()))
     holding = len(list(tbl.scan(row_filter=f"id == {PROBE_ID}").plan_files()))
-    assert got["partition_scan"]["metrics"]["resultDataFiles"] == in_region < total, got[
-        "partition_scan"]
-    assert got["id_scan"]["metrics"]["resultDataFiles"] == holding < total, got["id_scan"]
+    part, probe = got["partition_scan"], got["id_scan"]
+    assert "filters=region IS NOT NULL, region = 'r1'" in part["plan"], part["plan"]
+    assert part["metrics"]["resultDataFiles"] == in_region < total, part["metrics"]
+    assert probe["metrics"]["resultDataFiles"] == holding < total, probe["metrics"]
