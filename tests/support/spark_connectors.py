@@ -84,7 +84,7 @@ def connector_jars() -> list[Path]:
         f"spark-connectors-delta{v['delta.version']}-iceberg{v['iceberg.version']}"
         f"-spark{v['iceberg.spark']}-sqlite{v['sqlite.jdbc.version']}")
     if not (folder / _DONE).exists():
-        with _locked(folder.with_suffix(".lock")):
+        with _locked(folder.with_name(folder.name + ".lock")):
             if not (folder / _DONE).exists():
                 _resolve(folder)
     jars = sorted(folder.glob("*.jar"))
@@ -118,7 +118,7 @@ def reader_python() -> Path:
     folder = cache_root() / f"spark-reader-pyspark{READER_PYSPARK}"
     python = folder / "bin" / "python"
     if not (folder / _DONE).exists():
-        with _locked(folder.with_suffix(".lock")):
+        with _locked(folder.with_name(folder.name + ".lock")):
             if not (folder / _DONE).exists():
                 shutil.rmtree(folder, ignore_errors=True)
                 for cmd in ([sys.executable, "-m", "venv", str(folder)],
