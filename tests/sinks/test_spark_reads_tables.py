@@ -42,6 +42,9 @@ SINK, BATCHES, ROWS, CHANGE_AT = "sparkreads", 4, 30, 2
 COLUMNS = [["id", "bigint"], ["customer", "string"], ["amount", "double"],
            ["ts", "timestamp"], ["region", "string"], ["note", "string"]]
 PROBE_ID = 41  # batch 1, region r2
+PROBE_TS = dt.datetime(2026, 1, 1, 0, 0, PROBE_ID, tzinfo=dt.timezone.utc)  # its ts
+FILTERS = {"region": "region = 'r1'", "id": f"id = {PROBE_ID}",
+           "ts": f"ts = timestamp'{PROBE_TS:%Y-%m-%d %H:%M:%S}'"}  # the reader's zone: UTC
 
 
 def _expected() -> list[list[Any]]:
@@ -132,14 +135,12 @@ def read(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Read:
     row = {"customer": "spark", "amount": 1.5, "ts": "2026-02-01 00:00:00", "region": "r0",
            "note": "spark"}
     got = spark_read({
-        "delta": {"path": delta_path, "partition_column": "region", "partition_value": "r1",
-                  "probe_id": PROBE_ID, "app_id": app_id(SINK, lineage),
+        "delta": {"path": delta_path, "filters": FILTERS, "app_id": app_id(SINK, lineage),
                   "committed_batch": BATCHES - 1, "replay_id": 100_000, "new_id": 200_000,
                   "row": row},
         "iceberg": {"catalog": "lake", "table": "shop.orders",
                     "uri": f"jdbc:sqlite:{tmp_path / 'ice' / 'catalog.db'}",
-                    "warehouse": catalog["warehouse"], "partition_column": "region",
-                    "partition_value": "r1", "probe_id": PROBE_ID},
+                    "warehouse": catalog["warehouse"], "filters": FILTERS},
     }, tmp_path / "spark-reader.log")
     return Read(delta_path, app_id(SINK, lineage), adds, lineage, catalog, got)
 
@@ -169,15 +170,16 @@ def test_delta_partition_pruning_and_statistics_used_by_spark(read: Read) -> Non
     got, adds = read.spark["delta"], read.adds
     # partition pruning: the region filter is a partition filter; only its files are read
     in_region = [a for a in adds if a["partition.region"] == "r1"]
-    part = got["partition_scan"]
+    part = got["scans"]["region"]
     assert "PartitionFilters: [isnotnull(region" in part["plan"], part["plan"]
     assert part["metrics"]["numFiles"] == len(in_region) < len(adds), part["metrics"]
-    # data skipping on the statistics twophase wrote: only files whose id range holds
-    # it (a file without statistics must be read)
-    holding = [a for a in adds if a.get("min.id") is None
-               or a["min.id"] <= PROBE_ID <= a["max.id"]]
-    probe = got["id_scan"]
-    assert probe["metrics"]["numFiles"] == len(holding) < len(adds), probe["metrics"]
+    # data skipping on the statistics twophase wrote: only the files whose range holds
+    # the value are read (a file without statistics must be read)
+    for column, value in (("id", PROBE_ID), ("ts", PROBE_TS)):
+        holding = [a for a in adds if a.get(f"min.{column}") is None
+                   or a[f"min.{column}"] <= value <= a[f"max.{column}"]]
+        probe = got["scans"][column]
+        assert probe["metrics"]["numFiles"] == len(holding) < len(adds), (column, probe)
 
 
 def test_delta_app_transaction_seen_by_sparks_idempotent_writer(read: Read) -> None:
@@ -224,9 +226,10 @@ def test_iceberg_partition_and_statistics_pruning_in_spark(read: Read) -> None:
     got, tbl = read.spark["iceberg"], read.ice()
     total = len(list(tbl.scan().plan_files()))
     assert got["data_files"] == total
-    in_region = len(list(tbl.scan(row_filter="region == 'r1'").plan_files()))
-    holding = len(list(tbl.scan(row_filter=f"id == {PROBE_ID}").plan_files()))
-    part, probe = got["partition_scan"], got["id_scan"]
+    part = got["scans"]["region"]
     assert "filters=region IS NOT NULL, region = 'r1'" in part["plan"], part["plan"]
-    assert part["metrics"]["resultDataFiles"] == in_region < total, part["metrics"]
-    assert probe["metrics"]["resultDataFiles"] == holding < total, probe["metrics"]
+    for column, pyiceberg_filter in (("region", "region == 'r1'"), ("id", f"id == {PROBE_ID}"),
+                                     ("ts", f"ts == '{PROBE_TS.isoformat()}'")):
+        planned = len(list(tbl.scan(row_filter=pyiceberg_filter).plan_files()))
+        probe = got["scans"][column]
+        assert probe["metrics"]["resultDataFiles"] == planned < total, (column, probe)
