@@ -59,8 +59,8 @@ def _expected() -> list[list[Any]]:
 def _plain(records: list[dict[str, Any]]) -> list[list[Any]]:
     out = []
     for r in sorted(records, key=lambda r: int(r["id"])):
-        row = [r.get(c) for c, _ in COLUMNS]
-        row[3] = row[3].astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+        row: list[Any] = [r.get(c) for c, _ in COLUMNS]
+        row[3] = r["ts"].astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
         out.append(row)
     return out
 
