@@ -11,7 +11,8 @@ delta-rs, pyiceberg and DuckDB:
 - the same rows, in the evolved schema (nulls for ``note`` before the change);
 - Delta: one version per batch (time travel to each); ``DESCRIBE DETAIL``; partition
   pruning (the scan's PartitionFilters and files read) and data skipping on the add
-  actions' statistics (a filter on ``id`` reads only the files whose range holds it);
+  actions' statistics (a filter on ``id`` or ``ts`` reads only the files whose range
+  holds it), from a delta-rs log checkpoint (batches 0-1) and JSON commits (2-3);
   the app transaction: Spark's writer with ``txnAppId`` = the sink's app id skips a
   ``txnVersion`` twophase committed and applies the next (delta-rs then sees it too);
 - Iceberg, through a JDBC catalog over pyiceberg's SQLite catalog: one snapshot per
@@ -38,7 +39,7 @@ from twophase.testing.job import write_input
 
 pytestmark = pytest.mark.spark
 
-SINK, BATCHES, ROWS, CHANGE_AT = "sparkreads", 4, 30, 2
+SINK, BATCHES, ROWS, CHANGE_AT, CHECKPOINT_AFTER = "sparkreads", 4, 30, 2, 1
 COLUMNS = [["id", "bigint"], ["customer", "string"], ["amount", "double"],
            ["ts", "timestamp"], ["region", "string"], ["note", "string"]]
 PROBE_ID = 41  # batch 1, region r2
@@ -87,6 +88,13 @@ def _write(spark: Any, tmp_path: Path, delta: DeltaParticipant,
         if batch_id >= CHANGE_AT:
             out = out.withColumn("note", F.lit(f"b{batch_id}"))
         sink(out, batch_id)
+        if batch_id == CHECKPOINT_AFTER:
+            # a log checkpoint by delta-rs (as its post-commit hook writes one every 100
+            # versions): Spark then reads batches 0-1's add actions (statistics) from the
+            # checkpoint's Parquet and the later ones from the JSON commits
+            from deltalake import DeltaTable
+
+            DeltaTable(delta.path).create_checkpoint()
 
     q = (spark.readStream.schema("id long, customer string, amount decimal(12,2), ts timestamp")
          .option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
@@ -159,6 +167,9 @@ def test_delta_rows_versions_and_schema_as_delta_rs_and_duckdb(read: Read) -> No
     assert got["rows"] == want
     assert _duckdb_ids([f"{read.delta_path}/{a['path']}" for a in read.adds]) == \
         [r[0] for r in want]
+    log = Path(read.delta_path) / "_delta_log"
+    assert [p.name for p in log.glob("*.checkpoint.parquet")] == \
+        [f"{CHECKPOINT_AFTER + 1:020d}.checkpoint.parquet"]  # the create, batches 0, 1
     assert got["detail"] == {"numFiles": len(read.adds), "partitionColumns": ["region"],
                              "minReaderVersion": 1, "minWriterVersion": 2}
     # the create, batches 0 and 1, the column added (its own version, no rows), 2 and 3
