@@ -60,6 +60,19 @@ echo "== installing twophase[all,dev]"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[all,dev]"
 
+# ---- issue 32: Spark's own Delta and Iceberg connectors -------------------------------
+# tests/sinks/test_spark_reads_tables.py reads the tables twophase writes with Spark's
+# Delta and Iceberg connectors: Maven resolves their jars from Maven Central
+# (tools/spark-connectors/pom.xml) and pip makes the reader's own pyspark environment (the
+# connectors lag pyspark's newest release), both once into ${TWOPHASE_CACHE:-~/.cache/twophase}.
+if ! command -v mvn >/dev/null 2>&1; then
+  echo "== installing Debian's maven (mvn not found: the Spark connectors' jars)"
+  apt_install maven
+fi
+echo "== Spark's Delta and Iceberg connectors and the reader's Spark (cached after the first run)"
+"$VENV/bin/python" -m tests.support.spark_connectors
+# ---- end issue 32 ----------------------------------------------------------------------
+
 echo "== ruff"
 "$VENV/bin/ruff" check .
 echo "== mypy"

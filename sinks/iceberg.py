@@ -378,8 +378,14 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         extra = [n for n in schema.names if n not in have]
         missing = [f.name for f in ice.fields if f.required and f.name not in schema.names]
         if extra and self.on_schema_change == "add_columns" and not missing:
+            import pyarrow
+
+            # rows already in the table lack the new columns: they are optional, even
+            # when the stream's are not (a literal, e.g.): Iceberg refuses a required one
+            widened = pyarrow.schema([f.with_nullable(True) if f.name in extra else f
+                                      for f in schema])
             with tbl.update_schema() as update:
-                update.union_by_name(schema)
+                update.union_by_name(widened)
             tbl = self._load()
             ice = tbl.schema()
             extra = []

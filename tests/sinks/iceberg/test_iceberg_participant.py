@@ -197,6 +197,25 @@ def test_add_columns_evolves_the_schema(target: IcebergTarget) -> None:
     assert got == {0: None, 1: None, 2: None, 7: 1.5}
 
 
+def test_add_columns_adds_a_non_nullable_stream_column_as_optional(
+        target: IcebergTarget) -> None:
+    """Spark's ``lit(...)`` column is non-nullable; rows already in the table lack it, so
+    the table's new column is optional (pyiceberg refuses to add a required one)."""
+    p = target.participant()
+    p.check(SCHEMA)
+    run_batch(p, "lin-a", 0, partitions=1, n=2)
+    wider = SCHEMA.append(pa.field("note", pa.string(), nullable=False))
+    target.options = {"on_schema_change": "add_columns"}
+    q = target.participant()
+    q.check(wider)
+    assert not target.load().schema().find_field("note").required
+    batch = pa.RecordBatch.from_pylist([{"id": 7, "country": "fr", "ts": T0, "note": "x"}],
+                                       schema=wider)
+    h = q.prepare(BranchRef("orders", "lin-a", 1, 0, "ice", 0), wider, [batch])
+    q.commit_batch(TxnKey("orders", "lin-a", 1, 0), {0: h})
+    assert {r["id"]: r["note"] for r in target.rows()} == {0: None, 1: None, 7: "x"}
+
+
 def test_partitioned_by_identity_and_day(target: IcebergTarget) -> None:
     target.options = {"partition_by": ["country", "day(ts)"], "target_file_bytes": 4096}
     p = target.participant()
