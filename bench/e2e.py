@@ -381,7 +381,7 @@ def _kafka_rows(bootstrap: str, topic: str) -> int:
 
 def _relation_partitions(df: Any) -> int | None:
     try:
-        from twophase.driver import _input_partitions
+        from twophase.plan import input_partitions as _input_partitions
     except ImportError:  # an older twophase: no such rule
         return None
     return _input_partitions(df)
@@ -405,7 +405,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
     sink: TransactionalSink | None = None
     last_batch: list[int] = []
     if variant == "A":
-        from twophase.driver import _arrow_schema
+        from twophase.plan import arrow_schema as _arrow_schema
 
         writer = _at_least_once_writer(
             dsn, table, str(out_dir), (setup.kafka, topic) if setup.kafka else None)

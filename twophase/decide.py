@@ -19,13 +19,14 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase.participant import EMPTY_BRANCH, is_empty_branch
 from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
 
-__all__ = ["VOTE_CHUNK", "decide", "votes_of"]
+__all__ = ["VOTE_CHUNK", "decide", "settle_empty", "votes_of"]
 
 VOTE_CHUNK: Final = 1000
 """Votes per request (a vote with its handle is ~300 bytes: ~0.3 MiB a request)."""
@@ -60,3 +61,28 @@ def decide(
                   else "the prepare job ended without every branch's vote")
         after = client.abandon(txn.key, epoch, reason)
     return after
+
+
+def settle_empty(
+    client: CoordinatorClient, epoch: int, txn: Transaction,
+    recover: tuple[Transaction, ...], *, in_doubt: bool,
+) -> bool:
+    """A batch with no partitions at all (Spark planned an empty relation): vote and
+    acknowledge every branch from the driver, no Spark job. Returns False (run the
+    tasks) when earlier attempts or prepared branches need settling."""
+    if any(t.attempt != txn.attempt for t in recover):
+        return False
+    if in_doubt:
+        if not all(is_empty_branch(st.handle) for st in txn.branches.values()):
+            return False
+        decided = txn
+    else:
+        votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
+                 for b, st in txn.branches.items() if st.vote is None]
+        decided = client.vote(txn.key, epoch, votes) if votes else txn
+    if decided.decision is None:
+        return False
+    acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
+    if acks:
+        client.ack(txn.key, epoch, acks)
+    return True

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from twophase.driver import TransactionalSink, _input_partitions
+from twophase.driver import TransactionalSink
+from twophase.plan import input_partitions as _input_partitions
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.job import EVENT_DDL, write_input
 
