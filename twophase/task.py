@@ -33,16 +33,17 @@ ABORT rule) finds them applied and acknowledges them then.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.digest import KINDS, RowsDigest, digest_kind, rows_digest
 from twophase.errors import RedoMismatch, TargetProblem
+from twophase.feed import first_rows, prepare_streaming
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
@@ -352,9 +353,11 @@ def _run_attempt(
 ) -> None:
     t0 = time.perf_counter()
     digest = RowsDigest(schema)  # stored with the vote: a redo must match it
-    head = _first_rows(batches, out)
+    head, out.rows = first_rows(batches)
     if out.rows:
-        results = _prepare_streaming(plan, partition, schema, head, batches, out, digest)
+        results = prepare_streaming(
+            [partial(_prepare_one, plan, part, partition, schema)
+             for part in plan.participants], head, batches, out, digest)
     else:  # an empty partition writes nothing anywhere: its vote says so
         results = []
         for part in plan.participants:
@@ -446,150 +449,13 @@ def _hand_over_votes(
         out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
 
 
-_QUEUE_DEPTH: Final = 2  # Arrow batches waiting per participant: bounds a task's memory
-_END: Final = object()
-
-
-class _ReadFailed(ParticipantError):
-    """Spark's rows stopped midway (the task is failing): every prepare undoes itself."""
-
-
-def _first_rows(batches: Iterator[pa.RecordBatch], out: BranchOutcome) -> list[pa.RecordBatch]:
-    """Read up to the first batch with rows (counted), so an empty partition is known
-    before any participant is called."""
-    head: list[pa.RecordBatch] = []
-    for b in batches:
-        head.append(b)
-        out.rows += b.num_rows
-        if b.num_rows:
-            break
-    return head
-
-
-def _prepare_streaming(
-    plan: BatchPlan,
-    partition: int,
-    schema: pa.Schema,
-    head: list[pa.RecordBatch],
-    rest: Iterator[pa.RecordBatch],
-    out: BranchOutcome,
-    digest: RowsDigest,
-) -> list[Handle | Exception]:
-    """Prepare every participant's branch while Spark's rows arrive, the partition never
-    held whole: one thread per participant reads a short queue that this thread fills
-    from Spark's iterator (one participant: no thread, its prepare reads Spark directly).
-    Returns each participant's handle, or the exception its prepare raised. A prepare
-    that returns before reading everything (already committed) is fed no more."""
-    parts = plan.participants
-
-    def prepare(part: Participant, source: Iterator[pa.RecordBatch]) -> Handle:
-        failpoints.hit("before_prepare", part.name, partition)
-        handle = part.prepare(plan.ref(part, partition), schema, source)
-        failpoints.hit("after_prepare", part.name, partition)
-        return handle
-
-    # The vote's digest is computed beside the prepares, in its own thread (numpy lets
-    # the GIL go): on the feeding thread it was the prepare's whole lead over a plain
-    # writer at 100k-1M rows (0.2 us a row, issue 24).
-    hashing = _DigestThread(digest)
-
-    def counted() -> Iterator[pa.RecordBatch]:
-        for b in head:
-            hashing.feed(b)
-            yield b
-        for b in rest:
-            out.rows += b.num_rows
-            hashing.feed(b)
-            yield b
-
-    if len(parts) == 1:
-        source = counted()
-        try:
-            result: Handle | Exception = prepare(parts[0], source)
-        except Exception as exc:
-            result = exc
-        try:
-            for _ in source:  # what a prepare did not read still counts in the report
-                pass
-        finally:
-            hashing.finish()
-        return [result]
-
-    queues = [queue.Queue[Any](maxsize=_QUEUE_DEPTH) for _ in parts]
-    done = [threading.Event() for _ in parts]
-    results: list[Handle | Exception] = [_ReadFailed("prepare did not finish")] * len(parts)
-
-    def read(q: queue.Queue[Any]) -> Iterator[pa.RecordBatch]:
-        while (b := q.get()) is not _END:
-            if isinstance(b, BaseException):
-                raise _ReadFailed(f"the partition's rows could not be read: {b}") from b
-            yield b
-
-    def work(i: int) -> None:
-        try:
-            results[i] = prepare(parts[i], read(queues[i]))
-        except Exception as exc:
-            results[i] = exc
-        finally:
-            done[i].set()
-
-    def put(item: Any) -> None:
-        for q, finished in zip(queues, done, strict=True):
-            while not finished.is_set():
-                try:
-                    q.put(item, timeout=0.05)
-                    break
-                except queue.Full:
-                    continue
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True,
-                                name=f"twophase-prepare-{p.name}") for i, p in enumerate(parts)]
-    for t in threads:
-        t.start()
-    try:
-        for b in counted():
-            put(b)
-    except BaseException as exc:
-        put(exc)  # every prepare raises and undoes its partial work
-        for t in threads:
-            t.join()
-        raise
-    finally:
-        hashing.finish()
-    put(_END)
-    for t in threads:
-        t.join()
-    return results
-
-
-class _DigestThread:
-    """Feeds a partition's batches to its ``RowsDigest`` in a thread of its own, through
-    a short queue (the partition is never held whole); ``finish`` waits for the last."""
-
-    def __init__(self, digest: RowsDigest) -> None:
-        self._q = queue.Queue[Any](maxsize=_QUEUE_DEPTH)
-        self._error: BaseException | None = None
-        self._digest = digest
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="twophase-digest")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (b := self._q.get()) is not _END:
-            if self._error is None:
-                try:
-                    self._digest.update(b)
-                except BaseException as exc:  # re-raised by finish, on the task's thread
-                    self._error = exc
-
-    def feed(self, batch: pa.RecordBatch) -> None:
-        self._q.put(batch)
-
-    def finish(self) -> None:
-        self._q.put(_END)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+def _prepare_one(plan: BatchPlan, part: Participant, partition: int, schema: pa.Schema,
+                 source: Iterator[pa.RecordBatch]) -> Handle:
+    """One participant's prepare of this partition, between its failpoints."""
+    failpoints.hit("before_prepare", part.name, partition)
+    handle = part.prepare(plan.ref(part, partition), schema, source)
+    failpoints.hit("after_prepare", part.name, partition)
+    return handle
 
 
 def _vote_and_abort(
@@ -632,7 +498,7 @@ def run_partition(
     ``task`` names the Spark task attempt running it (its votes carry it).
 
     A new attempt streams the partition's rows into every participant as Spark hands
-    them over (see ``_prepare_streaming``); only a finish, which may redo a lost branch
+    them over (``twophase.feed.prepare_streaming``); only a finish, which may redo a lost branch
     and must check its row count first, holds them.
     """
     started = time.perf_counter()
