@@ -234,3 +234,31 @@ def _judge(cfg: JobConfig, pg_dsn: str, explain: Callable[[], str]) -> None:
     assert kafka_branches_committed(cfg, cfg.coordinator) >= 2 * BATCHES
     for p in parts:
         p.close()
+
+
+def test_status_answers_on_a_fresh_and_on_a_restarted_broker(broker: LocalKafka) -> None:
+    """A fresh broker creates its group-coordinator topic on the first offset read and a
+    restarted one reloads it: meanwhile Kafka answers NOT_COORDINATOR or
+    COORDINATOR_LOAD_IN_PROGRESS, which librdkafka's ``committed()`` does not retry. The
+    participant asks again (bounded by ``connect_timeout_s``) instead of failing the
+    branch."""
+    from tests.support.kafka import create_topic
+    from twophase.participant import BranchRef, BranchStatus
+
+    topic = f"fresh-{secrets.token_hex(3)}"
+    create_topic(broker.bootstrap, topic)
+    kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": broker.bootstrap},
+                             connect_timeout_s=20.0)
+    ref = BranchRef("fresh", "lin", 0, 0, kafka.name, 0)
+    assert kafka.status(ref) is BranchStatus.ABSENT  # the first offset read of the broker
+    schema = pa.schema([("id", pa.int64())])
+    kafka.commit(ref, kafka.prepare(ref, schema, [pa.record_batch(
+        [pa.array(range(5), pa.int64())], schema=schema)]))
+    kafka.close()
+    assert broker.kill()
+    broker.restart()
+    assert kafka.status(ref) is BranchStatus.COMMITTED  # read while the broker reloads
+    back = kafka.read_back("id")
+    assert sorted(back.values) == list(range(5)) and back.open == 0, back
+    assert "a read_committed consumer agrees" in back.note, back.note
+    kafka.close()
