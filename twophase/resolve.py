@@ -168,6 +168,14 @@ def resolve_sink(
             report.actions.append(
                 Action(_txn_name(ref.key), ref.branch_id, "PREPARED", act)
             )
+    # Open Kafka transactions a crash left (no branch to name: found on the brokers),
+    # aborted so read_committed readers are not stalled until the broker's timeout; a
+    # Kafka prepare is not durable, so such a branch is redone, never committed.
+    for part in participants:
+        finder = getattr(part, "open_transactions" if dry_run else "abort_lingering", None)
+        for t in finder(sink) if finder is not None else ():
+            report.actions.append(Action(f"kafka transaction {t.transactional_id}",
+                                         part.name, f"OPEN {t.age_s:.0f}s", "abort"))
     return report
 
 

@@ -68,6 +68,7 @@ from twophase.sinks.kafka.errors import (
     describe_error,
     kafka_error,
 )
+from twophase.sinks.kafka.lingering import OpenTransaction, list_open_transactions
 from twophase.sinks.kafka.log import (
     LostMarker,
     judge_log,
@@ -876,6 +877,32 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             return sorted(
                 b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
             )
+
+    def open_transactions(self, sink: str) -> list[OpenTransaction]:
+        """This participant's transactions of ``sink`` still open on the brokers (any
+        process's), oldest first, with their age: what stalls ``read_committed`` readers
+        after a crash (:mod:`~twophase.sinks.kafka.lingering`)."""
+        return list_open_transactions(self.describe(), self._common_config(),
+                                      f"twophase.{sink}.{self.name}.", self.connect_timeout_s)
+
+    def abort_lingering(self, sink: str, older_than_s: float = 0.0) -> list[OpenTransaction]:
+        """Abort this participant's open transactions of ``sink`` that no branch of this
+        object holds and that are at least ``older_than_s`` old, by fencing their
+        transactional.id (the broker writes the ABORT markers). Returns those aborted."""
+        with self._lock:
+            held = {self.transactional_id(b) for b, p in self._prepared.items()
+                    if p.producer is not None}
+        found = [t for t in self.open_transactions(sink)
+                 if t.transactional_id not in held and t.age_s >= older_than_s]
+        for txn in found:
+            partition = int(txn.transactional_id.rsplit(".", 1)[1])
+            ref = BranchRef(sink, "lingering", 0, 0, self.name, partition)
+            PRODUCERS.drop(self._cache_key(ref))  # about to be fenced by the init below
+            try:
+                self._new_producer(ref).close()  # init_transactions aborts it
+            except PrepareRefused as exc:
+                raise ParticipantError(str(exc)) from exc
+        return found
 
     def read_back(
         self, column: str, *, outcomes: Mapping[tuple[int, int], bool] | None = None
