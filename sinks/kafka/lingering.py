@@ -64,6 +64,7 @@ def list_open_transactions(
     kwargs: dict[str, Any] = {
         "bootstrap_servers": bootstrap.split(","),
         "request_timeout_ms": int(timeout * 1000),
+        "bootstrap_timeout_ms": int(timeout * 1000),  # 30 s by default
         "client_id": "twophase-lingering",
     }
     kwargs.update({_KAFKA_PYTHON[k]: v for k, v in config.items() if k in _KAFKA_PYTHON})

@@ -65,3 +65,20 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
     assert sorted(json.loads(v)["id"] for v in log.aborted if v) == sorted(
         r["id"] for r in batch_for(dead).to_pylist())  # the dead task's rows: aborted
     p.close()
+
+
+def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
+    """Brokers that do not answer leave the lingering check unresolved (report not ok),
+    named, instead of failing the whole resolve or passing silently."""
+    from twophase.testing.servers import free_port
+
+    down = KafkaParticipant("t-down", {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
+                            connect_timeout_s=2)
+    conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
+    try:
+        report = resolve_sink(conn.client(), "nothing_open", [down])
+    finally:
+        conn.close()
+    assert not report.ok
+    [entry] = report.unresolved
+    assert entry.branch == down.name and "cannot list them" in entry.action, entry
