@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from nothing: a fresh virtual environment, the project with every
-# extra, Debian's PostgreSQL server and a Java runtime when missing, then ruff, mypy,
-# import-linter (the layers) and pytest. Extra arguments go to pytest
+# extra, Debian's PostgreSQL server, a Java runtime and Maven (Apache Kafka's jars) when
+# missing, then ruff, mypy, import-linter (the layers) and pytest. Extra arguments go to pytest
 # (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m cluster` runs only the
 # multi-host cluster tests, which need root for their network namespaces).
 set -euo pipefail
@@ -34,6 +34,12 @@ if ! command -v java >/dev/null 2>&1; then
   apt_install openjdk-17-jre-headless
 fi
 java -version 2>&1 | head -1
+# Maven resolves Apache Kafka's broker jars (the Kafka tests run a private Apache Kafka 4.x:
+# twophase/testing/kafka-broker.pom.xml, resolved once into ~/.cache/twophase).
+if ! command -v mvn >/dev/null 2>&1; then
+  echo "== installing Debian's maven (mvn not found)"
+  apt_install maven
+fi
 # iproute2 (ip, tc) for the cluster tests and the network fault tests (they create their
 # own network namespaces, veth pairs and a bridge; they, and the tmpfs of the ENOSPC
 # test, need root); openssl for the TLS tests' self-signed certificates.
@@ -72,6 +78,8 @@ fi
 echo "== Spark's Delta and Iceberg connectors and the reader's Spark (cached after the first run)"
 "$VENV/bin/python" -m tests.support.spark_connectors
 # ---- end issue 32 ----------------------------------------------------------------------
+echo "== Apache Kafka's jars (Maven Central, cached after the first run)"
+"$VENV/bin/python" -m twophase.testing.kafkajars
 
 echo "== ruff"
 "$VENV/bin/ruff" check .

@@ -4,7 +4,7 @@
 - ``mariadb`` (a SQLAlchemy URL), ``mariadb_server``: one private MariaDB server
   (Debian's mariadb-server) for the whole session.
 - ``spark``: one local[2] SparkSession for the whole session.
-- ``tansu_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
+- ``kafka_bootstrap``: a Kafka-protocol broker (tansu, memory storage) on loopback
   (``tests/support/kafka.py``).
 - ``s3``, ``s3_bucket``: an S3-API server (moto) on loopback (``tests/support/s3.py``).
 Nothing here depends on a server that was running before the suite.
@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 from twophase.testing.localmariadb import LocalMariaDB  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
-# tansu_bootstrap / real_kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
+# kafka_bootstrap / kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
 # test module
 pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.cluster"]
 
@@ -84,16 +84,3 @@ def spark():  # type: ignore[no-untyped-def]
         yield session
     finally:
         session.stop()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``real_kafka`` need a real Apache Kafka broker: they run whenever
-    ``KAFKA_BOOTSTRAP_SERVERS`` is set, and are deselected (never silently skipped)
-    otherwise; the deselection is printed in the summary."""
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
-        return
-    keep = [i for i in items if i.get_closest_marker("real_kafka") is None]
-    dropped = [i for i in items if i.get_closest_marker("real_kafka") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from twophase.errors import InvalidRequest, TransactionNotFound
+from twophase.errors import InvalidRequest, ParticipantError, TransactionNotFound
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -169,6 +169,20 @@ def resolve_sink(
             report.actions.append(
                 Action(_txn_name(ref.key), ref.branch_id, "PREPARED", act)
             )
+    # Open Kafka transactions a crash left (no branch to name: found on the brokers),
+    # aborted so read_committed readers are not stalled until the broker's timeout; a
+    # Kafka prepare is not durable, so such a branch is redone, never committed.
+    for part in participants:
+        finder = getattr(part, "open_transactions" if dry_run else "abort_lingering", None)
+        try:
+            found = finder(sink) if finder is not None else ()
+        except ParticipantError as exc:  # the rest is settled; this part is not
+            report.unresolved.append(Action("kafka transactions", part.name, "unknown",
+                                            f"cannot list them: {exc}"))
+            continue
+        for t in found:
+            report.actions.append(Action(f"kafka transaction {t.transactional_id}",
+                                         part.name, f"OPEN {t.age_s:.0f}s", "abort"))
     return report
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal
 
-__all__ = ["CommitAction", "classify_commit_error", "describe_error", "kafka_error"]
+__all__ = ["COORDINATOR_MOVES", "CommitAction", "classify_commit_error", "describe_error",
+           "kafka_error"]
 
 CommitAction = Literal["retry", "fatal"]
 
@@ -17,6 +18,12 @@ _AMBIGUOUS: Final = frozenset(
      "NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "CONCURRENT_TRANSACTIONS",
      "_ALL_BROKERS_DOWN", "NETWORK_EXCEPTION", "_WAIT_COORD", "_IN_PROGRESS"}
 )
+
+
+COORDINATOR_MOVES: Final = frozenset(
+    {"NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE"})
+"""A coordinator is loading or elsewhere: asked again, it answers (a fresh or restarted
+broker loads its internal topics; a failover moves them)."""
 
 
 def classify_commit_error(err: Any) -> CommitAction:

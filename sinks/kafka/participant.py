@@ -62,7 +62,13 @@ from twophase.sinks.kafka.config import (
     validate_config,
     validate_topic,
 )
-from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.errors import (
+    COORDINATOR_MOVES,
+    classify_commit_error,
+    describe_error,
+    kafka_error,
+)
+from twophase.sinks.kafka.lingering import OpenTransaction, list_open_transactions
 from twophase.sinks.kafka.log import (
     LostMarker,
     judge_log,
@@ -303,19 +309,39 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         else:
             consumer.close()
 
-    def _committed_marker(self, consumer: Any, branch: BranchRef) -> int:
-        """The marker group's committed offset on (topic, 0); -1 when none."""
+    def _committed_marker(
+        self, consumer: Any, branch: BranchRef, pending_wait_s: float | None = None
+    ) -> int:
+        """The marker group's committed offset on (topic, 0); -1 when none. A group
+        coordinator that is loading or moved (a fresh or restarted broker, a failover:
+        NOT_COORDINATOR, COORDINATOR_LOAD_IN_PROGRESS) is asked again until
+        ``connect_timeout_s``; librdkafka's ``committed()`` does not retry those.
+
+        A ``read_committed`` consumer asks for stable offsets (KIP-447): Kafka answers
+        only once no transaction holding offsets of the group is open, so while one is,
+        librdkafka retries until its timeout. ``pending_wait_s``: wait that long, then
+        answer -1 (the open transaction's offset is not committed)."""
         from confluent_kafka import TopicPartition
 
-        try:
-            [tp] = consumer.committed(
-                [TopicPartition(self.topic, 0)], timeout=self.connect_timeout_s
-            )
-        except Exception as exc:
-            raise ParticipantError(
-                f"{self.describe()}: cannot read marker group {self.marker_group(branch)!r} "
-                f"at {self.bootstrap}: {describe_error(exc)}"
-            ) from exc
+        wait = self.connect_timeout_s if pending_wait_s is None else pending_wait_s
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                [tp] = consumer.committed([TopicPartition(self.topic, 0)], timeout=wait)
+                break
+            except Exception as exc:
+                err = kafka_error(exc)
+                if (err is not None and err.name() in COORDINATOR_MOVES
+                        and time.monotonic() < deadline):
+                    time.sleep(0.1)
+                    continue
+                if pending_wait_s is not None and err is not None \
+                        and err.name() == "_TIMED_OUT":
+                    return -1
+                raise ParticipantError(
+                    f"{self.describe()}: cannot read marker group "
+                    f"{self.marker_group(branch)!r} at {self.bootstrap}: {describe_error(exc)}"
+                ) from exc
         if tp.error is not None:
             raise ParticipantError(
                 f"{self.describe()}: cannot read marker group {self.marker_group(branch)!r}: "
@@ -803,22 +829,35 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
+        """COMMITTED from the marker; PREPARED when this object holds the branch's open
+        transaction; else ABSENT. The marker is read first without waiting on open
+        transactions (on Kafka a stable read blocks while one is open, even this
+        object's own), then, not found, stably for up to 5 s: a transaction whose
+        commit is being completed shows within moments, an open one stays absent."""
+        from confluent_kafka import Consumer
+
         self._check_branch(branch)
         group = self.marker_group(branch)
-        consumer = self._marker_consumer(group)
-        ok = False
+        loose = Consumer({**self._marker_config(group), "isolation.level": "read_uncommitted"})
         try:
-            committed = self._committed_marker(consumer, branch)
-            ok = True
+            if self._committed_marker(loose, branch) >= branch.batch_id + 1:
+                return BranchStatus.COMMITTED
         finally:
-            self._marker_done(group, consumer, ok)
-        if committed >= branch.batch_id + 1:
-            return BranchStatus.COMMITTED
+            loose.close()
         with self._lock:
             prepared = self._prepared.get(branch)
         if prepared is not None and prepared.producer is not None:
             return BranchStatus.PREPARED
-        return BranchStatus.ABSENT
+        consumer = self._marker_consumer(group)
+        ok = False
+        try:
+            committed = self._committed_marker(
+                consumer, branch, pending_wait_s=min(5.0, self.connect_timeout_s))
+            ok = True
+        finally:
+            self._marker_done(group, consumer, ok)
+        return BranchStatus.COMMITTED if committed >= branch.batch_id + 1 \
+            else BranchStatus.ABSENT
 
     def voted_status(self, branch: BranchRef, voted: Handle | None) -> BranchStatus:
         """:meth:`status`, and when the marker reads absent for a branch that voted with
@@ -838,6 +877,32 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             return sorted(
                 b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
             )
+
+    def open_transactions(self, sink: str) -> list[OpenTransaction]:
+        """This participant's transactions of ``sink`` still open on the brokers (any
+        process's), oldest first, with their age: what stalls ``read_committed`` readers
+        after a crash (:mod:`~twophase.sinks.kafka.lingering`)."""
+        return list_open_transactions(self.describe(), self._common_config(),
+                                      f"twophase.{sink}.{self.name}.", self.connect_timeout_s)
+
+    def abort_lingering(self, sink: str, older_than_s: float = 0.0) -> list[OpenTransaction]:
+        """Abort this participant's open transactions of ``sink`` that no branch of this
+        object holds and that are at least ``older_than_s`` old, by fencing their
+        transactional.id (the broker writes the ABORT markers). Returns those aborted."""
+        with self._lock:
+            held = {self.transactional_id(b) for b, p in self._prepared.items()
+                    if p.producer is not None}
+        found = [t for t in self.open_transactions(sink)
+                 if t.transactional_id not in held and t.age_s >= older_than_s]
+        for txn in found:
+            partition = int(txn.transactional_id.rsplit(".", 1)[1])
+            ref = BranchRef(sink, "lingering", 0, 0, self.name, partition)
+            PRODUCERS.drop(self._cache_key(ref))  # about to be fenced by the init below
+            try:
+                self._new_producer(ref).close()  # init_transactions aborts it
+            except PrepareRefused as exc:
+                raise ParticipantError(str(exc)) from exc
+        return found
 
     def read_back(
         self, column: str, *, outcomes: Mapping[tuple[int, int], bool] | None = None

@@ -1,6 +1,7 @@
 """``twophase chaos`` end to end: a short run with real SIGKILLs of the driver, a Spark
-Python worker and the coordinator daemon, real PostgreSQL, files and Kafka (tansu, judged
-from its partition logs); ``twophase demo --kafka-bootstrap local``; the long run over all
+Python worker and the coordinator daemon, real PostgreSQL, files and Kafka (Apache Kafka,
+judged from its partition logs and a read_committed consumer, which must agree);
+``twophase demo --kafka-bootstrap local``; the long run over all
 three participants (``slow``); then bad options."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -26,7 +26,7 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
     out = tmp_path / "report.json"
     res = _chaos("--kills", "3", "--seed", "3", "--victims", "driver,worker,coordinator",
                  "--coordinator-mode", "daemon", "--batches", "2", "--rows-per-batch", "40",
-                 "--pg-dsn", pg_dsn, "--kafka-tansu", "--workdir", str(tmp_path / "wd"),
+                 "--pg-dsn", pg_dsn, "--kafka-local", "--workdir", str(tmp_path / "wd"),
                  "--json-out", str(out))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "exactly-once: PASSED" in res.stdout
@@ -47,6 +47,7 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
                 s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0)
         assert s["exact"] and s["ok"]
     assert "judged from the partition logs" in systems["kafka"]["note"]
+    assert "a read_committed consumer agrees" in systems["kafka"]["note"]
     assert "not judged" not in res.stdout
     assert report["recovery_seconds"]["n"] >= 1
     for ev in report["events"]:
@@ -58,19 +59,18 @@ def test_short_chaos_run_passes_and_writes_report(tmp_path: Path, pg_dsn: str) -
 
 def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
                                                                pg_dsn: str) -> None:
-    """Victim ``broker``: the tansu of ``--kafka-tansu`` runs on S3 storage (a private moto
-    server) and is SIGKILLed at a random moment of a job and restarted after a short
-    pause; the Kafka participant keeps its producers across batches. Kafka is judged from
-    the partition log (a marker tansu lost in a kill settled by its stored outcome)."""
+    """Victim ``broker``: the Apache Kafka of ``--kafka-local`` is SIGKILLed at a random
+    moment of a job and restarted after a short pause on its log; the Kafka participant
+    keeps its producers across batches. Kafka is judged from the partition log and a
+    read_committed consumer, which must agree (on tansu this case needed an xfail for
+    records it lost: no more)."""
     out = tmp_path / "report.json"
     res = _chaos("--kills", "4", "--seed", "1", "--victims", "driver,worker,coordinator,broker",
                  "--coordinator-mode", "daemon", "--batches", "1", "--rows-per-batch", "40",
-                 "--pg-dsn", pg_dsn, "--kafka-tansu", "--kafka-reuse", "--broker-down-max", "3",
+                 "--pg-dsn", pg_dsn, "--kafka-local", "--kafka-reuse", "--broker-down-max", "3",
                  "--workdir", str(tmp_path / "wd"), "--json-out", str(out))
-    if res.returncode == 1 and out.exists():
-        _xfail_if_tansu_lost_acknowledged_records(json.loads(out.read_text()))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "starting a private tansu broker on S3 storage" in res.stdout
+    assert "starting a private Apache Kafka broker" in res.stdout
     assert "exactly-once: PASSED" in res.stdout
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["kafka_reuse"] is True
@@ -89,47 +89,8 @@ def test_short_chaos_run_kills_the_broker_with_producer_reuse(tmp_path: Path,
         assert (s["duplicates"], s["missing"], s["unexpected"], s["prepared_leftovers"],
                 s["open_transactions"], s["mismatch"]) == (0, 0, 0, 0, 0, 0), s
     assert "judged from the partition logs" in systems["kafka"]["note"]
+    assert "a read_committed consumer agrees" in systems["kafka"]["note"]
     assert report["coordinator_unsettled"] == 0
-
-
-def _xfail_if_tansu_lost_acknowledged_records(report: dict[str, Any]) -> None:
-    """A broker kill that lands while a Kafka task produces can make tansu drop a produce
-    batch it then calls a duplicate (docs/chaos.md, "Issue 24";
-    tests/sinks/kafka/test_tansu_produce_crash.py): only Kafka short, nothing else
-    wrong, and every batch with missing ids has a committed Kafka vote whose delivery
-    reports said offset 0 past the first batch (librdkafka's report for a duplicate
-    answer). Exactly that is an expected failure; anything else fails the test."""
-    from twophase.coordinator.store import Store
-
-    systems = {s["kind"]: s for s in report["verify"]["systems"]}
-    kafka = systems["kafka"]
-    if any(not s["ok"] for k, s in systems.items() if k != "kafka") or kafka["duplicates"] \
-            or kafka["unexpected"] or kafka["open_transactions"] or not kafka["missing"]:
-        return
-    rows = report["rows"] // report["batches"]
-    short = {i // rows for i in kafka["examples"]["missing"]}
-    store = Store(report["coordinator_store"], create=False)
-    try:
-        # batch -> {Kafka partition: first offset its delivery reports gave} over its votes
-        votes: dict[int, list[tuple[int, int]]] = {}
-        for row in store.list(sink=report["job"]["sink"], limit=100000):
-            for bid, st in row.txn.branches.items():
-                offsets = dict(st.handle or {}).get("offsets", "")
-                if bid.startswith("kafka-") and offsets:
-                    votes.setdefault(row.txn.batch_id, []).extend(
-                        (int(p), int(o)) for p, _, o in (x.partition(":")
-                                                         for x in offsets.split(",")))
-        # offset 0 reported in a partition an earlier batch had already written to
-        dupseq, seen = set(), set()
-        for batch in sorted(votes):
-            if any(o == 0 and p in seen for p, o in votes[batch]):
-                dupseq.add(batch)
-            seen |= {p for p, _ in votes[batch]}
-    finally:
-        store.close()
-    if short and short <= dupseq and kafka["missing"] <= rows * len(dupseq):
-        pytest.xfail(f"tansu lost acknowledged records of batches {sorted(short)} "
-                     "(duplicate-sequence answer after its crash; docs/chaos.md)")
 
 
 def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:
@@ -145,6 +106,7 @@ def test_demo_with_local_kafka_judges_kafka(tmp_path: Path) -> None:
     kafka = next(s for s in report["systems"] if s["kind"] == "kafka")
     assert kafka["ok"] and kafka["exact"] and kafka["rows"] == 100, kafka
     assert kafka["open_transactions"] == kafka["duplicates"] == kafka["missing"] == 0
+    assert "a read_committed consumer agrees" in kafka["note"], kafka
 
 
 @pytest.mark.slow
@@ -155,7 +117,7 @@ def test_long_chaos_run_over_postgres_files_and_kafka(tmp_path: Path, pg_dsn: st
     out = tmp_path / "report.json"
     res = _chaos("--kills", "110", "--seed", "12", "--coordinator-mode", "daemon",
                  "--victims", "driver,worker,coordinator", "--batches", "4", "--rows-per-batch",
-                 "200", "--max-kills-per-run", "12", "--pg-dsn", pg_dsn, "--kafka-tansu",
+                 "200", "--max-kills-per-run", "12", "--pg-dsn", pg_dsn, "--kafka-local",
                  "--workdir", str(tmp_path / "wd"), "--json-out", str(out), "--quiet",
                  timeout=4 * 3600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -186,10 +148,11 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--victims", "executor"], "unknown victim 'executor'"),
         (["--kills", "-1", "--no-postgres"], "--kills must be >= 0"),
         (["--no-postgres", "--no-files"], "no participant left"),
-        (["--kafka-reuse"], "--kafka-reuse needs --kafka-tansu or --kafka-bootstrap"),
-        (["--victims", "driver,broker"], "victim 'broker' needs --kafka-tansu"),
+        (["--kafka-reuse"], "--kafka-reuse needs --kafka-local or --kafka-bootstrap"),
+        (["--victims", "driver,broker"], "victim 'broker' needs --kafka-local"),
         (["--victims", "broker", "--kafka-bootstrap", "127.0.0.1:1"],
-         "victim 'broker' needs --kafka-tansu"),
+         "victim 'broker' needs --kafka-local"),
+        (["--kafka-local", "--kafka-tansu"], "pass one of --kafka-bootstrap, --kafka-local"),
         (["--broker-down-max", "-1"], "--broker-down-max must be within 0..60 seconds"),
     ],
 )
@@ -205,7 +168,7 @@ def test_broker_victim_needs_a_broker_whose_log_survives(tmp_path: Path) -> None
     from twophase.testing.chaos import ChaosError, ChaosOptions, _Chaos
     from twophase.testing.localkafka import LocalTansu
 
-    with pytest.raises(ChaosError, match="victim 'broker' needs --kafka-tansu"):
+    with pytest.raises(ChaosError, match="victim 'broker' needs --kafka-local"):
         _Chaos(ChaosOptions(workdir=tmp_path / "a", victims=("worker", "broker")))
     with pytest.raises(ChaosError, match=r"needs a tansu on s3:// storage"):
         _Chaos(ChaosOptions(workdir=tmp_path / "b", victims=("broker",), broker=LocalTansu()))

@@ -6,9 +6,8 @@ failpoint (once across processes, via the once-dir); check the right process die
 restart from the checkpoint (one more input batch) and run to the end; verify 0
 duplicates, 0 missing, nothing left prepared. Kafka is judged from its partition logs
 (COMMIT/ABORT markers replayed with Kafka's rule: 0 duplicates, 0 missing, 0 open
-transactions) on tansu, and also against a real broker (``real_kafka`` cases, with
-``KAFKA_BOOTSTRAP_SERVERS``), where a read_committed consumer must agree with the log.
-Every committed Kafka branch must also show its committed-offset marker.
+transactions) on the suite's Apache Kafka, and a read_committed consumer must agree with
+the log exactly. Every committed Kafka branch must also show its committed-offset marker.
 
 Kafka's hard moments (``test_kafka_hard_moment``): a worker killed after producing but
 before voting, after the COMMIT decision but before the Kafka commit, twice (the second
@@ -30,7 +29,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.support.kafka import kafka_branches_committed, real_kafka_servers
+from tests.support.kafka import kafka_branches_committed
 from tests.support.user import run_reference_job
 from twophase import failpoints
 from twophase.testing.chaos import PER_BRANCH_POINTS, TABLE_POINTS, VICTIMS, points_for
@@ -63,7 +62,7 @@ FAST = {
     ("worker", "after_prepare", "postgres"),
     ("driver", "before_commit", "files"),
     # Kafka, judged from the log: a worker dies after its vote (its neighbour's branch
-    # commits while its own transaction is open: the case where tansu's marker lags, see
+    # commits while its own transaction is open: the case where tansu's marker lagged, see
     # docs/kafka.md), and the driver dies after the COMMIT decision (every Kafka branch
     # is redone under it).
     ("worker", "after_vote", "kafka"),
@@ -155,6 +154,7 @@ def run_case(
     if kind == "postgres":
         assert _prepared(pg_dsn) == []
     if kind == "kafka":
+        assert "a read_committed consumer agrees" in system.note, system.note
         assert kafka_branches_committed(cfg, store) >= 2 * (BATCHES + 1)
     return report.systems
 
@@ -162,7 +162,7 @@ def run_case(
 @pytest.mark.parametrize(("victim", "point", "kind"), _params())
 def test_matrix(tmp_path: Path, pg_dsn: str, request: pytest.FixtureRequest,
                 victim: str, point: str, kind: str) -> None:
-    kafka = request.getfixturevalue("tansu_bootstrap") if kind == "kafka" else None
+    kafka = request.getfixturevalue("kafka_bootstrap") if kind == "kafka" else None
     run_case(tmp_path, victim, point, kind, pg_dsn=pg_dsn, kafka=kafka)
 
 
@@ -188,12 +188,12 @@ KAFKA_HARD = [
                   marks=[] if i == "killed-during-redo" else [pytest.mark.slow])
      for i, v, p, k, a in KAFKA_HARD],
 )
-def test_kafka_hard_moment(tmp_path: Path, pg_dsn: str, tansu_bootstrap: str, victim: str,
+def test_kafka_hard_moment(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, victim: str,
                            point: str, kills: int, aborted: bool) -> None:
     """Judged from the log: exactly once, nothing open, and the killed producers' rows
     show up as *aborted* (the fence's ABORT marker), not committed."""
     [kafka] = run_case(tmp_path, victim, point, "kafka", pg_dsn=pg_dsn,
-                       kafka=tansu_bootstrap, kills=kills)
+                       kafka=kafka_bootstrap, kills=kills)
     assert (kafka.aborted > 0) == aborted, kafka
 
 
@@ -210,31 +210,12 @@ def _reuse_params() -> list[Any]:
 
 
 @pytest.mark.parametrize(("victim", "point", "kills", "aborted"), _reuse_params())
-def test_matrix_kafka_reuse(tmp_path: Path, pg_dsn: str, tansu_bootstrap: str, victim: str,
+def test_matrix_kafka_reuse(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, victim: str,
                             point: str, kills: int, aborted: bool | None) -> None:
     [kafka] = run_case(tmp_path, victim, point, "kafka", pg_dsn=pg_dsn,
-                       kafka=tansu_bootstrap, kills=kills, reuse=True)
+                       kafka=kafka_bootstrap, kills=kills, reuse=True)
     if aborted is not None:
         assert (kafka.aborted > 0) == aborted, kafka
-
-
-def _real_params() -> list[Any]:
-    out = []
-    for v, p, k in _all_cases():
-        if k != "kafka":
-            continue
-        marks = [pytest.mark.real_kafka]
-        if (v, p) != ("worker", "after_vote"):
-            marks.append(pytest.mark.slow)
-        out.append(pytest.param(v, p, marks=marks, id=f"{v}-{p}-real_kafka"))
-    return out
-
-
-@pytest.mark.parametrize(("victim", "point"), _real_params())
-def test_matrix_real_kafka(tmp_path: Path, pg_dsn: str, real_kafka_bootstrap: str,
-                           victim: str, point: str) -> None:
-    assert real_kafka_servers()
-    run_case(tmp_path, victim, point, "kafka", pg_dsn=pg_dsn, kafka=real_kafka_bootstrap)
 
 
 def test_matrix_covers_every_point_kind_and_victim() -> None:

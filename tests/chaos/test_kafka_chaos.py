@@ -6,9 +6,9 @@ A real child process runs the partition's task (prepare, vote YES: COMMIT is dec
 and is held by a ``sleep`` failpoint at ``before_commit``, its transaction open. Here a
 new writer (new epoch) finds the batch in doubt and finishes it: the Kafka branch is not
 in this process, so it is redone, fencing the zombie. Then the zombie wakes and tries to
-commit: it must fail (tansu closes the fenced producer's connection, so "still in doubt";
-a real broker answers PRODUCER_FENCED). The log must show each id once, the zombie's
-rows aborted, nothing open. Zombie fencing by a live producer is also covered at the
+commit: it must fail with Kafka's PRODUCER_FENCED (or INVALID_PRODUCER_EPOCH). The log
+must show each id once, the zombie's rows aborted, nothing open, and a read_committed
+consumer must agree with the log. Zombie fencing by a live producer is also covered at the
 participant level in ``tests/sinks/kafka/test_kafka_participant.py``.
 """
 
@@ -32,6 +32,7 @@ from twophase.digest import rows_digest
 from twophase.errors import ParticipantError
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.kafka import KafkaParticipant
+from twophase.sinks.kafka.log import read_log
 from twophase.task import BatchPlan, run_partition
 from twophase.testing.verify import verify
 from twophase.wire import VoteIn
@@ -40,6 +41,8 @@ HELPER = Path(__file__).resolve().parents[1] / "support" / "run_partition.py"
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 HOLD_S = 20.0  # the zombie's sleep at before_commit: the redo must finish inside it
+# what a commit after the broker expired the transaction fails with
+EXPIRED = r"failed and was not aborted: .*(FENCED|EPOCH).*must be redone under the COMMIT"
 
 
 def _rows() -> pa.RecordBatch:
@@ -48,10 +51,10 @@ def _rows() -> pa.RecordBatch:
                                       schema=SCHEMA)
 
 
-def test_live_zombie_while_the_replacement_redoes(tmp_path: Path, tansu_bootstrap: str) -> None:
+def test_live_zombie_while_the_replacement_redoes(tmp_path: Path, kafka_bootstrap: str) -> None:
     topic = unique_topic("zombie")
-    create_topic(tansu_bootstrap, topic)
-    kafka = KafkaParticipant(topic, {"bootstrap.servers": tansu_bootstrap},
+    create_topic(kafka_bootstrap, topic)
+    kafka = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap},
                              connect_timeout_s=3.0, commit_retry_s=3.0)
     kafka.check(SCHEMA)
     sink = f"zombie_{uuid.uuid4().hex[:8]}"
@@ -99,7 +102,7 @@ def test_live_zombie_while_the_replacement_redoes(tmp_path: Path, tansu_bootstra
             if zombie.poll() is None:
                 zombie.kill()
         assert zombie.returncode == 4, err  # its commit failed: fenced
-        assert "still in doubt" in err or "FENCED" in err, err
+        assert "FENCED" in err or "EPOCH" in err, err
         report = verify([kafka], range(25), sink=sink)
         [s] = report.systems
         assert report.ok and s.duplicates == s.missing == s.open_transactions == 0, \
@@ -112,18 +115,20 @@ def test_live_zombie_while_the_replacement_redoes(tmp_path: Path, tansu_bootstra
 
 @pytest.mark.filterwarnings("ignore:Producer abort_transaction failed during close")
 def test_transaction_expired_while_applying_commit_is_redone(
-    tmp_path: Path, tansu_bootstrap: str
+    tmp_path: Path, kafka_bootstrap: str
 ) -> None:
-    """Past the transaction timeout: the broker aborts the open transaction and bumps the
-    producer's epoch while the COMMIT decision is being applied. tansu never expires a
-    transaction, so the expiry is made the way the broker makes it: another producer of
-    the same transactional.id fences it (ABORT marker, new epoch). The preparing process's
-    commit then fails (never turned into an abort), and the next writer redoes the branch
-    under the decision: exactly once in the log, the expired rows aborted."""
+    """Past the transaction timeout: the broker itself aborts the open transaction and
+    bumps the producer's epoch while the COMMIT decision is being applied (the suite's
+    broker checks for expired transactions every second; the participant's
+    ``transaction_timeout_ms`` is 2 s here). The preparing process's commit then fails
+    (never turned into an abort), and the next writer redoes the branch under the
+    decision: exactly once in the log and by a read_committed consumer, the expired rows
+    aborted."""
     topic = unique_topic("expiry")
-    create_topic(tansu_bootstrap, topic)
-    kafka = KafkaParticipant(topic, {"bootstrap.servers": tansu_bootstrap},
-                             connect_timeout_s=3.0, commit_retry_s=3.0)
+    create_topic(kafka_bootstrap, topic)
+    kafka = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap},
+                             connect_timeout_s=3.0, commit_retry_s=3.0,
+                             transaction_timeout_ms=2000)
     kafka.check(SCHEMA)
     sink = f"expiry_{uuid.uuid4().hex[:8]}"
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
@@ -140,10 +145,14 @@ def test_transaction_expired_while_applying_commit_is_redone(
             branch=ref.branch_id, yes=True, handle=dict(handle),
             digest=rows_digest(SCHEMA, [_rows()]))])
         assert answer.decision == Decision.COMMIT
-        # the broker expires the transaction: abort + epoch bump (here: a fence)
-        kafka._new_producer(ref).close()
-        with pytest.raises(ParticipantError, match=r"still in doubt|must be redone"):
+        # the broker expires the transaction: its ABORT marker, the epoch bumped
+        deadline = time.monotonic() + 30
+        while read_log({"bootstrap.servers": kafka_bootstrap}, topic).open_transactions:
+            assert time.monotonic() < deadline, "the broker never expired the transaction"
+            time.sleep(0.5)
+        with pytest.raises(ParticipantError, match=EXPIRED) as failed:
             kafka.commit(ref, handle)
+        print(f"the expired transaction's commit: {failed.value}")
         kafka.close()  # the failed task's process ends: its producer goes with it
         assert verify([kafka], range(25)).systems[0].missing == 25  # nothing landed
         # the next writer finds COMMIT decided and redoes the branch

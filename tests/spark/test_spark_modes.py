@@ -234,7 +234,7 @@ def test_stream_gains_a_column_with_fail_stops_before_writing(
 
 
 def test_update_mode_aggregation_into_postgres_files_and_kafka(
-    spark: Any, tmp_path: Path, pg_dsn: str, tansu_bootstrap: str
+    spark: Any, tmp_path: Path, pg_dsn: str, kafka_bootstrap: str
 ) -> None:
     """What update mode means per system, in one sink: PostgreSQL holds the latest count
     per customer; files hold each batch's changed rows (the newest batch per customer is
@@ -246,13 +246,13 @@ def test_update_mode_aggregation_into_postgres_files_and_kafka(
     from twophase.sinks.kafka import KafkaParticipant
 
     cfg = _job(tmp_path, pg_dsn, aggregate="update", pg_mode="upsert", pg_key=["customer"],
-               files_path=str(tmp_path / "out"), kafka_bootstrap=tansu_bootstrap)
+               files_path=str(tmp_path / "out"), kafka_bootstrap=kafka_bootstrap)
     cfg.kafka_topic = f"counts-{cfg.sink}".replace("_", "-")
-    create_topic(tansu_bootstrap, cfg.kafka_topic)
+    create_topic(kafka_bootstrap, cfg.kafka_topic)
     from twophase.testing.job import build_participants
 
     parts = build_participants(cfg)
-    parts[-1] = KafkaParticipant(cfg.kafka_topic, {"bootstrap.servers": tansu_bootstrap},
+    parts[-1] = KafkaParticipant(cfg.kafka_topic, {"bootstrap.servers": kafka_bootstrap},
                                  key="customer")
     write_input(cfg.input_dir, batches=3, rows_per_batch=ROWS)
     sink = run(cfg, spark, participants=parts)
@@ -269,19 +269,21 @@ def test_update_mode_aggregation_into_postgres_files_and_kafka(
                 newest[row["customer"]] = (int(m[1]), row["count"])
     assert {k: v[1] for k, v in newest.items()} == want
     changed_rows = sum(r.rows for r in sink.history)
-    # What is committed comes from the partition log (Kafka's COMMIT/ABORT rule): tansu's
-    # read_committed consumer can stop short of committed records (docs/kafka.md); it
-    # read 60 of 180 here once. The consumer (all records) then gives keys and headers,
-    # and must hold exactly the committed values: nothing aborted, nothing open.
+    # What is committed comes from the partition log (Kafka's COMMIT/ABORT rule), and a
+    # read_committed consumer must read exactly those values (tansu's could stop short,
+    # docs/kafka.md). The consumer (all records) then gives keys and headers, and must
+    # hold exactly the committed values: nothing aborted, nothing open.
     from twophase.sinks.kafka.log import read_log
 
-    log = read_log({"bootstrap.servers": tansu_bootstrap}, cfg.kafka_topic)
+    log = read_log({"bootstrap.servers": kafka_bootstrap}, cfg.kafka_topic)
     committed = [v for p in log.partitions for v in p.committed]
     assert len(committed) == changed_rows
     assert not any(p.aborted or p.open for p in log.partitions)
-    msgs = read_all(tansu_bootstrap, cfg.kafka_topic, isolation="read_uncommitted",
+    msgs = read_all(kafka_bootstrap, cfg.kafka_topic, isolation="read_uncommitted",
                     expect=changed_rows)
     assert sorted(m.value() for m in msgs) == sorted(committed)
+    stable = read_all(kafka_bootstrap, cfg.kafka_topic, expect=changed_rows)
+    assert sorted(m.value() for m in stable) == sorted(committed)  # the two judges agree
     latest = {}
     for m in msgs:  # one topic partition: offset order is commit order
         value = json.loads(m.value())

@@ -205,18 +205,17 @@ def test_two_queries_two_sinks_share_one_daemon(
         daemon.stop()
 
 
-def test_kafka_branch_over_the_wire_against_tansu(
-    spark: Any, job: JobConfig, tansu_bootstrap: str
-) -> None:
-    """Three participants including Kafka (tansu), all judged exactly-once (Kafka from
-    its partition logs); marker offsets checked."""
+def test_kafka_branch_over_the_wire(spark: Any, job: JobConfig, kafka_bootstrap: str) -> None:
+    """Three participants including Kafka (Apache Kafka), all judged exactly-once (Kafka
+    from its partition logs and a read_committed consumer, which must agree); marker
+    offsets checked."""
     from confluent_kafka import Consumer, TopicPartition
 
-    job.kafka_bootstrap = tansu_bootstrap
+    job.kafka_bootstrap = kafka_bootstrap
     job.kafka_topic = f"spark-{job.sink}"
     from tests.support.kafka import create_topic
 
-    create_topic(tansu_bootstrap, job.kafka_topic)
+    create_topic(kafka_bootstrap, job.kafka_topic)
     write_input(job.input_dir, batches=2, rows_per_batch=40)
     sink = run(job, spark)
     assert [r.outcome for r in sink.history] == ["committed"] * 2
@@ -225,12 +224,13 @@ def test_kafka_branch_over_the_wire_against_tansu(
     kafka = next(s for s in report.systems if s.kind == "kafka")
     assert kafka.rows == 80 and kafka.exact and kafka.open_transactions == 0
     assert kafka.duplicates == kafka.missing == kafka.mismatch == 0
+    assert "a read_committed consumer agrees" in kafka.note, kafka.note
     # (aborted rows are possible: a slow machine can abort an attempt at its vote deadline;
     # the retry lands the rows once and the log shows the first attempt's rows aborted)
     # each branch's marker group committed offset checkpoint+1 = 2 for the last batch
     for partition in range(2):
         group = f"twophase.{job.sink}.{_lineage(job)}.kafka-{job.kafka_topic}.{partition}"
-        c = Consumer({"bootstrap.servers": tansu_bootstrap, "group.id": group})
+        c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group})
         try:
             [tp] = c.committed([TopicPartition(job.kafka_topic, 0)], timeout=10)
         finally:

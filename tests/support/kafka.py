@@ -1,10 +1,11 @@
-"""Kafka test support: the tansu broker fixture, the real-broker switch, small readers.
+"""Kafka test support: the suite's Apache Kafka broker, small readers.
 
-- ``tansu_bootstrap`` (session): a tansu broker (memory storage, free loopback port) started
-  for the session and stopped at its end. Over the wire, but tansu does not hide aborted
-  records from ``read_committed`` readers, so it never backs an exactly-once assertion.
-- ``real_kafka_bootstrap`` (session): ``$KAFKA_BOOTSTRAP_SERVERS``; tests using it carry the
-  ``real_kafka`` marker and are deselected only when the variable is unset.
+- ``kafka_broker`` (session): a private Apache Kafka 4.x broker (KRaft, one node,
+  ``twophase.testing.apachekafka.LocalKafka``; jars from Maven, cached) on a free loopback
+  port, started once for the session (~4 s) and stopped at its end. Tests that kill a
+  broker start their own.
+- ``kafka_bootstrap`` (session): its ``bootstrap.servers``; ``$KAFKA_BOOTSTRAP_SERVERS``
+  points the same tests at an outside broker instead (then no local broker starts).
 """
 
 from __future__ import annotations
@@ -17,31 +18,33 @@ from typing import Any
 
 import pytest
 
-from twophase.testing.localkafka import LocalTansu
+from twophase.testing.apachekafka import LocalKafka
 
-REAL_KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
+OUTSIDE_KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 
 
-def real_kafka_servers() -> str | None:
-    value = os.environ.get(REAL_KAFKA_ENV, "").strip()
+def outside_kafka_servers() -> str | None:
+    value = os.environ.get(OUTSIDE_KAFKA_ENV, "").strip()
     return value or None
 
 
 @pytest.fixture(scope="session")
-def tansu_bootstrap() -> Iterator[str]:
-    broker = LocalTansu()
+def kafka_broker() -> Iterator[LocalKafka]:
+    broker = LocalKafka()
     broker.start()
     try:
-        yield broker.bootstrap
+        yield broker
     finally:
         broker.stop()
 
 
 @pytest.fixture(scope="session")
-def real_kafka_bootstrap() -> str:
-    servers = real_kafka_servers()
-    assert servers, f"{REAL_KAFKA_ENV} must be set for real_kafka tests"
-    return servers
+def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
+    outside = outside_kafka_servers()
+    if outside:
+        return outside
+    broker: LocalKafka = request.getfixturevalue("kafka_broker")
+    return broker.bootstrap
 
 
 def unique_topic(prefix: str = "t") -> str:
@@ -107,14 +110,30 @@ def read_all(
         c.close()
 
 
-def committed_offset(bootstrap: str, group: str, topic: str) -> int:
-    """The committed offset of ``group`` on (topic, 0); -1 when none."""
-    from confluent_kafka import Consumer, TopicPartition
+def committed_offset(bootstrap: str, group: str, topic: str, *, open_txn: bool = False) -> int:
+    """The committed offset of ``group`` on (topic, 0); -1 when none.
+
+    Read stably (KIP-447: the answer waits for a transaction whose commit is being
+    completed); ``open_txn=True`` when a transaction holding the group's offsets is known
+    to be open: a stable read would wait for it until the timeout, so the committed
+    (materialized) offset is read as it is."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    from twophase.sinks.kafka.errors import COORDINATOR_MOVES
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
-                  "enable.auto.commit": False})
+                  "enable.auto.commit": False,
+                  "isolation.level": "read_uncommitted" if open_txn else "read_committed"})
     try:
-        [tp] = c.committed([TopicPartition(topic, 0)], timeout=10)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                [tp] = c.committed([TopicPartition(topic, 0)], timeout=10)
+                break
+            except KafkaException as exc:  # a coordinator still loading: ask again
+                if exc.args[0].name() not in COORDINATOR_MOVES or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
     finally:
         c.close()
@@ -123,8 +142,8 @@ def committed_offset(bootstrap: str, group: str, topic: str) -> int:
 def kafka_branches_committed(cfg: Any, store_url: str) -> int:
     """Every Kafka branch of every COMMITTED transaction of ``cfg`` (a ``JobConfig``)
     reads COMMITTED over the wire through ``voted_status``, what recovery and ``twophase
-    resolve`` ask: its marker, or, where tansu left the marker unapplied, the partition
-    log from the vote's offsets (docs/kafka.md). Returns how many branches were checked."""
+    resolve`` ask: its marker, or the partition log from the vote's offsets
+    (docs/kafka.md). Returns how many branches were checked."""
     from twophase.coordinator.store import Store
     from twophase.participant import BranchRef, BranchStatus
     from twophase.protocol import parse_branch_id

@@ -494,7 +494,7 @@ def test_a_role_without_privileges_is_named_with_the_grants(pg_dsn: str) -> None
     p.close()
 
 
-def test_the_kafka_probe_against_a_real_broker(tansu_bootstrap: str) -> None:
+def test_the_kafka_probe_against_a_real_broker(kafka_bootstrap: str) -> None:
     """Brokers answering: a missing topic is left to check() (it creates it), an existing
     one passes; brokers not answering are a transient ParticipantError naming the host."""
     import pyarrow as pa
@@ -504,7 +504,7 @@ def test_the_kafka_probe_against_a_real_broker(tansu_bootstrap: str) -> None:
     from twophase.testing.servers import free_port
 
     topic = f"probe-{uuid.uuid4().hex[:8]}"
-    p = KafkaParticipant(topic, {"bootstrap.servers": tansu_bootstrap})
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap})
     p.probe()  # the topic does not exist yet
     p.check(pa.schema([("value", pa.string())]))  # creates it
     p.probe()

@@ -19,16 +19,17 @@ examples:
   twophase chaos --victims worker,coordinator --coordinator-mode daemon --kills 20
   twophase chaos --kills 5 --no-postgres --batches 2 --rows-per-batch 100
   twophase chaos --kafka-bootstrap broker:9092      also write to (and judge) a Kafka
-  twophase chaos --kafka-tansu                      also write to a private tansu broker
-                                                    (judged from its partition logs)
-  twophase chaos --kafka-tansu --victims driver,worker,broker
+  twophase chaos --kafka-local                      also write to a private Apache Kafka
+                                                    broker (judged from its partition logs
+                                                    and a read_committed consumer)
+  twophase chaos --kafka-local --victims driver,worker,broker
                                                     ... and kill/restart that broker too
   twophase chaos --files-s3-local                   the files go to a private S3-API server
                                                     (moto) instead of a folder
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
   twophase chaos --delta-local                      also write a Delta table (one version per
                                                     batch; delta extra)
-  twophase chaos --iceberg-local --delta-local --kafka-tansu --coordinator-mode daemon --kills 40
+  twophase chaos --iceberg-local --delta-local --kafka-local --coordinator-mode daemon --kills 40
                                                     PostgreSQL + files + Iceberg + Delta + Kafka
                                                     in one sink (iceberg extra)
   twophase chaos --job my-job.json --kills 30       your own participants (a JobConfig as read
@@ -37,9 +38,10 @@ examples:
                                                     (empty) input_dir
 
 Victims: driver (the Spark driver process), worker (a Spark Python worker), coordinator
-(the `twophase serve` daemon; needs --coordinator-mode daemon), broker (the tansu broker
-of --kafka-tansu, then run on S3 storage in a private moto server so its log survives:
-SIGKILL, a pause of up to --broker-down-max seconds, restart on the same port). A kill
+(the `twophase serve` daemon; needs --coordinator-mode daemon), broker (the Apache Kafka
+broker of --kafka-local, its log on disk: SIGKILL, a pause of up to --broker-down-max
+seconds, restart on the same port and log; with --kafka-tansu, tansu on S3 storage in a
+private moto server). A kill
 is a failpoint at a protocol step (before_prepare, after_vote, after_decision, ...) or a
 SIGKILL after a random delay (always, for the broker). Every victim gets a kill before
 any gets a second (when --kills allows); --seed makes the sequence reproducible. Exit
@@ -63,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--victims", default=None,
                    help="comma list of driver,worker,coordinator,broker (default: "
                    "driver,worker, plus coordinator in daemon mode; broker needs "
-                   "--kafka-tansu)")
+                   "--kafka-local)")
     p.add_argument("--batches", type=int, default=3,
                    help="new input batches for every job run (default 3)")
     p.add_argument("--rows-per-batch", type=int, default=200, help="rows per batch (default 200)")
@@ -82,10 +84,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-files", action="store_true", help="no staged-files participant")
     p.add_argument("--kafka-bootstrap", default=None, metavar="HOST:PORT",
                    help="also write to this Kafka (judged from its partition logs, cross-checked "
-                   "with a read_committed consumer); 'local': a private broker, as in "
-                   "twophase demo (--kafka-tansu)")
+                   "with a read_committed consumer); 'local': a private Apache Kafka "
+                   "broker, as in twophase demo (--kafka-local)")
+    p.add_argument("--kafka-local", action="store_true",
+                   help="also write to a private Apache Kafka broker (4.x, KRaft, one node; "
+                   "jars resolved once through Maven, docs/kafka.md), judged from its "
+                   "partition logs and a read_committed consumer")
     p.add_argument("--kafka-tansu", action="store_true",
-                   help="also write to a private tansu broker (judged from its partition logs)")
+                   help="also write to a private tansu broker instead (the stand-in used "
+                   "before Apache Kafka; it shows aborted records to read_committed readers, "
+                   "so it proves nothing on its own)")
     p.add_argument("--kafka-reuse", action="store_true",
                    help="the Kafka participant keeps its producers across batches "
                    "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
@@ -140,7 +148,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             print(msg, flush=True)
 
     if args.kafka_bootstrap == "local":  # demo's spelling of a private broker
-        args.kafka_bootstrap, args.kafka_tansu = None, True
+        args.kafka_bootstrap, args.kafka_local = None, True
     if args.victims is None:
         victims: tuple[str, ...] = ("driver", "worker") + (
             ("coordinator",) if args.coordinator_mode == "daemon" else ())
@@ -163,18 +171,19 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print("twophase chaos: --participant adds to the demo job; with --job, list the "
               "descriptors in the config's \"participants\"", file=sys.stderr)
         return 2
-    if "broker" in victims and not (args.kafka_tansu and job is None):
-        print("twophase chaos: victim 'broker' needs --kafka-tansu (chaos kills and restarts "
-              "the private tansu broker it starts; it cannot restart a broker given by "
+    local_kafka = args.kafka_local or args.kafka_tansu
+    if "broker" in victims and not (local_kafka and job is None):
+        print("twophase chaos: victim 'broker' needs --kafka-local (chaos kills and restarts "
+              "the private Kafka broker it starts; it cannot restart a broker given by "
               "--kafka-bootstrap or a --job's)", file=sys.stderr)
         return 2
     servers: list[Any] = []
-    broker = None
+    broker: Any = None  # LocalKafka or LocalTansu
     try:
         pg_dsn = args.pg_dsn
         if args.kafka_reuse and (job is not None or not (args.kafka_bootstrap
-                                                          or args.kafka_tansu)):
-            print("twophase chaos: --kafka-reuse needs --kafka-tansu or --kafka-bootstrap "
+                                                          or local_kafka)):
+            print("twophase chaos: --kafka-reuse needs --kafka-local or --kafka-bootstrap "
                   "(with --job, set kafka_reuse in the config)", file=sys.stderr)
             return 2
         if job is None and pg_dsn is None and not args.no_postgres:
@@ -190,14 +199,18 @@ def _run_chaos(args: argparse.Namespace) -> int:
                 say("PostgreSQL server binaries not found: running without PostgreSQL "
                     "(pass --pg-dsn, or install the 'postgresql' package)")
         kafka = args.kafka_bootstrap
-        if args.kafka_tansu and job is None:
-            if kafka:
-                print("twophase chaos: pass --kafka-bootstrap or --kafka-tansu, not both",
-                      file=sys.stderr)
+        if local_kafka and job is None:
+            if kafka or (args.kafka_local and args.kafka_tansu):
+                print("twophase chaos: pass one of --kafka-bootstrap, --kafka-local, "
+                      "--kafka-tansu", file=sys.stderr)
                 return 2
+            from twophase.testing.apachekafka import LocalKafka
             from twophase.testing.localkafka import LocalTansu
 
-            if "broker" in victims:
+            if args.kafka_local:
+                say("starting a private Apache Kafka broker ...")
+                broker = LocalKafka()
+            elif "broker" in victims:
                 # Its log must survive its kills: S3 storage in a private moto server.
                 from twophase.testing.locals3 import LocalS3
 

@@ -25,7 +25,7 @@ examples:
   twophase demo --batches 50 --rows-per-batch 10000
   twophase demo --no-postgres                 files only
   twophase demo --coordinator-mode daemon     through a `twophase serve` daemon it starts
-  twophase demo --kafka-bootstrap local       also a Kafka topic on a private tansu broker
+  twophase demo --kafka-bootstrap local       also a Kafka topic on a private Apache Kafka
   twophase demo --kafka-bootstrap host:9092   also a Kafka topic on your broker
 
 Exit code 0 when every id landed exactly once in every judged system, 1 otherwise.
@@ -81,8 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="use this PostgreSQL instead of starting a private one "
                    "(needs max_prepared_transactions > 0)")
     p.add_argument("--kafka-bootstrap", default=None, metavar="SERVERS",
-                   help="add a Kafka topic; 'local' starts a private tansu broker "
-                   "(Kafka is judged from its partition logs)")
+                   help="add a Kafka topic; 'local' starts a private Apache Kafka broker "
+                   "(jars resolved once through Maven; Kafka is judged from its partition "
+                   "logs and a read_committed consumer)")
     p.add_argument("--coordinator", default=None, metavar="URL",
                    help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
                    "instead of one the demo starts")
@@ -114,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         console.print("twophase demo needs the spark extra: pip install 'twophase\\[all]'")
         return 2
+    from twophase.testing.apachekafka import LocalKafka
     from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
     from twophase.testing.job import run as run_job
-    from twophase.testing.localkafka import LocalTansu
     from twophase.testing.localpg import LocalPostgres, PostgresUnavailable, find_bindir
     from twophase.testing.verify import verify
 
@@ -153,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"coordinator daemon (twophase serve) on {coordinator}")
         kafka = args.kafka_bootstrap
         if kafka == "local":
-            servers.append(LocalTansu().start())
+            console.print("starting a private Apache Kafka broker ...")
+            servers.append(LocalKafka().start())
             kafka = servers[-1].bootstrap
-            console.print(f"private tansu broker on {kafka}")
+            console.print(f"private Apache Kafka {servers[-1].version} on {kafka}")
         cfg = JobConfig(
             input_dir=str(work / "input"),
             checkpoint=str(work / "checkpoint"),

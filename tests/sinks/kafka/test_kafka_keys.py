@@ -9,22 +9,22 @@ import pyarrow as pa
 import pytest
 
 from tests.sinks.kafka.test_kafka_participant import SCHEMA, batch, branch, make
-from tests.support.kafka import read_all, tansu_bootstrap
+from tests.support.kafka import kafka_bootstrap, read_all
 from twophase.errors import InvalidRequest
 from twophase.participant import ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
 
-__all__ = ["tansu_bootstrap"]  # the fixture, imported for pytest
+__all__ = ["kafka_bootstrap"]  # the fixture, imported for pytest
 
 
 def test_composite_key_is_a_json_object_and_headers_trace_the_batch(
-    tansu_bootstrap: str,
+    kafka_bootstrap: str,
 ) -> None:
-    p = make(tansu_bootstrap, key=["k", "id"])
+    p = make(kafka_bootstrap, key=["k", "id"])
     p.check(SCHEMA)
     b = branch(p, batch_id=7, partition=3, sink="counts")
     p.commit(b, p.prepare(b, SCHEMA, [batch(0, 20)]))
-    msgs = read_all(tansu_bootstrap, p.topic, expect=20)
+    msgs = read_all(kafka_bootstrap, p.topic, expect=20)
     assert len(msgs) == 20
     for m in msgs:
         row = json.loads(m.value())
@@ -38,18 +38,18 @@ def test_composite_key_is_a_json_object_and_headers_trace_the_batch(
     p.close()
 
 
-def test_single_key_column_is_the_key_as_is(tansu_bootstrap: str) -> None:
-    p = make(tansu_bootstrap, key=["id"])
+def test_single_key_column_is_the_key_as_is(kafka_bootstrap: str) -> None:
+    p = make(kafka_bootstrap, key=["id"])
     p.check(SCHEMA)
     b = branch(p)
     p.commit(b, p.prepare(b, SCHEMA, [batch(0, 5)]))
-    keys = sorted(m.key() for m in read_all(tansu_bootstrap, p.topic, expect=5))
+    keys = sorted(m.key() for m in read_all(kafka_bootstrap, p.topic, expect=5))
     assert keys == [str(i).encode() for i in range(5)]
     p.close()
 
 
-def test_key_bad_input(tansu_bootstrap: str) -> None:
-    conf = {"bootstrap.servers": tansu_bootstrap}
+def test_key_bad_input(kafka_bootstrap: str) -> None:
+    conf = {"bootstrap.servers": kafka_bootstrap}
     for bad in ([], ["k", "k"], [""], 3):
         with pytest.raises(InvalidRequest, match="key must be a column name or a list"):
             KafkaParticipant("t", conf, key=bad)  # type: ignore[arg-type]

@@ -1,12 +1,9 @@
-"""Kafka assertions that need a real Apache Kafka broker.
+"""Kafka assertions that only a real Apache Kafka broker shows: aborted records hidden from
+read_committed readers, PRODUCER_FENCED for a zombie's commit, the broker's own limits.
 
-These run whenever ``KAFKA_BOOTSTRAP_SERVERS`` is set (e.g. ``localhost:9092`` from the
-compose file in ``docker/``) and are marked ``real_kafka``; without the variable they are
-deselected (the run's summary counts them), because no Kafka broker can run in this
-sandbox. They are here, not in the tansu suite, because tansu does not hide aborted
-records from read_committed readers and answers a fenced producer's commit by closing
-the connection rather than with PRODUCER_FENCED: exactly-once of the output and the
-fenced error code are only meaningful against a real broker.
+They run by default on the suite's private Apache Kafka (``kafka_bootstrap``,
+``tests/support/kafka.py``), marked ``real_kafka`` for the record; tansu, the suite's
+broker before, could not back them.
 """
 
 from __future__ import annotations
@@ -20,16 +17,15 @@ import pytest
 from tests.support.kafka import (
     committed_offset,
     create_topic,
+    kafka_bootstrap,
     read_all,
-    real_kafka_bootstrap,
     unique_topic,
 )
 from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
 from twophase.sinks.kafka import KafkaParticipant
 
-__all__ = ["real_kafka_bootstrap"]
+__all__ = ["kafka_bootstrap"]
 
-# Deselected (not skipped) by tests/conftest.py when KAFKA_BOOTSTRAP_SERVERS is unset.
 pytestmark = [pytest.mark.real_kafka]
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
@@ -51,22 +47,22 @@ def branch(p: KafkaParticipant, batch_id: int, attempt: int = 0, lineage: str = 
     return BranchRef("real", lineage or uuid.uuid4().hex[:12], batch_id, attempt, p.name, 0)
 
 
-def test_aborted_attempt_invisible_then_retry_exactly_once(real_kafka_bootstrap: str) -> None:
-    p = make(real_kafka_bootstrap)
+def test_aborted_attempt_invisible_then_retry_exactly_once(kafka_bootstrap: str) -> None:
+    p = make(kafka_bootstrap)
     first = branch(p, 0)
     p.abort(first, p.prepare(first, SCHEMA, [rows(0, 400)]))
     retry = BranchRef(first.sink, first.lineage, 0, 1, p.name, 0)
     p.commit(retry, p.prepare(retry, SCHEMA, [rows(0, 400)]))
-    got = [json.loads(m.value())["id"] for m in read_all(real_kafka_bootstrap, p.topic,
+    got = [json.loads(m.value())["id"] for m in read_all(kafka_bootstrap, p.topic,
                                                          expect=400, idle_s=3)]
     assert sorted(got) == list(range(400))  # the aborted 400 are invisible
-    uncommitted = read_all(real_kafka_bootstrap, p.topic, isolation="read_uncommitted",
+    uncommitted = read_all(kafka_bootstrap, p.topic, isolation="read_uncommitted",
                            expect=800, idle_s=3)
     assert len(uncommitted) == 800  # they were written, and hidden by the abort
 
 
-def test_zombie_fenced_with_error_and_output_exactly_once(real_kafka_bootstrap: str) -> None:
-    p = make(real_kafka_bootstrap)
+def test_zombie_fenced_with_error_and_output_exactly_once(kafka_bootstrap: str) -> None:
+    p = make(kafka_bootstrap)
     b = branch(p, 5)
     zombie = KafkaParticipant(p.topic, p.config, connect_timeout_s=15,  # type: ignore[arg-type]
                               commit_retry_s=10)
@@ -75,36 +71,36 @@ def test_zombie_fenced_with_error_and_output_exactly_once(real_kafka_bootstrap: 
     with pytest.raises(ParticipantError, match=r"failed and was not aborted: .*(FENCED|EPOCH)"):
         zombie.commit(b, old)
     assert p.status(b) is BranchStatus.COMMITTED
-    assert committed_offset(real_kafka_bootstrap, p.marker_group(b), p.topic) == 6
-    got = [json.loads(m.value())["id"] for m in read_all(real_kafka_bootstrap, p.topic,
+    assert committed_offset(kafka_bootstrap, p.marker_group(b), p.topic) == 6
+    got = [json.loads(m.value())["id"] for m in read_all(kafka_bootstrap, p.topic,
                                                          expect=300, idle_s=3)]
     assert sorted(got) == list(range(300))
 
 
-def test_redo_in_another_process_exactly_once(real_kafka_bootstrap: str) -> None:
-    p = make(real_kafka_bootstrap)
+def test_redo_in_another_process_exactly_once(kafka_bootstrap: str) -> None:
+    p = make(kafka_bootstrap)
     b = branch(p, 9)
     p.prepare(b, SCHEMA, [rows(0, 200)])  # then "crash": the producer is abandoned
     other = KafkaParticipant(p.topic, p.config, connect_timeout_s=15)  # type: ignore[arg-type]
     other.commit(b, other.prepare(b, SCHEMA, [rows(0, 200)]))
     again = KafkaParticipant(p.topic, p.config, connect_timeout_s=15)  # type: ignore[arg-type]
     assert again.prepare(b, SCHEMA, [rows(0, 200)])["already_committed"] == "yes"
-    got = [json.loads(m.value())["id"] for m in read_all(real_kafka_bootstrap, p.topic,
+    got = [json.loads(m.value())["id"] for m in read_all(kafka_bootstrap, p.topic,
                                                          expect=200, idle_s=3)]
     assert sorted(got) == list(range(200))
 
 
-def test_check_reads_broker_limits(real_kafka_bootstrap: str) -> None:
+def test_check_reads_broker_limits(kafka_bootstrap: str) -> None:
     from confluent_kafka.admin import AdminClient, _config, _resource
     from confluent_kafka.cimpl import NewTopic
 
-    admin = AdminClient({"bootstrap.servers": real_kafka_bootstrap})
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     md = admin.list_topics(timeout=15)
     broker = str(min(md.brokers))
     res = _config.ConfigResource(_resource.ResourceType.BROKER, broker)
     [fut] = admin.describe_configs([res]).values()
     max_ms = int(fut.result(timeout=15)["transaction.max.timeout.ms"].value)
-    p = KafkaParticipant(unique_topic("real"), {"bootstrap.servers": real_kafka_bootstrap},
+    p = KafkaParticipant(unique_topic("real"), {"bootstrap.servers": kafka_bootstrap},
                          transaction_timeout_ms=max_ms + 1000)
     with pytest.raises(ParticipantError, match=f"transaction.max.timeout.ms={max_ms}"):
         p.check(SCHEMA)
@@ -112,7 +108,7 @@ def test_check_reads_broker_limits(real_kafka_bootstrap: str) -> None:
     [fut] = admin.create_topics([NewTopic(topic, 1, config={"max.message.bytes": "2000"})]
                                 ).values()
     fut.result(timeout=15)
-    q = KafkaParticipant(topic, {"bootstrap.servers": real_kafka_bootstrap}, value="label")
+    q = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, value="label")
     q.check(SCHEMA)
     assert q.max_message_bytes() == 2000
     big = pa.record_batch([pa.array([1]), pa.array(["z" * 5000])], schema=SCHEMA)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tests.support.kafka import committed_offset, create_topic, tansu_bootstrap, unique_topic
+from tests.support.kafka import committed_offset, create_topic, kafka_bootstrap, unique_topic
 from twophase.participant import BranchRef, BranchStatus
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.participant import PRODUCERS
 
-__all__ = ["tansu_bootstrap"]  # the fixture, imported for pytest
+__all__ = ["kafka_bootstrap"]  # the fixture, imported for pytest
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 ROOT = Path(__file__).resolve().parents[3]
@@ -68,8 +68,8 @@ def want(*batches: int) -> Counter[int]:
     return Counter(b * 1000 + i for b in batches for i in range(20))
 
 
-def test_a_producer_is_reused_by_the_next_batch_in_the_process(tansu_bootstrap: str) -> None:
-    p = make(tansu_bootstrap)
+def test_a_producer_is_reused_by_the_next_batch_in_the_process(kafka_bootstrap: str) -> None:
+    p = make(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
     first = task(p, lineage, 0)
     assert PRODUCERS.take(p._cache_key(ref(p, lineage, 0))) is first  # idle after commit
@@ -77,7 +77,7 @@ def test_a_producer_is_reused_by_the_next_batch_in_the_process(tansu_bootstrap: 
     second = task(p, lineage, 1)
     third = task(p, lineage, 2)
     assert first is second is third  # one producer, no init_transactions after the first
-    assert committed_offset(tansu_bootstrap, p.marker_group(ref(p, lineage, 2)), p.topic) == 3
+    assert committed_offset(kafka_bootstrap, p.marker_group(ref(p, lineage, 2)), p.topic) == 3
     assert committed_ids(p) == want(0, 1, 2)
     # an aborted batch leaves the producer healthy too; the retry reuses it
     own: KafkaParticipant = pickle.loads(pickle.dumps(p))
@@ -106,17 +106,17 @@ def _init_elsewhere(p: KafkaParticipant, branch: BranchRef) -> None:
     subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], check=True, timeout=60)
 
 
-def test_a_cached_producer_fenced_by_another_process_is_replaced(tansu_bootstrap: str) -> None:
+def test_a_cached_producer_fenced_by_another_process_is_replaced(kafka_bootstrap: str) -> None:
     """The cached producer is fenced by another process's init: the next batch's prepare
     finds out at its first broker call (the marker offset, before any row), drops it and
     writes the batch once with a new producer; nothing is written twice."""
-    p = make(tansu_bootstrap)
+    p = make(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
     first = task(p, lineage, 0)
     _init_elsewhere(p, ref(p, lineage, 1))
     second = task(p, lineage, 1)
     assert second is not first
-    assert committed_offset(tansu_bootstrap, p.marker_group(ref(p, lineage, 1)), p.topic) == 2
+    assert committed_offset(kafka_bootstrap, p.marker_group(ref(p, lineage, 1)), p.topic) == 2
     back = p.read_back("id")
     assert back.aborted == 0  # the fenced producer produced nothing
     assert committed_ids(p) == want(0, 1)
@@ -139,12 +139,12 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_a_worker_killed_holding_a_cached_producer(tansu_bootstrap: str) -> None:
+def test_a_worker_killed_holding_a_cached_producer(kafka_bootstrap: str) -> None:
     """A Python worker commits batch 0, reuses its cached producer for batch 1 and is
     SIGKILLed with that transaction open. A new process finds the branch ABSENT, redoes
     it (its init fences the dead producer and aborts its transaction) and the next batch
     reuses the new producer: every row committed once, the dead transaction aborted."""
-    p = make(tansu_bootstrap)
+    p = make(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER, pickle.dumps(p).hex(), lineage, str(ROOT)],
@@ -166,10 +166,10 @@ def test_a_worker_killed_holding_a_cached_producer(tansu_bootstrap: str) -> None
     assert committed_ids(p) == want(0, 1, 2)
 
 
-def test_a_redo_never_reuses_a_cached_producer(tansu_bootstrap: str) -> None:
+def test_a_redo_never_reuses_a_cached_producer(kafka_bootstrap: str) -> None:
     """A redo must fence every older producer of the id before it reads the marker and
     the log: it starts a new producer even when this process holds an idle one."""
-    p = make(tansu_bootstrap)
+    p = make(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
     cached = task(p, lineage, 0)
     own: KafkaParticipant = pickle.loads(pickle.dumps(p))

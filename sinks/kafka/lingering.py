@@ -1,0 +1,103 @@
+"""Open Kafka transactions a crash left behind, found and aborted through the brokers.
+
+Why: a Kafka branch's transaction lives in its producer; when the process dies between
+prepare and commit, the transaction stays open on the broker until
+``transaction.timeout.ms`` (600 s by default here), and every ``read_committed`` consumer
+of its partitions stops at the last stable offset until then. The next batch's
+``init_transactions`` on the same transactional.id aborts it, but a sink that is not
+restarted (or a partition no later batch writes) leaves it stalling readers. This finds
+the sink's open transactions with the AdminClient (ListTransactions and
+DescribeTransactions, Kafka 3.0+, through kafka-python: librdkafka's client has no such
+call) and aborts them the way Kafka itself would, by fencing the transactional.id
+(``init_transactions``): the broker writes the ABORT markers.
+
+Aborting is always safe under the protocol: a Kafka prepare is not durable, so a branch
+whose transaction was open is redone under a COMMIT decision, never committed by another
+process (that would need KIP-939).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from twophase.errors import ParticipantError
+
+__all__ = ["OpenTransaction", "list_open_transactions"]
+
+# librdkafka setting -> kafka-python argument: the connection and security settings a
+# participant's config may carry
+_KAFKA_PYTHON = {
+    "security.protocol": "security_protocol",
+    "sasl.mechanism": "sasl_mechanism",
+    "sasl.mechanisms": "sasl_mechanism",
+    "sasl.username": "sasl_plain_username",
+    "sasl.password": "sasl_plain_password",
+    "ssl.ca.location": "ssl_cafile",
+    "ssl.certificate.location": "ssl_certfile",
+    "ssl.key.location": "ssl_keyfile",
+    "ssl.key.password": "ssl_password",
+}
+
+
+@dataclass(frozen=True)
+class OpenTransaction:
+    """A transaction still open (``Ongoing``) on its coordinator."""
+
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    age_s: float  # since the broker began it
+    partitions: tuple[str, ...]  # "topic-partition", sorted
+
+
+def list_open_transactions(
+    who: str, config: Mapping[str, object], prefix: str, timeout: float
+) -> list[OpenTransaction]:
+    """Every ``Ongoing`` transaction whose transactional.id is ``prefix`` followed by a
+    partition number, oldest first."""
+    from kafka.admin import KafkaAdminClient
+
+    bootstrap = str(config["bootstrap.servers"])
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": bootstrap.split(","),
+        "request_timeout_ms": int(timeout * 1000),
+        "bootstrap_timeout_ms": int(timeout * 1000),  # 30 s by default
+        "client_id": "twophase-lingering",
+    }
+    kwargs.update({_KAFKA_PYTHON[k]: v for k, v in config.items() if k in _KAFKA_PYTHON})
+    try:
+        admin = KafkaAdminClient(**kwargs)
+    except Exception as exc:
+        raise ParticipantError(f"{who}: cannot reach Kafka at {bootstrap} to list open "
+                               f"transactions: {type(exc).__name__}: {exc}") from exc
+    try:
+        listed = admin.list_transactions(state_filters=["Ongoing"])
+        ids = sorted(t.transactional_id for per_broker in listed.values() for t in per_broker
+                     if t.transactional_id.startswith(prefix)
+                     and t.transactional_id[len(prefix):].isdigit())
+        described: dict[str, Any] = {}
+        for tid in ids:  # one by one: one that ended meanwhile is not found, the rest are
+            try:
+                described.update(admin.describe_transactions([tid]))
+            except Exception as exc:
+                if type(exc).__name__ != "TransactionalIdNotFoundError":
+                    raise
+    except Exception as exc:
+        raise ParticipantError(
+            f"{who}: cannot list open transactions at {bootstrap}: {type(exc).__name__}: "
+            f"{exc} (the principal needs Describe on the cluster and on the transactional "
+            "ids twophase.<sink>.*)") from exc
+    finally:
+        admin.close()
+    now_ms = time.time() * 1000
+    out = [
+        OpenTransaction(
+            tid, int(d.producer_id), int(d.producer_epoch),
+            max(0.0, (now_ms - d.transaction_start_time_ms) / 1000),
+            tuple(sorted(f"{tp.topic}-{tp.partition}" for tp in d.topic_partitions)))
+        for tid, d in described.items() if getattr(d.state, "value", d.state) == "Ongoing"
+    ]
+    return sorted(out, key=lambda t: -t.age_s)

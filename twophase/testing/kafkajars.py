@@ -1,0 +1,130 @@
+"""Apache Kafka's broker jars, resolved once through Maven and cached.
+
+Why: no Kafka distribution is installed on the project's machines or CI, but Maven Central
+is reachable; ``kafka-broker.pom.xml`` (beside this module) names ``kafka_2.13`` and a
+log4j2 backend, and ``mvn dependency:copy-dependencies`` copies them with every runtime
+dependency into one folder, the classpath of ``java kafka.Kafka``. The folder is keyed by
+the pom's content, so a changed pom builds a new one and an unchanged one is reused.
+
+``$TWOPHASE_KAFKA_LIBS`` names a ready folder of jars instead (an offline machine).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from twophase.testing.servers import ServerUnavailable
+
+__all__ = [
+    "ENV_LIBS",
+    "KAFKA_VERSION",
+    "POM",
+    "KafkaJarsUnavailable",
+    "cache_dir",
+    "java_binary",
+    "kafka_libs",
+]
+
+ENV_LIBS = "TWOPHASE_KAFKA_LIBS"
+"""A folder of Kafka's jars to use as is (no Maven)."""
+
+POM = Path(__file__).with_name("kafka-broker.pom.xml")
+
+
+def _pom_version() -> str:
+    found = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", POM.read_text())
+    assert found, f"{POM} names no <kafka.version>"
+    return found.group(1)
+
+
+KAFKA_VERSION = _pom_version()
+
+
+class KafkaJarsUnavailable(ServerUnavailable):
+    """Kafka's jars are not cached and cannot be resolved (no Maven, no Java, offline)."""
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/twophase`` (``~/.cache/twophase``): where the jars are kept."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "twophase"
+
+
+def java_binary() -> str:
+    """The ``java`` that runs the broker: ``$JAVA_HOME/bin/java`` or PATH's."""
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(Path(home) / "bin" / "java", os.X_OK):
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found is None:
+        raise KafkaJarsUnavailable(
+            "java not found: Apache Kafka 4 needs Java 17 or newer "
+            "(Debian: apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
+    return found
+
+
+def _has_broker(libs: Path) -> bool:
+    return any(libs.glob("kafka_2.13-*.jar")) and any(libs.glob("kafka-clients-*.jar"))
+
+
+def kafka_libs(timeout: float = 600.0) -> Path:
+    """The folder of Kafka's broker jars: ``$TWOPHASE_KAFKA_LIBS``, else the cache,
+    building it with ``mvn`` the first time (under a file lock: parallel callers wait for
+    one build)."""
+    explicit = os.environ.get(ENV_LIBS)
+    if explicit:
+        if not _has_broker(Path(explicit)):
+            raise KafkaJarsUnavailable(f"${ENV_LIBS}={explicit} holds no kafka_2.13 and "
+                                       "kafka-clients jars: unset it or fill it")
+        return Path(explicit)
+    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
+    root = cache_dir() / f"kafka-{KAFKA_VERSION}-{digest}"
+    libs = root / "libs"
+    if _has_broker(libs):
+        return libs
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _has_broker(libs):  # another process built it while this one waited
+            return libs
+        _build(root, libs, timeout)
+    return libs
+
+
+def _build(root: Path, libs: Path, timeout: float) -> None:
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise KafkaJarsUnavailable(
+            f"Apache Kafka {KAFKA_VERSION}'s jars are not cached in {libs} and mvn is not "
+            "installed: install Maven (Debian: apt-get install maven) and Java 17, or set "
+            f"${ENV_LIBS} to a folder of Kafka's jars")
+    java_binary()  # Maven needs it too: the same clear error
+    tmp = Path(tempfile.mkdtemp(prefix="libs-", dir=root))
+    cmd = [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
+           "-DincludeScope=runtime", f"-DoutputDirectory={tmp}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except subprocess.TimeoutExpired as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KafkaJarsUnavailable(f"mvn did not resolve Kafka's jars within {timeout}s "
+                                   "(is Maven Central reachable?)") from exc
+    if done.returncode != 0 or not _has_broker(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KafkaJarsUnavailable(
+            f"mvn could not resolve Apache Kafka {KAFKA_VERSION} from {POM} (exit "
+            f"{done.returncode}; is Maven Central reachable?):\n"
+            f"{(done.stdout + done.stderr)[-3000:]}")
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)  # whole or nothing: a half-copied folder is never found
+
+
+if __name__ == "__main__":  # `python -m twophase.testing.kafkajars`: resolve now (CI)
+    print(kafka_libs())
