@@ -88,18 +88,19 @@ def test_embedded_coordinator_exactly_once_through_python_worker_and_executor_ki
 ) -> None:
     """The embedded coordinator listens on the driver's bridge address (the executors are
     on other hosts: loopback would fail). Batch 0: the Python worker of partition 1 is
-    SIGKILLed before it commits its PostgreSQL branch (decision COMMIT known, not applied).
-    Later: the executor JVM running partition 0 is SIGKILLed while that task sleeps in
-    ``before_commit``. Five batches, each id exactly once everywhere."""
+    SIGKILLed right after it prepared its PostgreSQL branch (prepared, not voted: Spark
+    runs the task again, which finds the branch by name). Later: the executor JVM running
+    partition 0 is SIGKILLed while that task sleeps after preparing its files branch.
+    Five batches, each id exactly once everywhere, nothing left prepared."""
     batches = 5
     once = tmp_path / "once"
     pg, files = _names(tmp_path, cluster)
-    spec = f"before_commit@{pg}/1=kill*1;before_commit@{files}/0=sleep(3)*1000"
+    spec = f"after_prepare@{pg}/1=kill*1;after_prepare@{files}/0=sleep(3)*1000"
     cfg, path = _job(tmp_path, cluster, f"sqlite:///{tmp_path / 'coord.db'}", batches,
                      executor_failpoints(spec, once), pg_table=_table(tmp_path))
     driver = _start(path, tmp_path, cluster)
-    # the third time partition 0 is about to commit its files branch: kill its executor
-    claims = wait_for_claims(once, "before_commit.files", 3, driver)
+    # the third time partition 0 has prepared its files branch: kill its executor
+    claims = wait_for_claims(once, "after_prepare.files", 3, driver)
     pid = claim_pid(claims[2])
     worker = cluster.worker_of(pid)
     executors = worker.executor_pids()
@@ -109,7 +110,7 @@ def test_embedded_coordinator_exactly_once_through_python_worker_and_executor_ki
     assert driver.wait(420) == 0, driver.tail()
     lines = driver.batches()
     assert [x["batch"] for x in lines] == list(range(batches)), lines
-    kills = [c for c in sorted(once.iterdir()) if "before_commit.postgres" in c.name]
+    kills = [c for c in sorted(once.iterdir()) if "after_prepare.postgres" in c.name]
     assert len(kills) == 1  # the Python worker kill fired once
     _assert_exactly_once(cfg, batches)
     # the coordinator's store saw every batch committed
