@@ -62,3 +62,21 @@ def test_the_http_mapping_is_read_from_the_class() -> None:
     assert issubclass(InvalidRequest, ValueError)  # callers may still catch ValueError
     err = error_class("something_new")("refused", status=418, code="something_new")
     assert type(err) is CoordinatorError and err.status == 418 and err.code == "something_new"
+
+
+def test_a_failed_spark_job_is_named_by_the_jvms_reason_not_py4js_first_line() -> None:
+    """Py4J's first line ("An error occurred while calling o280.collectToPython.") says
+    nothing: the batch's error leads with the JVM's exception line instead."""
+    from twophase.report import short_error
+
+    text = (
+        "An error occurred while calling o280.collectToPython.\n"
+        ": org.apache.spark.SparkException: Job aborted due to stage failure: Barrier "
+        "execution mode does not allow run a barrier stage that requires more slots than "
+        "the total number of slots in the cluster currently.\n"
+        "\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages("
+        "DAGScheduler.scala:2)\n"
+    )
+    got = short_error(Exception(text))
+    assert got.startswith("SparkException: Job aborted due to stage failure: Barrier")
+    assert "An error occurred while calling" not in got
