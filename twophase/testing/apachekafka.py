@@ -16,7 +16,6 @@ can only be tested on Kafka.
 from __future__ import annotations
 
 import base64
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from twophase.testing.kafkajars import KAFKA_VERSION, java_binary, kafka_libs
-from twophase.testing.servers import LocalServer, ServerUnavailable, clean_env, free_port
+from twophase.testing.servers import (
+    LocalServer,
+    ServerUnavailable,
+    answers_kafka_metadata,
+    clean_env,
+    free_port,
+)
 
 __all__ = ["BROKER_DEFAULTS", "JVM_OPTS", "KafkaBrokerUnavailable", "LocalKafka"]
 
@@ -181,7 +186,7 @@ class LocalKafka(LocalServer):
                 raise KafkaBrokerUnavailable(
                     f"Apache Kafka {self.version} exited with {self.proc.returncode} at "
                     f"start (its folder {self.dir} is kept):\n{tail}")
-            if self._answers_metadata():
+            if answers_kafka_metadata(self.port, self.bootstrap):
                 self.start_seconds = time.monotonic() - began
                 return self
             time.sleep(0.1)
@@ -216,21 +221,6 @@ class LocalKafka(LocalServer):
         partition log is the whole record."""
         return {}
 
-    def _answers_metadata(self) -> bool:
-        """True once the broker answers a Kafka Metadata request (not just a TCP accept)."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                pass
-        except OSError:
-            return False
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
-        try:
-            md = admin.list_topics(timeout=2.0)
-        except Exception:
-            return False
-        return bool(md.brokers)
 
 
 if __name__ == "__main__":  # `python -m twophase.testing.apachekafka`: start, time, stop

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,7 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from twophase.sinks.kafka.config import TEST_BROKER_CLUSTER_ID
-from twophase.testing.servers import LocalServer, ServerUnavailable
+from twophase.testing.servers import (
+    LocalServer,
+    ServerUnavailable,
+    answers_kafka_metadata,
+)
 
 __all__ = ["ENV_BIN", "MEMORY", "KafkaUnavailable", "LocalTansu", "find_tansu"]
 
@@ -135,7 +138,7 @@ class LocalTansu(LocalServer):
                 tail = self._log_tail()
                 self.stop()
                 raise KafkaUnavailable(f"tansu exited at start:\n{tail}")
-            if self._answers_metadata():
+            if answers_kafka_metadata(self.port, self.bootstrap):
                 return self
             time.sleep(0.1)
         tail = self._log_tail()
@@ -202,18 +205,3 @@ class LocalTansu(LocalServer):
                     out[(int(txn["producer"]), int(epoch))] = decided[state]
         return out
 
-    def _answers_metadata(self) -> bool:
-        """True once the broker answers a Kafka Metadata request (not just a TCP accept)."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                pass
-        except OSError:
-            return False
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
-        try:
-            md = admin.list_topics(timeout=2.0)
-        except Exception:
-            return False
-        return bool(md.brokers)

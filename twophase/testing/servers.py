@@ -28,6 +28,7 @@ __all__ = [
     "LocalDaemon",
     "LocalServer",
     "ServerUnavailable",
+    "answers_kafka_metadata",
     "clean_env",
     "free_port",
     "netns_prefix",
@@ -183,3 +184,21 @@ class LocalDaemon(LocalServer):
         """The exit status of a daemon expected to die (``-9``: SIGKILLed by a failpoint)."""
         assert self.proc is not None
         return self.proc.wait(timeout)
+
+
+def answers_kafka_metadata(port: int, bootstrap: str) -> bool:
+    """True once a broker on ``port`` answers a Kafka Metadata request (not just a TCP
+    accept): the readiness probe of the suite's local brokers."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            pass
+    except OSError:
+        return False
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        md = admin.list_topics(timeout=2.0)
+    except Exception:
+        return False
+    return bool(md.brokers)
