@@ -33,7 +33,8 @@ from twophase.errors import ParticipantError
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import read_log
-from twophase.task import BatchPlan, run_partition
+from twophase.batchplan import BatchPlan
+from twophase.task import run_partition
 from twophase.testing.verify import verify
 from twophase.wire import VoteIn
 

@@ -27,7 +27,8 @@ from twophase.errors import SchemaMismatch
 from twophase.participant import BranchRef
 from twophase.protocol import State, TxnKey
 from twophase.sinks.files import StagedFileParticipant
-from twophase.task import BatchPlan, run_partition
+from twophase.batchplan import BatchPlan
+from twophase.task import run_partition
 from twophase.wire import VoteIn
 
 SINK, LINEAGE = "orders", "L-console"

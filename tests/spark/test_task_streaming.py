@@ -17,7 +17,8 @@ from twophase.connection import Connection, connect
 from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.task import BatchPlan, run_partition
+from twophase.batchplan import BatchPlan
+from twophase.task import run_partition
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 _n = itertools.count()
