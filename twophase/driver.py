@@ -356,6 +356,7 @@ class TransactionalSink:
             if step.warning:
                 log.warning("%s", step.warning)
             if step.kind == StepKind.RETURN:
+                self._committer.prune(self.name, lineage, batch_id)  # in the background
                 failpoints.hit("before_return")
                 report = summary(self.name, batch_id, final, outcomes,
                                  res.kind == BeginKind.IN_DOUBT)
