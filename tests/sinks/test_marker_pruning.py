@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from tests.sinks.sql.sql_support import pg_url
 from twophase.commit import Committer
 from twophase.participant import BranchStatus, Participant
 from twophase.sinks.postgres import PostgresParticipant

@@ -11,11 +11,11 @@ import psycopg
 import pyarrow as pa
 
 from twophase import failpoints
+from twophase.batchplan import BatchPlan
 from twophase.client import CoordinatorClient
 from twophase.errors import TwophaseError
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, StepKind, next_step
-from twophase.batchplan import BatchPlan
 from twophase.task import run_partition
 
 TOKEN = "server-faults-token"
