@@ -181,7 +181,7 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, Any]:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
             continue
         if action.option_strings:
-            out[action.option_strings[0]] = action.default
+            out[action.option_strings[0]] = REQUIRED if action.required else action.default
         else:
             name = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
             out[name] = REQUIRED if action.nargs is None else action.default
