@@ -230,6 +230,49 @@ def test_every_environment_variable_is_documented() -> None:
     assert not missing, f"read by the code, absent from docs/user: {missing}"
 
 
+def test_the_stated_limits_are_the_codes(tmp_path: Path) -> None:
+    """The limits tables of configuration.md (the sink's bounds) and cli.md (the daemon's,
+    read from its own OpenAPI document) say what the code enforces."""
+    from twophase.coordinator.app import create_app
+    from twophase.coordinator.guard import MAX_BODY
+    from twophase.coordinator.store import Store
+    from twophase.options import MAX_PARTICIPANTS, MAX_PARTITIONS, MAX_VOTE_TIMEOUT
+
+    days = MAX_VOTE_TIMEOUT / 86400
+    sink_rows = [f"| participants per sink | {MAX_PARTICIPANTS} |",
+                 f"| partitions per batch | 1 to {MAX_PARTITIONS:,} |",
+                 f"| `vote_timeout` | more than 0, at most {days:g} days "
+                 f"({MAX_VOTE_TIMEOUT:,.0f} s) |"]
+    store = Store(f"sqlite:///{tmp_path / 'c.db'}")
+    try:
+        api = create_app(store, "t").openapi()
+    finally:
+        store.close()
+    schemas = api["components"]["schemas"]
+    begin = schemas["BeginIn"]["properties"]
+    poll = next(p["schema"] for path, ops in api["paths"].items() if path.endswith("/decision")
+                for p in ops["get"]["parameters"] if p["name"] == "timeout")
+    votes, acks = (schemas[m]["properties"][f]["maxItems"]
+                   for m, f in (("VotesIn", "votes"), ("AcksIn", "acks")))
+    assert votes == acks
+    assert MAX_BODY % (1 << 20) == 0
+    daemon_rows = [
+        f"| participants per sink | {begin['participants']['maxItems']} |",
+        f"| partitions per transaction | {begin['partitions']['maximum']:,.0f} |",
+        f"| `vote_timeout` | more than 0, at most {begin['vote_timeout']['maximum'] / 86400:g}"
+        " days |",
+        f"| votes or acks per request | {votes:,} |",
+        f"| request body | {MAX_BODY >> 20} MiB (`413 body_too_large`) |",
+        f"| a long-poll for a decision | at most {poll['maximum']:g} s per request |",
+        f"| free text (reasons) | {schemas['AbandonIn']['properties']['reason']['maxLength']}"
+        " characters, no NUL |",
+    ]
+    for page, rows in (("configuration.md", sink_rows), ("cli.md", daemon_rows)):
+        text = (DOCS / "user" / page).read_text(encoding="utf-8")
+        missing = [row for row in rows if row not in text]
+        assert not missing, f"{page} does not state: {missing}"
+
+
 def _pinned(path: str, tag: str) -> str:
     match = re.search(rf"<{re.escape(tag)}>([^<]+)</", (ROOT / path).read_text())
     assert match, (path, tag)
