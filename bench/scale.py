@@ -75,8 +75,10 @@ def one_batch(client: CoordinatorClient, sink: str, epoch: int, batch: int, p: i
     assert done is not None
     chunks = -(-p // VOTE_CHUNK) + -(-p // ACK_CHUNK)
     sent = len(json.dumps(wire.votes_body(epoch, votes))) + 80 * p  # votes + ack bodies
-    answer = len(json.dumps(wire.encode_txn(done)))
-    return 1 + chunks, sent + answer * (1 + chunks), done.state.value
+    # begin's answer and each phase's last answer carry the branches; the others are brief
+    full, brief = (len(json.dumps(wire.encode_txn(done, brief=b))) for b in (False, True))
+    answers = len(json.dumps(wire.encode_begin(begun))) + 2 * full + (chunks - 2) * brief
+    return 1 + chunks, sent + answers, done.state.value
 
 
 def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, float]:

@@ -224,8 +224,11 @@ class CoordinatorClient:
         )
         return wire.decode_begin(out)
 
-    def vote(self, key: TxnKey, epoch: int, votes: Sequence[VoteIn]) -> protocol.Transaction:
-        body = wire.votes_body(epoch, votes)
+    def vote(self, key: TxnKey, epoch: int, votes: Sequence[VoteIn], *,
+             brief: bool = False) -> protocol.Transaction:
+        """Record ``votes``; the answer is the record afterwards. ``brief``: without its
+        branches (empty), state and decision only (a chunk that is not a batch's last)."""
+        body = wire.votes_body(epoch, votes, brief=brief)
         return wire.decode_txn(self._request("POST", self._txn_path(key) + "/votes", body=body))
 
     def await_decision(
@@ -255,8 +258,11 @@ class CoordinatorClient:
         epoch: int,
         acks: Sequence[tuple[str, protocol.Decision]],
         metrics: Mapping[str, wire.BranchMetrics] | None = None,
+        *,
+        brief: bool = False,
     ) -> protocol.Transaction:
-        body = wire.acks_body(epoch, acks, metrics)
+        """Record ``acks``; ``brief`` as for :meth:`vote`."""
+        body = wire.acks_body(epoch, acks, metrics, brief=brief)
         return wire.decode_txn(self._request("POST", self._txn_path(key) + "/acks", body=body))
 
     def abandon(self, key: TxnKey, epoch: int, reason: str) -> protocol.Transaction:

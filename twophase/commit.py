@@ -64,7 +64,8 @@ def send_acks(
     (None when there was nothing to send)."""
     txn = None
     for i in range(0, len(acks), ACK_CHUNK):
-        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK])
+        last = i + ACK_CHUNK >= len(acks)  # only the last answer carries the branches
+        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK], brief=not last)
     return txn
 
 

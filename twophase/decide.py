@@ -53,7 +53,8 @@ def decide(
     # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
     votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
-        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK])
+        last = i + VOTE_CHUNK >= len(votes)  # its answer, with the branches, is the record
+        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK], brief=not last)
     if not votes:
         after = client.get(txn.key)  # tasks of an earlier run may have settled it
     if after.decision is None:

@@ -203,7 +203,10 @@ def encode_branches(branches: Mapping[str, p.BranchState]) -> dict[str, BranchOu
     return {bid: encode_branch(b) for bid, b in branches.items()}
 
 
-def encode_txn(t: p.Transaction) -> TxnOut:
+def encode_txn(t: p.Transaction, *, brief: bool = False) -> TxnOut:
+    """The record as the API shows it; ``brief`` leaves out the branches (``{}``): the
+    answer to a chunk of a large batch's votes or acks, which needs only the state and
+    the decision, so a batch of P branches sends O(P) bytes back, not O(P^2/chunk)."""
     return {
         "sink": t.sink,
         "lineage": t.lineage,
@@ -219,7 +222,7 @@ def encode_txn(t: p.Transaction) -> TxnOut:
         "decided_at": t.decided_at,
         "finished_at": t.finished_at,
         "version": t.version,
-        "branches": encode_branches(t.branches),
+        "branches": {} if brief else encode_branches(t.branches),
     }
 
 
@@ -293,6 +296,7 @@ class VoteBody(TypedDict):
 class VotesBody(TypedDict):
     epoch: int
     votes: list[VoteBody]
+    brief: NotRequired[bool]  # answer without the branches (every chunk but a batch's last)
 
 
 class AckBody(TypedDict):
@@ -304,6 +308,7 @@ class AckBody(TypedDict):
 class AcksBody(TypedDict):
     epoch: int
     acks: list[AckBody]
+    brief: NotRequired[bool]  # answer without the branches (every chunk but a batch's last)
 
 
 class AbandonBody(TypedDict):
@@ -368,23 +373,32 @@ def _vote(v: VoteIn) -> VoteBody:
     return out
 
 
-def votes_body(epoch: int, votes: Iterable[VoteIn]) -> VotesBody:
-    return {"epoch": epoch, "votes": [_vote(v) for v in votes]}
+def votes_body(epoch: int, votes: Iterable[VoteIn], *, brief: bool = False) -> VotesBody:
+    body: VotesBody = {"epoch": epoch, "votes": [_vote(v) for v in votes]}
+    if brief:
+        body["brief"] = True
+    return body
 
 
 def acks_body(
     epoch: int,
     acks: Iterable[tuple[str, p.Decision]],
     metrics: Mapping[str, BranchMetrics] | None = None,
+    *,
+    brief: bool = False,
 ) -> AcksBody:
-    """``metrics``: per branch id, what the executor measured (optional)."""
+    """``metrics``: per branch id, what the executor measured (optional); ``brief``: the
+    answer leaves out the branches."""
     out: list[AckBody] = []
     for b, o in acks:
         ack: AckBody = {"branch": b, "outcome": _outcome(o)}
         if metrics and metrics.get(b):
             ack["metrics"] = metrics[b]
         out.append(ack)
-    return {"epoch": epoch, "acks": out}
+    body: AcksBody = {"epoch": epoch, "acks": out}
+    if brief:
+        body["brief"] = True
+    return body
 
 
 def register_body(descriptors: Iterable[DescriptorOut]) -> RegisterBody:

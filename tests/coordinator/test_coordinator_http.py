@@ -210,3 +210,33 @@ def test_connect_embedded_cache_and_pickle(tmp_path: Path) -> None:
         connect("kafka://nope")
     with pytest.raises(ValueError, match="http://"):
         CoordinatorClient("localhost:7070")
+
+
+def test_brief_answers_leave_out_the_branches_and_the_store_keeps_up(
+    client: CoordinatorClient, server: EmbeddedServer
+) -> None:
+    """A chunk of a large batch's votes or acks asks for a brief answer (state and
+    decision, no branches): the driver reads the branches once, from its last chunk.
+    The record read afterwards, by this daemon and by a fresh store on the same file
+    (no cached record), holds every vote and ack of the brief chunks."""
+    from twophase.coordinator.store import Store
+
+    epoch, txn = _start(client, parts=3)
+    key, branches = txn.key, sorted(txn.branches)
+    first = client.vote(key, epoch, [VoteIn(b, True, {"gid": b}) for b in branches[:3]],
+                        brief=True)
+    assert first.branches == {} and first.decision is None
+    last = client.vote(key, epoch, [VoteIn(b, True, {"gid": b}) for b in branches[3:]])
+    assert last.decision == p.Decision.COMMIT and sorted(last.branches) == branches
+    acked = client.ack(key, epoch, [(b, p.Decision.COMMIT) for b in branches[:4]], brief=True)
+    assert acked.branches == {} and acked.state == p.State.COMMITTING
+    done = client.ack(key, epoch, [(b, p.Decision.COMMIT) for b in branches[4:]])
+    assert done.state == p.State.COMMITTED
+    assert all(st.ack == p.Decision.COMMIT and st.handle == {"gid": b}
+               for b, st in done.branches.items())
+    assert client.get(key) == done
+    fresh = Store(server.store_url)
+    try:
+        assert fresh.get(key) == done
+    finally:
+        fresh.close()

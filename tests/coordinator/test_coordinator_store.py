@@ -247,3 +247,32 @@ def test_retention_keeps_up_with_a_fast_sink(
     assert [bg.tick(later + i)["purged"] for i in range(4)] == [
         PURGE_BATCH, PURGE_BATCH, PURGE_BATCH // 2, 0]
     assert store.list(sink=sink) == []
+
+
+def test_two_stores_on_one_log_never_answer_from_a_stale_decoded_record(
+    store: Store,
+) -> None:
+    """Each store keeps its last durable records decoded (``sql.Rows``); a replica that
+    wrote in between (another daemon on the same log) changes the row's version, so the
+    other store reads the row again instead of answering from what it kept, and a refused
+    change (a vote that contradicts itself) keeps nothing of its own."""
+    other = Store(store.url)
+    try:
+        sink = new_sink()
+        epoch = store.register(sink).epoch
+        res = _begin(store, sink, 0, epoch, parts=2)
+        assert res.txn is not None
+        key = res.txn.key
+        store.apply(key, [p.Vote("pg/0", epoch, True, time.time(), {"gid": "a"})])
+        assert store.get(key).branches["pg/0"].vote == p.Decision.COMMIT  # type: ignore[union-attr]
+        other.apply(key, [p.Vote("pg/1", epoch, True, time.time(), {"gid": "b"})])
+        with pytest.raises(Exception, match="vote"):
+            store.apply(key, [p.Vote("pg/0", epoch, False, time.time(), reason="no")])
+        t = store.apply(key, [p.Vote(b, epoch, True, time.time(), {"gid": b})
+                              for b in ("files/0", "files/1")])
+        assert t.decision == p.Decision.COMMIT
+        assert t.branches["pg/1"].handle == {"gid": "b"}  # the other store's vote, read
+        assert t.branches["pg/0"].vote == p.Decision.COMMIT  # the refusal changed nothing
+        assert other.get(key) == t
+    finally:
+        other.close()
