@@ -276,3 +276,28 @@ def test_two_stores_on_one_log_never_answer_from_a_stale_decoded_record(
         assert other.get(key) == t
     finally:
         other.close()
+
+
+def test_listing_indexes_are_added_to_a_store_made_before_them(tmp_path: Path) -> None:
+    """The console's and /metrics' queries (newest transactions of a sink, the alert
+    count) have indexes; a version 3 store made before they existed gets them when a
+    coordinator starts on it, and SQLite's planner uses them."""
+    import sqlite3
+
+    db = tmp_path / "log.db"
+    Store(f"sqlite:///{db}").close()
+    names = ("twophase_txns_created", "twophase_txns_sink_created", "twophase_txns_alert")
+    with sqlite3.connect(db) as conn:
+        for n in names:
+            conn.execute(f"DROP INDEX {n}")
+    Store(f"sqlite:///{db}").close()
+    with sqlite3.connect(db) as conn:
+        have = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+        assert set(names) <= have
+        plan = " ".join(str(r) for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM twophase_txns WHERE sink = 'x' "
+            "ORDER BY created DESC LIMIT 50"))
+        assert "twophase_txns_sink_created" in plan, plan
+        plan = " ".join(str(r) for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT count(*) FROM twophase_txns WHERE alert = 1"))
+        assert "twophase_txns_alert" in plan, plan
