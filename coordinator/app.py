@@ -183,8 +183,8 @@ def _error(status: int, code: str, message: str) -> Response:
     return _json(wire.error_body(code, message), status)
 
 
-def _txn_json(txn: p.Transaction) -> Response:
-    return _json(wire.encode_txn(txn))
+def _txn_json(txn: p.Transaction, *, brief: bool = False) -> Response:
+    return _json(wire.encode_txn(txn, brief=brief))
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
@@ -297,7 +297,7 @@ def _hot_routes(svc: _Service) -> HotRoutes:
         ]
         txn = await st.apply_async(key, events)
         observe(txn, [(v.branch, v.metrics) for v in body.votes])
-        return _txn_json(txn)
+        return _txn_json(txn, brief=body.brief)
 
     async def acks(key: TxnKey, body: AcksIn) -> Response:
         now = st.clock()
@@ -307,7 +307,7 @@ def _hot_routes(svc: _Service) -> HotRoutes:
         ]
         txn = await st.apply_async(key, events)
         observe(txn, [(a.branch, a.metrics) for a in body.acks])
-        return _txn_json(txn)
+        return _txn_json(txn, brief=body.brief)
 
     async def decision(key: TxnKey, timeout: float,
                        until: Literal["decided", "finished"]) -> Response:

@@ -125,6 +125,9 @@ class VoteItem(_Strict):
 class VotesIn(_Strict):
     epoch: Epoch
     votes: list[VoteItem] = Field(min_length=1, max_length=10_000)
+    brief: bool = Field(default=False, description="answer without the branches "
+                        "(state and decision only): for every chunk of a batch's votes "
+                        "but its last")
 
 
 class AckItem(_Strict):
@@ -136,6 +139,9 @@ class AckItem(_Strict):
 class AcksIn(_Strict):
     epoch: Epoch
     acks: list[AckItem] = Field(min_length=1, max_length=10_000)
+    brief: bool = Field(default=False, description="answer without the branches "
+                        "(state and decision only): for every chunk of a batch's acks "
+                        "but its last")
 
 
 class AbandonIn(_Strict):

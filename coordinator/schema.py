@@ -93,7 +93,16 @@ txns = Table(
     Column("version", BigInteger, nullable=False),
     Index("twophase_txns_state", "state", "deadline"),
     Index("twophase_txns_finished", "finished_at"),
+    # the console's and the API's listings: newest first, of one sink or of all
+    Index("twophase_txns_created", "created"),
+    Index("twophase_txns_sink_created", "sink", "created"),
+    Index("twophase_txns_alert", "alert"),  # /metrics and the console's alert count
 )
+
+# indexes added after version 3 was deployed: created at start where missing (no version
+# bump: an older daemon ignores them)
+_LATER_INDEXES: Final = ("twophase_txns_created", "twophase_txns_sink_created",
+                         "twophase_txns_alert")
 
 events = Table(
     "twophase_events",
@@ -140,7 +149,7 @@ def ensure(conn: Connection, *, create: bool, where: str) -> None:
         conn.execute(
             update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
         )
-        return
+        found = str(SCHEMA_VERSION)
     if found in _UPGRADABLE:
         raise SchemaMismatch(
             f"store {where} has schema version {found}; a read-only tool does not upgrade "
@@ -152,3 +161,8 @@ def ensure(conn: Connection, *, create: bool, where: str) -> None:
             f"store {where} has schema version {found}, this coordinator "
             f"needs {SCHEMA_VERSION}; use a matching twophase version"
         )
+    if create:
+        have = {ix["name"] for ix in inspect(conn).get_indexes(txns.name)}
+        for ix in txns.indexes:
+            if ix.name in _LATER_INDEXES and ix.name not in have:
+                ix.create(conn)

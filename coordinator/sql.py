@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -56,6 +58,7 @@ class _Statements:
         cols = ", ".join(TXN_COLS)
         t, sk = s.txns.name, s.sinks.name
         self.sel_txn = q(f"SELECT {cols} FROM {t} WHERE {_KEY_SQL}")
+        self.sel_version = q(f"SELECT version FROM {t} WHERE {_KEY_SQL}")
         self.sel_attempts = q(
             f"SELECT {cols} FROM {t} WHERE sink = :k_sink AND lineage = :k_lineage "
             "AND checkpoint = :k_checkpoint ORDER BY attempt"
@@ -153,17 +156,70 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
 # loading and saving
 
 
+KEPT_DECODED: Final = 16
+"""Transactions whose last durable record the store keeps decoded, with each branch's
+JSON: a batch's chunks of votes and acks then neither decode nor re-encode the whole
+branches column (O(P) JSON per chunk, O(P^2/chunk) a batch: what made 4,096 branches
+cost 3x per branch what 256 did), only the branches that changed."""
+
+
 class Rows:
-    """Protocol records in and out of the tables, inside the caller's transaction."""
+    """Protocol records in and out of the tables, inside the caller's transaction.
+
+    Keeps the last :data:`KEPT_DECODED` durable records (``remember``, called once a
+    change is durable): a load whose row still has that record's ``version`` (the
+    compare-and-set counter every change bumps; a durable version is never rewritten
+    with other content) returns it without decoding. A record read inside a write
+    transaction is never kept: that transaction may still roll back, and its version be
+    written again with other content."""
 
     def __init__(self, *, pyformat: bool) -> None:
         self.q = _STATEMENTS[pyformat]
+        self._lock = threading.Lock()
+        self._decoded: OrderedDict[TxnKey, p.Transaction] = OrderedDict()
+        # per transaction, each branch's state (by identity) and its encoded '"id":{...}'
+        self._encoded: dict[TxnKey, dict[str, tuple[p.BranchState, str]]] = {}
+
+    def remember(self, txn: p.Transaction) -> None:
+        """``txn`` is durable: keep it decoded for the next load of its key."""
+        with self._lock:
+            self._decoded[txn.key] = txn
+            self._decoded.move_to_end(txn.key)
+            while len(self._decoded) > KEPT_DECODED:
+                old, _ = self._decoded.popitem(last=False)
+                self._encoded.pop(old, None)
 
     # transactions
 
     def load_txn(self, conn: Connection, key: TxnKey) -> p.Transaction | None:
+        with self._lock:
+            known = self._decoded.get(key)
+        if known is not None:
+            head = run(conn, self.q.sel_version, key_params(key)).fetchone()
+            if head is not None and head[0] == known.version:
+                return known
         row = run(conn, self.q.sel_txn, key_params(key)).fetchone()
         return None if row is None else to_txn(row)
+
+    def _branches_json(self, txn: p.Transaction) -> str:
+        """``encode_branches(txn.branches)``, re-encoding only the branches whose state
+        changed since this transaction's last encoding (states are immutable and shared
+        by unchanged branches: identity says unchanged)."""
+        with self._lock:
+            before = self._encoded.get(txn.key, {})
+        now: dict[str, tuple[p.BranchState, str]] = {}
+        for bid, b in txn.branches.items():
+            hit = before.get(bid)
+            if hit is None or hit[0] is not b:
+                hit = (b, json.dumps(bid) + ":"
+                       + json.dumps(wire.encode_branch(b), separators=(",", ":")))
+            now[bid] = hit
+        with self._lock:
+            self._encoded[txn.key] = now
+            if len(self._encoded) > 2 * KEPT_DECODED:  # a write that never became durable
+                for k in [k for k in self._encoded if k not in self._decoded]:
+                    del self._encoded[k]
+        return "{" + ",".join(frag for _, frag in now.values()) + "}"
 
     def load_attempts(
         self, conn: Connection, sink: str, lineage: str, batch_id: int
@@ -182,10 +238,13 @@ class Rows:
         return tuple(to_txn(r) for r in rows)
 
     def insert_txn(self, conn: Connection, new: p.Transaction, now: float) -> None:
+        with self._lock:  # a key purged by retention and begun again starts afresh
+            self._decoded.pop(new.key, None)
+            self._encoded.pop(new.key, None)
         run(conn, self.q.ins_txn, {
             "sink": new.sink, "lineage": new.lineage, "checkpoint": new.batch_id,
             "attempt": new.attempt, "epoch": new.epoch, "partitions": new.partitions,
-            "branches": encode_branches(new.branches), "state": new.state.value,
+            "branches": self._branches_json(new), "state": new.state.value,
             "reason": new.reason, "deadline": new.deadline, "created": new.created,
             "decided_at": new.decided_at, "finished_at": new.finished_at,
             "version": new.version, "alert": False, "updated": now,
@@ -199,7 +258,7 @@ class Rows:
         alert flag: the transaction moved)."""
         cur = run(conn, self.q.upd_txn, {
             **key_params(new.key), "old_version": old.version, "state": new.state.value,
-            "reason": new.reason, "branches": encode_branches(new.branches),
+            "reason": new.reason, "branches": self._branches_json(new),
             "decided_at": new.decided_at, "finished_at": new.finished_at,
             "updated": now, "alert": False, "version": new.version,
         })

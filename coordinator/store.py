@@ -120,6 +120,8 @@ class Store:
         """The writer's hook: a change is durable, tell the log and ``on_change``."""
         changes = out[1]
         decided = False
+        for _before, after in changes:
+            self.rows.remember(after)
         for before, after in changes:
             if after.decision is not None and (before is None or before.decision is None):
                 decided = True
