@@ -110,7 +110,9 @@ class TransactionalSink:
 
     ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
     embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
-    token from ``token=`` or ``TWOPHASE_TOKEN``).
+    token from ``token=``, else ``token_file=`` (one token alone, re-read after a 401: a
+    rotated token reaches the running job), else ``$TWOPHASE_CLIENT_TOKEN_FILE``, else
+    ``$TWOPHASE_TOKEN``; a data token is enough).
 
     Before its first batch the sink checks the executors (``preflight=False`` skips it;
     :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
@@ -135,6 +137,7 @@ class TransactionalSink:
         coordinator: str,
         *,
         token: str | None = None,
+        token_file: str | None = None,
         partitions: int | None = None,
         max_attempts: int = 3,
         backoff: float = 1.0,
@@ -196,6 +199,7 @@ class TransactionalSink:
             partitions = 1
         self.coordinator = check_coordinator(coordinator)
         self.token = token
+        self.token_file = token_file
         self.partitions = partitions
         self.max_attempts = max_attempts
         self.backoff = backoff
@@ -236,7 +240,7 @@ class TransactionalSink:
 
             bind, advertise = self._coordinator_address(df)
             self._conn = connect(self.coordinator, self.token, host=bind, advertise=advertise,
-                                 tls=self.coordinator_tls)
+                                 tls=self.coordinator_tls, token_file=self.token_file)
             self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
@@ -260,15 +264,18 @@ class TransactionalSink:
 
     @property
     def console_url(self) -> str | None:
-        """The coordinator's web console (``/ui``), signed in (the token is in the URL's
-        fragment, which browsers never send); ``None`` before the first batch connects."""
+        """The coordinator's web console (``/ui``), signed in as an operator (the token is
+        in the URL's fragment, which browsers never send): an embedded coordinator's
+        operator token, else the sink's own token (the console refuses a data token:
+        sign in there with an operator token); ``None`` before the first batch connects."""
         if self._conn is None:
             return None
         from urllib.parse import quote
 
-        if not self._conn.token:
+        token = self._conn.operator_token or (self._client.token if self._client else None)
+        if not token:
             return f"{self._conn.url}/ui"
-        return f"{self._conn.url}/ui#token={quote(self._conn.token, safe='')}"
+        return f"{self._conn.url}/ui#token={quote(token, safe='')}"
 
     def report(self, batch_id: int) -> BatchReport | None:
         """The twophase outcome of micro-batch ``batch_id`` in this driver run (what a
@@ -463,7 +470,9 @@ class TransactionalSink:
             partitions=0,
             mode="run",
             coordinator_url=self._conn.url,
-            token=self._conn.token,
+            # the client's current token: renewed from token_file after a rotation
+            token=self._client.token if self._client is not None else self._conn.token,
+            token_file=self._conn.token_file,
             participants=self.participants,
             decision_timeout=self.vote_timeout + 60.0,
             ca_pem=self._conn.ca_pem,
