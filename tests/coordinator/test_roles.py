@@ -187,3 +187,40 @@ def test_token_files_are_checked_at_start(tmp_path: Path) -> None:
     job.write_text(f"data {_tok()}\n")
     with pytest.raises(InvalidRequest, match="is not a client's token file"):
         CoordinatorClient("http://127.0.0.1:1", token_file=str(job))
+
+
+def test_the_documented_roles_are_the_guards() -> None:
+    """docs/coordinator-api.md's endpoint table names each route's role as the guard
+    decides it (the doc cannot drift from roles.ROUTE_ROLES)."""
+    doc = (Path(__file__).parents[2] / "docs" / "coordinator-api.md").read_text()
+    rows = [ln.split("|") for ln in doc.splitlines() if ln.startswith("| `")
+            and ln.split("|")[2].strip() in ("open", "data", "operator")]
+    assert len(rows) == len(ROUTE_ROLES)
+    for row in rows:
+        method, path = row[1].strip().strip("`").split(" ", 1)
+        path = path.split("?")[0].replace("TXN", "/v1/txns/{sink}/{lineage}/{checkpoint}/"
+                                          "{attempt}")
+        assert ROUTE_ROLES[(method, path)] == row[2].strip(), (method, path)
+
+
+def test_an_embedded_coordinator_ships_only_its_data_token(tmp_path: Path) -> None:
+    """The tasks get the data token (what a Connection pickles to); the operator token
+    stays in the driver, for the console and the operators' commands."""
+    import pickle
+
+    from twophase.connection import connect
+
+    with connect(f"sqlite:///{tmp_path / 'e.db'}") as conn:
+        assert conn.operator_token and conn.token and conn.operator_token != conn.token
+        shipped = pickle.loads(pickle.dumps(conn))
+        assert shipped.token == conn.token and shipped.operator_token is None
+        assert conn.operator_token not in pickle.dumps(conn).decode("latin-1")
+        job = shipped.client(retry_budget=5)
+        epoch = job.register(SINK)
+        job.begin(SINK, KEY.lineage, 0, epoch, ["pg"], 1, 60)
+        with pytest.raises(CoordinatorError) as err:
+            job.admin_abort(KEY, "a task may not")
+        assert err.value.status == 403 and "needs an operator token" in str(err.value)
+        assert conn.client(operator=True).admin_abort(KEY, "driver gone").decision \
+            == Decision.ABORT
+        shipped.close()
