@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
               "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
         return 2
     if not args.token and not args.token_file and not args.insecure:
-        print("twophase serve: no token: pass --token-file PATH (roles, rotatable) or "
-              "--token (or set TWOPHASE_TOKEN_FILE / TWOPHASE_TOKEN; --insecure to run "
-              "without authentication)", file=sys.stderr)
+        print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN (one operator "
+              "token), or --token-file PATH / TWOPHASE_TOKEN_FILE (data and operator tokens, "
+              "rotatable); --insecure to run without authentication", file=sys.stderr)
         return 2
     try:
         tokens = TokenSet(args.token, args.token_file)
