@@ -109,10 +109,8 @@ class TransactionalSink:
     """Exactly-once ``foreachBatch`` sink over several participants.
 
     ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
-    embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
-    token from ``token=``, else ``token_file=`` (one token alone, re-read after a 401: a
-    rotated token reaches the running job), else ``$TWOPHASE_CLIENT_TOKEN_FILE``, else
-    ``$TWOPHASE_TOKEN``; a data token is enough).
+    embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``;
+    a data token from ``token=`` or ``token_file=``, re-read after a 401: rotatable).
 
     Before its first batch the sink checks the executors (``preflight=False`` skips it;
     :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
@@ -198,8 +196,7 @@ class TransactionalSink:
                 )
             partitions = 1
         self.coordinator = check_coordinator(coordinator)
-        self.token = token
-        self.token_file = token_file
+        self.token, self.token_file = token, token_file
         self.partitions = partitions
         self.max_attempts = max_attempts
         self.backoff = backoff
@@ -264,18 +261,15 @@ class TransactionalSink:
 
     @property
     def console_url(self) -> str | None:
-        """The coordinator's web console (``/ui``), signed in as an operator (the token is
-        in the URL's fragment, which browsers never send): an embedded coordinator's
-        operator token, else the sink's own token (the console refuses a data token:
-        sign in there with an operator token); ``None`` before the first batch connects."""
+        """The web console (``/ui``), signed in with an embedded coordinator's operator
+        token, else the sink's (in the URL's fragment, which browsers never send);
+        ``None`` before the first batch connects."""
         if self._conn is None:
             return None
         from urllib.parse import quote
 
         token = self._conn.operator_token or (self._client.token if self._client else None)
-        if not token:
-            return f"{self._conn.url}/ui"
-        return f"{self._conn.url}/ui#token={quote(token, safe='')}"
+        return f"{self._conn.url}/ui" + (f"#token={quote(token, safe='')}" if token else "")
 
     def report(self, batch_id: int) -> BatchReport | None:
         """The twophase outcome of micro-batch ``batch_id`` in this driver run (what a
@@ -460,7 +454,6 @@ class TransactionalSink:
             p.check(schema)
         self._checked_schema = schema
 
-
     def _plan_template(self) -> BatchPlan:
         """What every batch's plan shares: ``_plan`` fills in the batch."""
         assert self._conn is not None and self._epoch is not None
@@ -470,8 +463,7 @@ class TransactionalSink:
             partitions=0,
             mode="run",
             coordinator_url=self._conn.url,
-            # the client's current token: renewed from token_file after a rotation
-            token=self._client.token if self._client is not None else self._conn.token,
+            token=self._client.token if self._client else None,  # renewed by a rotation
             token_file=self._conn.token_file,
             participants=self.participants,
             decision_timeout=self.vote_timeout + 60.0,
