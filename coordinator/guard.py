@@ -76,7 +76,6 @@ class Guard:
             if not started:
                 await _send_error(send, 413, "body_too_large", too_big)
 
-
     def _refusal(self, method: str, path: str, got: bytes) -> tuple[int, str, str] | None:
         """(status, code, message) when the token may not make this call, else None."""
         assert self.tokens is not None
@@ -91,8 +90,7 @@ class Guard:
                 "unknown bearer token: it is not among the daemon's tokens (mistyped, or "
                 "rotated out of its --token-file); send a current token: jobs a 'data' "
                 "line, operators an 'operator' line of that file, or the daemon's --token")
-        need = role_for(method, path)
-        if role == "data" and need != "data":
+        if role == "data" and role_for(method, path) != "data":
             return 403, "forbidden", (
                 f"{method} {path} needs an operator token; this is a data token (for the "
                 "jobs' begin, votes, acks and decisions only): send an operator token (an "
