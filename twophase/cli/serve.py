@@ -115,8 +115,12 @@ def run(args: argparse.Namespace) -> int:
     if tokens.enabled:
         import logging
 
-        logging.getLogger("twophase.serve").info(
-            "bearer tokens", extra={"roles": tokens.roles(), "file": args.token_file})
+        counts = tokens.roles()
+        logging.getLogger("twophase.serve").log(
+            logging.INFO if counts["operator"] else logging.WARNING,
+            "bearer tokens" if counts["operator"] else "bearer tokens: no operator token, "
+            "so force, abort, resolve and the console are refused until the token file "
+            "gets an 'operator <token>' line", extra={"roles": counts, "file": args.token_file})
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after))
