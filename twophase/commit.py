@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
 
 from twophase import failpoints
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
 
-__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "Committer", "commit_batches", "send_acks"]
+__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "Committer",
+           "commit_batches", "send_acks"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -45,6 +46,13 @@ connection limit (each thread opens its own connection per participant)."""
 
 ACK_CHUNK: Final = 1000
 """Acknowledgements per request (a request of 1,000 acks is ~60 KiB)."""
+
+MARKER_KEEP_BATCHES: Final = 1000
+"""Batches whose participant markers are kept behind the newest committed one: ten times
+Spark's ``spark.sql.streaming.minBatchesToRetain`` default (100), the farthest back a
+checkpoint can replay; a marker below it answers a question no recovery asks."""
+
+PRUNE_EVERY: Final = 100  # batches between two prunes (one DELETE per participant)
 
 _Work = tuple[Participant, BranchRef, Handle]
 
@@ -70,6 +78,8 @@ class Committer:
         self._by_name = {p.name: p for p in self.participants}
         self._lanes: list[dict[str, Participant]] = [{} for _ in range(COMMIT_THREADS)]
         self._pool: ThreadPoolExecutor | None = None
+        self._pruner: ThreadPoolExecutor | None = None
+        self._pruning: dict[str, Participant] = {}
 
     def apply(
         self, client: CoordinatorClient, epoch: int, txn: Transaction
@@ -101,6 +111,35 @@ class Committer:
             error = error or batch_error
         return after, error
 
+    def prune(self, sink: str, lineage: str, batch_id: int, *,
+              keep: int = MARKER_KEEP_BATCHES, every: int = PRUNE_EVERY) -> Future[int] | None:
+        """After ``batch_id`` committed, every ``every`` batches: delete the participants'
+        markers of batches below ``batch_id - keep`` in a background thread (the batch
+        does not wait; a participant refusing, e.g. no DELETE right, is logged with the
+        fix). Returns the background work, or None when this batch prunes nothing."""
+        if batch_id < keep or batch_id % every:
+            return None
+        if self._pruner is None:
+            self._pruner = ThreadPoolExecutor(1, thread_name_prefix="twophase-prune")
+        return self._pruner.submit(self._prune, sink, lineage, batch_id - keep)
+
+    def _prune(self, sink: str, lineage: str, below: int) -> int:
+        pruned = 0
+        for part in self.participants:
+            mine = self._pruning.get(part.name)
+            if mine is None:
+                mine = self._pruning[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+            try:
+                pruned += mine.prune_markers(sink, lineage, below)
+            except Exception as exc:  # the markers stay: correct, only larger
+                log.warning("sink %s: %s kept its markers of batches below %d: %s (grant "
+                            "the sink's user DELETE on its marker table to prune them)",
+                            sink, part.describe(), below, exc)
+        if pruned:
+            log.info("sink %s: pruned %d marker row(s) of batches below %d", sink, pruned,
+                     below)
+        return pruned
+
     def sweep(self, txn: Transaction) -> int:
         """Before the query fails on ``txn``'s batch (no attempt left), abort what any of
         its ABORT-decided attempts left prepared that no vote recorded (a task that failed
@@ -127,10 +166,11 @@ class Committer:
 
     def close(self) -> None:
         """Close every lane's participant copies and the threads."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for lane in self._lanes:
+        for pool in (self._pool, self._pruner):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._pruner = None
+        for lane in [*self._lanes, self._pruning]:
             for p in lane.values():
                 p.close()
             lane.clear()

@@ -23,8 +23,6 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,64 +30,37 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
+from twophase.batchplan import PREPARE, redone_handles, relay_acks
 from twophase.commit import Committer, commit_batches
 from twophase.connection import check_coordinator
 from twophase.decide import decide, settle_empty, votes_of
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
-from twophase.options import (
-    MAX_PARTICIPANTS,
-    MAX_PARTITIONS,
-    MAX_VOTE_TIMEOUT,
-    bounded_float,
-    bounded_int,
-)
-from twophase.participant import (
-    Participant,
-    descriptor_of,
-)
+from twophase.options import check_sink_options
+from twophase.participant import Participant, descriptor_of
 from twophase.plan import (
-    arrow_schema,
     check_gang,
     coordinator_address,
     default_partitions,
+    fixed_split,
     input_partitions,
     jvm_context,
+    query_lineage,
     run_through,
     spark_connect_client,
-    split_rule,
 )
-from twophase.protocol import (
-    BeginKind,
-    Decision,
-    StepKind,
-    TxnKey,
-    next_step,
-)
+from twophase.prepare import PrepareJob
+from twophase.protocol import BeginKind, Decision, StepKind, next_step
 from twophase.report import (
     DRIVER_PHASES,
-    REPORT_SCHEMA,
     BatchReport,
     Laps,
     default_logging,
     failure,
     log_batch,
     progress_listener,
-    report_struct,
     short_error,
     summary,
-)
-from twophase.task import (
-    INPUT_SPLIT,
-    PLAN_PROPERTY,
-    PREPARE,
-    BatchPlan,
-    plan_from_property,
-    plan_property,
-    redone_handles,
-    relay_acks,
-    run_partition,
-    split_of,
 )
 
 if TYPE_CHECKING:
@@ -97,13 +68,11 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
     from twophase.connection import Connection
-    from twophase.protocol import Transaction
 
 __all__ = ["BatchFailed", "BatchReport", "TransactionalSink"]
 
 log = logging.getLogger("twophase.sink")
 
-QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execution thread
 
 class TransactionalSink:
     """Exactly-once ``foreachBatch`` sink over several participants.
@@ -157,44 +126,17 @@ class TransactionalSink:
                 f"lineage='<{LINEAGE_RULE}>' naming this query's checkpoint "
                 "(a new checkpoint location needs a new lineage; docs/cluster.md)"
             )
-        if not participants:
-            raise InvalidRequest("a TransactionalSink needs at least one participant")
-        names = [p.name for p in participants]
-        if len(set(names)) != len(names):
-            raise InvalidRequest(
-                f"participant names must be unique within sink {name!r}, got {names}; "
-                "pass name=... to tell two participants of the same kind apart"
-            )
-        if len(participants) > MAX_PARTICIPANTS:
-            raise InvalidRequest(
-                f"a TransactionalSink takes at most {MAX_PARTICIPANTS} participants, got "
-                f"{len(participants)}: split the output over several sinks"
-            )
-        bounded_int("partitions", partitions, 1, MAX_PARTITIONS, optional=True)
-        bounded_int("max_attempts", max_attempts, 1, 1000)
-        bounded_float("backoff", backoff, 0.0, 3600.0, "seconds between attempts")
-        bounded_float("vote_timeout", vote_timeout, 0.001, MAX_VOTE_TIMEOUT,
-                       "seconds the coordinator waits for every vote")
-        if not retry_budget_s > 0:
-            raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
+        check_sink_options(name, [p.name for p in participants], partitions=partitions,
+                           max_attempts=max_attempts, backoff=backoff,
+                           vote_timeout=vote_timeout, retry_budget_s=retry_budget_s)
         self.participants = tuple(participants)
         # A participant whose prepared branch dies with its process (Kafka's in-task
         # transaction) needs every task alive until the decision: one barrier stage.
         # Otherwise tasks prepare and end, and the driver commits after the job.
         self.gang = any(not p.durable_prepare for p in self.participants)
-        self.split_columns, single = split_rule(self.participants)
-        self.one_branch = single  # participants' keys or complete mode fix the split
-        if single:
-            if partitions not in (None, 1):
-                whole = [p.describe() for p in participants if p.single_branch()]
-                why = (", ".join(whole) + " writes each batch as one branch" if whole else
-                       "the participants' key columns (partition_columns) share no column, "
-                       "so only one branch keeps every key in one place")
-                raise InvalidRequest(
-                    f"sink {name!r}: partitions={partitions} but {why}; leave partitions "
-                    "unset (or 1)"
-                )
-            partitions = 1
+        # participants' keys or complete mode may fix the split (one_branch: P is 1)
+        self.split_columns, self.one_branch, partitions = fixed_split(
+            self.name, self.participants, partitions)
         self.coordinator = check_coordinator(coordinator)
         self.token, self.token_file = token, token_file
         self.partitions = partitions
@@ -222,13 +164,13 @@ class TransactionalSink:
         else:
             default_logging()
         self._committer = Committer(self.participants)  # the driver's commits (no gang)
+        self._job = PrepareJob(self.participants, self.split_columns, self.one_branch,
+                               self.gang)
         self.history: list[BatchReport] = []
         self._by_batch: dict[int, BatchReport] = {}
         self._conn: Connection | None = None
         self._client: CoordinatorClient | None = None
         self._epoch: int | None = None
-        self._checked_schema: Any = None
-        self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
 
     # ------------------------------------------------------------------ lifecycle
     def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
@@ -295,17 +237,7 @@ class TransactionalSink:
             self._conn.close()
         self._client = self._conn = None
         self._epoch = None
-
-    def _lineage(self, df: DataFrame) -> str:
-        if self.lineage is not None:
-            return self.lineage
-        qid = df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
-        if not qid:
-            raise BatchFailed(
-                f"sink {self.name!r}: no streaming query id on this thread; call the sink "
-                "from foreachBatch, or pass lineage=... for a batch (non-streaming) write"
-            )
-        return str(qid)
+        self._job.template = None
 
     # ------------------------------------------------------------------ the batch
     def __call__(self, df: DataFrame, batch_id: int) -> None:
@@ -325,11 +257,11 @@ class TransactionalSink:
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         laps = Laps(started)
-        lineage = self._lineage(df)
+        lineage = self.lineage or query_lineage(df, self.name)
         slots = default_partitions(df)
         # The job's own DataFrame, planned once: its split is read from its plan, and the
         # job runs it when it keeps Spark's split (the plan travels as a local property).
-        direct = self._job_frame(df)
+        direct = self._job.frame(df)
         laps.lap("frame_s")
         n_in = input_partitions(direct if direct is not None else df, any_split=not self.gang)
         laps.lap("split_s")
@@ -346,24 +278,21 @@ class TransactionalSink:
             descriptors = [d for d in map(descriptor_of, self.participants) if d]
             self._epoch = client.register(self.name, descriptors)  # type: ignore[arg-type]
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
+            assert self._conn is not None
+            self._job.fixed_part(epoch=self._epoch, coordinator_url=self._conn.url,
+                                 token=client.token, ca_pem=self._conn.ca_pem,
+                                 vote_timeout=self.vote_timeout,
+                                 retry_budget=self.retry_budget_s,
+                                 token_file=self._conn.token_file)
         if not self._preflighted:
-            # Once per sink start: the executors' interpreter (the driver's own in local
-            # mode), then the probe job that checks it can run our tasks.
-            from twophase.preflight import check_executors, choose_worker_python, probe_targets
+            from twophase.preflight import preflight_sink
 
             assert self._conn is not None
-            probe_targets(self.participants)  # the driver first: no job needed to say why
-            sc = jvm_context(df)
-            if sc is None:  # Spark Connect: no SparkContext to run the probe job with
-                log.info("sink %s: Spark Connect, the executors' preflight is skipped",
-                         self.name)
-            else:
-                choose_worker_python(sc)
-                if self.preflight:
-                    check_executors(sc, self.name, self.participants, self._conn.url,
-                                    wait_s=self.retry_budget_s, session=df.sparkSession)
+            preflight_sink(jvm_context(df), df.sparkSession, self.name, self.participants,
+                           self._conn.url, executors=self.preflight,
+                           wait_s=self.retry_budget_s)
             self._preflighted = True
-        self._check(df)
+        self._job.check(df)
         laps.lap("setup_s")
         failpoints.hit("before_begin")
         aborted = finishing = 0
@@ -373,6 +302,7 @@ class TransactionalSink:
                 [p.name for p in self.participants], partitions, self.vote_timeout,
             )
             laps.lap("begin_s")
+            self._job.renew_token(client.token)  # the begin may have met a rotation
             if res.new_lineage:
                 log.warning(
                     "sink %s: new lineage %s (checkpoint location changed): batch ids "
@@ -395,10 +325,10 @@ class TransactionalSink:
                 split = "none"
                 laps.lap("settle_s")
             else:
-                plan = self._plan(res.kind, txn, res.recover, n_in)
+                plan = self._job.plan(res.kind, txn, res.recover, n_in)
                 split = plan.split
                 laps.lap("plan_s")
-                outcomes, job_error = self._run_tasks(df, plan, direct)
+                outcomes, job_error = self._job.run(df, plan, direct)
                 laps.lap("job_s")
                 if plan.mode == PREPARE:
                     # No task waited for the decision: the driver sends every task's
@@ -429,6 +359,7 @@ class TransactionalSink:
             if step.warning:
                 log.warning("%s", step.warning)
             if step.kind == StepKind.RETURN:
+                self._committer.prune(self.name, lineage, batch_id)  # in the background
                 failpoints.hit("before_return")
                 report = summary(self.name, batch_id, final, outcomes,
                                  res.kind == BeginKind.IN_DOUBT)
@@ -442,149 +373,6 @@ class TransactionalSink:
                 raise BatchFailed(step.reason)
             if step.delay > 0:  # FINISH or RETRY: begin again
                 time.sleep(step.delay)
-
-    def _check(self, df: DataFrame) -> None:
-        """Each participant checks its target against the schema once, before writing."""
-        schema = self._schema(df)
-        if self._checked_schema is schema:
-            return
-        if self._checked_schema is not None and self._checked_schema.equals(schema):
-            return
-        for p in self.participants:
-            p.check(schema)
-        self._checked_schema = schema
-
-    def _plan_template(self) -> BatchPlan:
-        """What every batch's plan shares: ``_plan`` fills in the batch."""
-        assert self._conn is not None and self._epoch is not None
-        return BatchPlan(
-            key=TxnKey(self.name, "", 0, 0),
-            epoch=self._epoch,
-            partitions=0,
-            mode="run",
-            coordinator_url=self._conn.url,
-            token=self._client.token if self._client else None,  # renewed by a rotation
-            token_file=self._conn.token_file,
-            participants=self.participants,
-            decision_timeout=self.vote_timeout + 60.0,
-            ca_pem=self._conn.ca_pem,
-            retry_budget=self.retry_budget_s,
-            driver_acks=True,
-        )
-
-    def _plan(
-        self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
-        n_in: int | None,
-    ) -> BatchPlan:
-        assert self._conn is not None and self._epoch is not None
-        handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
-        digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
-        # Spark's own split only where it has txn.partitions tasks; a finish redoes lost
-        # branches, so it must split as the votes did (they say how).
-        split = INPUT_SPLIT if n_in == txn.partitions else "hash"
-        if kind == BeginKind.IN_DOUBT and any(split_of(h) != split for h in handles.values()):
-            split = "hash"  # cannot split as voted: a branch needing a redo refuses it
-        return dataclasses.replace(
-            self._plan_template(),
-            key=txn.key,
-            partitions=txn.partitions,
-            mode="finish" if kind == BeginKind.IN_DOUBT else "run" if self.gang else PREPARE,
-            handles=handles,
-            digests=digests,
-            ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
-            split=split,
-        )
-
-    def _job_frame(self, df: DataFrame) -> DataFrame | None:
-        """``df`` mapped by the sink's task, the plan left to a local property (see
-        ``_run_tasks``), when this batch may run on Spark's own split; None before the
-        first batch connected, under Spark Connect (no local properties) and when the
-        sink always shuffles."""
-        if (self._conn is None or self._epoch is None or self.split_columns
-                or self.one_branch or jvm_context(df) is None):
-            return None
-        return df.mapInArrow(self._task(None, self._schema(df)), report_struct(),
-                             barrier=self.gang)
-
-    def _schema(self, df: DataFrame) -> Any:
-        """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
-        (a column added from batch N on), so the schema is the batch's own, never the
-        lineage's; only the conversion is reused while the Spark schema and the session's
-        time zone stay the same."""
-        tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
-        key = (df.schema, tz)
-        if self._schema_of[0] != key:
-            self._schema_of = (key, arrow_schema(df, tz))
-        return self._schema_of[1]
-
-    def _task(self, fixed: BatchPlan | None, batch_schema: Any) -> Callable[[Any], Any]:
-        """The task's function. With ``fixed`` it runs that plan; without, it reads
-        the batch's plan from the job's local property (``PLAN_PROPERTY``, set by
-        ``_run_tasks``) over the sink's template (participants, coordinator, token: never
-        in a property, which Spark's event log records)."""
-        import pyarrow as pa
-
-        template = fixed or self._plan_template()
-        report_schema = pa.schema(
-            [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"
-              else pa.int64())
-             for name, kind in (f.strip().split() for f in REPORT_SCHEMA.split(","))]
-        )
-
-        def task(batches: Any) -> Any:
-            from pyspark import TaskContext
-
-            entered = time.perf_counter()
-            ctx = TaskContext.get()  # a BarrierTaskContext in a barrier stage
-            assert ctx is not None, "a Spark task always has its context"
-            partition = ctx.partitionId()
-            # unique in the application: a retried or speculative copy has its own
-            attempt = f"{ctx.stageId()}/{ctx.taskAttemptId()}"
-            plan = template if fixed is not None else plan_from_property(
-                template, ctx.getLocalProperty(PLAN_PROPERTY))
-            it = iter(batches)
-            first = next(it, None)
-            before = time.perf_counter() - entered  # Spark's first rows: the task's too
-            if first is None:
-                out = run_partition(plan, partition, batch_schema, iter(()), task=attempt)
-            else:  # the rows stream on to the participants, never held here
-                out = run_partition(plan, partition, first.schema,
-                                    itertools.chain([first], it), task=attempt)
-            out.task_s += before
-            out.prepare_s += before
-            yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
-
-        return task
-
-    def _run_tasks(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None
-                   ) -> tuple[list[dict[str, Any]], str]:
-        """One task per partition (a barrier stage for an in-task participant); returns
-        the tasks' reports and the job error.
-        ``direct`` (``_job_frame``) is run as planned when the plan keeps Spark's split."""
-        sc = jvm_context(df)
-        batch_schema = self._schema(df)
-        cols = list(self.split_columns or df.columns)
-        if plan.split == INPUT_SPLIT and direct is not None:
-            job = direct
-        else:
-            if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
-                split = df  # Spark's split is the same on replay: no shuffle
-            elif cols:
-                split = df.repartition(plan.partitions, *cols)
-            else:
-                split = df.repartition(plan.partitions)
-            job = split.mapInArrow(self._task(None if sc is not None else plan, batch_schema),
-                                   report_struct(), barrier=self.gang)
-        if sc is not None:
-            sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
-        try:
-            rows = job.collect()
-        except Exception as exc:  # the job failed: the coordinator's record decides what next
-            return [], short_error(exc)
-        finally:
-            if sc is not None:
-                sc.setLocalProperty(PLAN_PROPERTY, None)
-        return [r.asDict() for r in rows], ""
 
     def _report(self, report: BatchReport, started: float) -> None:
         report.seconds = time.perf_counter() - started

@@ -261,6 +261,14 @@ class Participant(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and producers."""
 
+    def prune_markers(self, sink: str, lineage: str, below: int) -> int:
+        """Delete this participant's idempotency markers of ``sink``'s ``lineage`` for
+        batches below ``below``; returns how many. The driver calls it in the background
+        with its committed batch minus a kept window (``twophase.commit``), so markers do
+        not grow by P rows per batch forever: no recovery asks about those batches (Spark
+        replays only batches its checkpoint still retains). Default: nothing to prune."""
+        return 0
+
     def describe(self) -> str:
         return f"{self.kind} participant {self.name!r}"
 

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from twophase.participant import Participant
 
 __all__ = ["arrow_schema", "check_gang", "coordinator_address", "default_partitions",
-           "input_partitions", "jvm_context", "run_through", "spark_connect_client",
-           "split_rule", "task_slots"]
+           "fixed_split", "input_partitions", "jvm_context", "query_lineage", "run_through",
+           "spark_connect_client", "split_rule", "task_slots"]
 
 
 def split_rule(participants: Sequence[Participant]) -> tuple[tuple[str, ...], bool]:
@@ -34,6 +34,42 @@ def split_rule(participants: Sequence[Participant]) -> tuple[tuple[str, ...], bo
         return (), single
     shared = [c for c in asks[0] if all(c in a for a in asks[1:])]
     return tuple(shared), not shared
+
+
+def fixed_split(
+    sink: str, participants: Sequence[Participant], partitions: int | None
+) -> tuple[tuple[str, ...], bool, int | None]:
+    """``split_rule`` with the sink's ``partitions=``: (hash columns, one branch only,
+    partitions). One branch only refuses any other partition count, saying why."""
+    columns, single = split_rule(participants)
+    if not single:
+        return columns, False, partitions
+    if partitions not in (None, 1):
+        whole = [p.describe() for p in participants if p.single_branch()]
+        why = (", ".join(whole) + " writes each batch as one branch" if whole else
+               "the participants' key columns (partition_columns) share no column, "
+               "so only one branch keeps every key in one place")
+        raise InvalidRequest(
+            f"sink {sink!r}: partitions={partitions} but {why}; leave partitions unset (or 1)"
+        )
+    return columns, True, 1
+
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execution thread
+
+
+def query_lineage(df: DataFrame, sink: str) -> str:
+    """The streaming query's id, the lineage of a sink given none (a new checkpoint
+    location is a new query id, so batch ids restart under a new lineage)."""
+    from twophase.errors import BatchFailed
+
+    qid = df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+    if not qid:
+        raise BatchFailed(
+            f"sink {sink!r}: no streaming query id on this thread; call the sink "
+            "from foreachBatch, or pass lineage=... for a batch (non-streaming) write"
+        )
+    return str(qid)
 
 
 def run_through(df: DataFrame) -> None:

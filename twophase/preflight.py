@@ -37,7 +37,7 @@ from twophase.errors import EnvironmentProblem, TargetProblem
 from twophase.participant import Participant
 
 __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
-           "modules_to_check", "probe_targets"]
+           "modules_to_check", "preflight_sink", "probe_targets"]
 
 log = logging.getLogger("twophase.preflight")
 
@@ -248,6 +248,23 @@ def _targets(participants: Sequence[Participant]) -> bytes:
     from pyspark import cloudpickle
 
     return bytes(cloudpickle.dumps(list(participants)))  # type: ignore[no-untyped-call]
+
+
+def preflight_sink(
+    sc: Any, session: Any, sink: str, participants: Sequence[Participant],
+    coordinator_url: str, *, executors: bool, wait_s: float,
+) -> None:
+    """Once per sink start: each target from the driver (no job needed to say why), the
+    executors' interpreter, then (``executors``) the probe job that checks it can run
+    the sink's tasks. ``sc`` is None under Spark Connect: no SparkContext, no probe job."""
+    probe_targets(participants)
+    if sc is None:
+        log.info("sink %s: Spark Connect, the executors' preflight is skipped", sink)
+        return
+    choose_worker_python(sc)
+    if executors:
+        check_executors(sc, sink, participants, coordinator_url, wait_s=wait_s,
+                        session=session)
 
 
 def check_executors(

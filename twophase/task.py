@@ -36,15 +36,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.digest import KINDS, RowsDigest, digest_kind, rows_digest
+from twophase.batchplan import PREPARE, BatchPlan, BranchOutcome
+from twophase.digest import RowsDigest
 from twophase.errors import RedoMismatch, TargetProblem
 from twophase.feed import first_rows, prepare_streaming
+from twophase.finish import acknowledge, apply_decision, check_recorded, finish_commit
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
@@ -58,150 +59,18 @@ from twophase.protocol import (
     CommitScope,
     Decision,
     RecoveryAction,
-    Transaction,
-    TxnKey,
     branch_id,
     recovery_action,
 )
-from twophase.wire import AckBody, BranchMetrics, VoteIn, acks_body, votes_body
+from twophase.wire import BranchMetrics, VoteIn, votes_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
     from twophase.client import CoordinatorClient
+    from twophase.protocol import Transaction
 
-__all__ = ["INPUT_SPLIT", "PREPARE", "BatchPlan", "BranchOutcome", "redone_handles",
-           "relay_acks", "run_partition", "split_of"]
-
-PREPARE: Final = "prepare"
-"""The plan's mode when every participant's prepare is durable: tasks prepare and hand
-their votes back with the job's result; the driver sends them and commits (no task waits
-for the decision, no barrier stage)."""
-
-INPUT_SPLIT = "input"
-"""The batch's partitions as Spark read them (the other split is "hash", of every column)."""
-
-
-def split_of(handle: Mapping[str, str]) -> str:
-    """How the partition behind a vote was split (votes from before this was recorded
-    were all split by hash)."""
-    return handle.get("split", "hash")
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Everything a task needs, shipped from the driver (must pickle)."""
-
-    key: TxnKey  # the attempt this task runs
-    epoch: int
-    partitions: int
-    mode: str  # PREPARE or "run" a new attempt, or "finish" one whose decision is COMMIT
-    coordinator_url: str
-    token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
-    participants: tuple[Participant, ...]
-    handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
-    digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
-    ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
-    decision_timeout: float = 600.0
-    ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
-    split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
-    retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
-    driver_acks: bool = False  # the task returns its acks for the driver to relay (sink)
-    token_file: str | None = None  # re-read after a 401 where readable (a rotated token)
-
-    def ref(
-        self, participant: Participant, partition: int, attempt: int | None = None
-    ) -> BranchRef:
-        key = self.key if attempt is None else self.key._replace(attempt=attempt)
-        return BranchRef(*key, participant=participant.name, partition=partition)
-
-
-@dataclass
-class BranchOutcome:
-    """What a task reports back to the driver (one per partition)."""
-
-    partition: int
-    rows: int = 0
-    decision: str = ""
-    recovered: int = 0  # leftovers of earlier attempts aborted
-    redone: int = 0  # lost branches written again under a COMMIT decision
-    prepare_s: float = 0.0  # first row asked of Spark -> every participant prepared
-    wait_s: float = 0.0  # vote answered -> decision known
-    commit_s: float = 0.0  # decision known -> branches committed, acks ready
-    vote_s: float = 0.0  # the vote call
-    task_s: float = 0.0  # the whole of run_partition: the job's time minus this is Spark's
-    error: str = ""
-    acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
-    redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
-    votes: str = ""  # prepare mode: this task's votes as the wire's vote bodies (JSON list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-PLAN_PROPERTY: Final = "twophase.batch.plan"  # the Spark job's local property: see below
-
-
-def plan_property(plan: BatchPlan) -> str:
-    """The batch's part of ``plan`` as JSON, for ``PLAN_PROPERTY``: the driver plans the
-    job's DataFrame once, before it knows the batch's attempt, so the task reads the
-    attempt from the job. Only what names the batch: participants, coordinator and token
-    stay in the task's function (Spark's event log records job properties)."""
-    return json.dumps({
-        "key": list(plan.key), "epoch": plan.epoch, "partitions": plan.partitions,
-        "mode": plan.mode, "handles": plan.handles, "digests": plan.digests,
-        "ack_earlier": list(plan.ack_earlier), "split": plan.split,
-    })
-
-
-def plan_from_property(template: BatchPlan, value: str | None) -> BatchPlan:
-    """``template`` (the sink's fixed part) with the batch read from ``plan_property``."""
-    if not value:
-        raise ParticipantError(
-            f"the task found no {PLAN_PROPERTY} property on its job: the sink's job was "
-            "started without it (a twophase bug: please report it)")
-    d = json.loads(value)
-    return replace(template, key=TxnKey(*d["key"]), epoch=d["epoch"],
-                   partitions=d["partitions"], mode=d["mode"], handles=d["handles"],
-                   digests=d["digests"], ack_earlier=tuple(d["ack_earlier"]),
-                   split=d["split"])
-
-
-def _acknowledge(
-    plan: BatchPlan,
-    client: CoordinatorClient,
-    out: BranchOutcome,
-    acks: Sequence[tuple[str, Decision]],
-    measured: Mapping[str, BranchMetrics],
-) -> None:
-    """Send this task's acks, or (``driver_acks``) hand them to the driver."""
-    if not acks:
-        return
-    if plan.driver_acks:
-        out.acks = json.dumps(acks_body(plan.epoch, acks, measured)["acks"])
-    else:
-        client.ack(plan.key, plan.epoch, acks, measured)
-
-
-def relay_acks(
-    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
-) -> Transaction | None:
-    """The driver's half of ``driver_acks``: every task's acks in one call. Returns the
-    transaction as the coordinator has it afterwards, or None when no task had any."""
-    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
-    if not bodies:
-        return None
-    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
-                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
-
-
-def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:
-    """The handles of batch-scope branches the tasks redid (branch id -> handle): the
-    driver commits those instead of the lost ones the coordinator recorded."""
-    out: dict[str, Handle] = {}
-    for o in outcomes:
-        out.update(json.loads(o.get("redone_handles") or "{}"))
-    return out
+__all__ = ["run_partition"]
 
 
 def _settle_earlier(
@@ -223,125 +92,11 @@ def _settle_earlier(
             client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
 
 
+
 def _batch_commits(part: Participant, decision: Decision) -> bool:
     """True when the driver, not this task, applies ``decision`` to ``part``'s branch (a
     COMMIT of a participant that commits once per batch)."""
     return decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH
-
-
-def _apply(
-    part: Participant, ref: BranchRef, handle: Handle | None, decision: Decision
-) -> None:
-    """Apply the decision to one branch, between the commit failpoints."""
-    failpoints.hit("before_commit", part.name, ref.partition)
-    if is_empty_branch(handle):
-        pass  # nothing was prepared, so there is nothing to make visible or discard
-    elif decision == Decision.COMMIT:
-        part.commit(ref, handle)
-    else:
-        part.abort(ref, handle)
-    failpoints.hit("after_commit", part.name, ref.partition)
-
-
-def _check_redo(
-    plan: BatchPlan,
-    part: Participant,
-    partition: int,
-    schema: pa.Schema,
-    batches: Sequence[pa.RecordBatch],
-) -> None:
-    """A redo must write what was voted on. The replay must be split as the vote was
-    (else it holds other rows), and the replayed partition's content digest, computed
-    the way the voted one was (``twophase.digest``: a vote stored by an older version
-    is checked with its own algorithm), must equal the one stored with the vote. If
-    either differs (changed Spark settings, a nondeterministic column or source), refuse
-    rather than land other rows, and say how the operator settles it. A vote without a
-    digest (an older client) is not checked; one made by an algorithm this version does
-    not know (a newer version voted) is refused."""
-    bid = branch_id(part.name, partition)
-    handle = plan.handles.get(bid, {})
-    if handle and split_of(handle) != plan.split:
-        raise ParticipantError(
-            f"{part.describe()} partition {partition}: the committed vote's rows were split "
-            f"{split_of(handle)!r} but this replay is split {plan.split!r} (Spark now reads "
-            "the batch into another number of partitions); restart with the settings the "
-            "batch was first run with so the lost branch can be redone exactly"
-        )
-    voted = plan.digests.get(bid)
-    if voted is None:
-        return
-    k = plan.key
-    kind = digest_kind(voted)
-    if kind not in KINDS:
-        raise RedoMismatch(
-            f"{part.describe()}: cannot redo branch {bid} of sink {k.sink!r} batch "
-            f"{k.batch_id} (attempt {k.attempt}, lineage {k.lineage}): its vote carries a "
-            f"content digest of kind {kind!r}, which this version of twophase cannot "
-            f"compute (it knows {', '.join(KINDS)}), so the replay cannot be checked and "
-            "nothing was written. Restart the query with the twophase version that voted "
-            "(or a newer one) to redo the branch."
-        )
-    digest = rows_digest(schema, batches, kind)
-    if voted == digest:
-        return
-    raise RedoMismatch(
-        f"{part.describe()}: cannot redo branch {bid} of sink {k.sink!r} batch {k.batch_id} "
-        f"(attempt {k.attempt}, lineage {k.lineage}): the replayed partition {partition} has "
-        f"other rows than were voted on (digest {digest}, voted {voted}); the query's "
-        "input or transformation is not deterministic, so the lost branch cannot be redone "
-        "exactly and nothing was written. Settle it: either re-drive (make the replay "
-        "return the voted rows, e.g. restore the source files, and restart the query: it "
-        "redoes the branch) or accept the loss of this branch's rows with POST "
-        f"{{coordinator}}/v1/admin/txns/{k.sink}/{k.lineage}/{k.batch_id}/{k.attempt}/force-ack "
-        f'{{"branch": "{bid}", "outcome": "COMMIT"}} (see docs/coordinator-api.md)'
-    )
-
-
-def _finish_commit(
-    plan: BatchPlan,
-    partition: int,
-    schema: pa.Schema,
-    batches: Sequence[pa.RecordBatch],
-    client: CoordinatorClient,
-    out: BranchOutcome,
-) -> None:
-    """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
-    t0 = time.perf_counter()
-    acks: list[tuple[str, Decision]] = []
-    measured: dict[str, BranchMetrics] = {}
-    redone: dict[str, Handle] = {}
-    for part in plan.participants:
-        ref = plan.ref(part, partition)
-        bid = branch_id(part.name, partition)
-        voted = plan.handles.get(bid)
-        if is_empty_branch(voted):
-            acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
-            continue
-        tc = time.perf_counter()
-        status = part.voted_status(ref, voted)
-        action = recovery_action(Decision.COMMIT, status, part.commit_scope)
-        if action == RecoveryAction.COMMIT:
-            _apply(part, ref, voted, Decision.COMMIT)
-        elif action == RecoveryAction.COMMIT_BATCH:
-            continue  # prepared and whole: the driver commits the batch and acknowledges
-        elif action == RecoveryAction.REDO:
-            # Lost (a Kafka branch dies with its producer): write it again and commit at
-            # once; the participant's marker makes a second redo write nothing.
-            _check_redo(plan, part, partition, schema, batches)
-            handle = part.redo(ref, schema, batches, voted)
-            out.redone += 1
-            if part.commit_scope == CommitScope.BATCH:
-                redone[bid] = {**handle, "split": plan.split}  # the driver's batch commit
-                continue
-            _apply(part, ref, handle, Decision.COMMIT)
-        acks.append((bid, Decision.COMMIT))
-        measured[bid] = {"commit_s": time.perf_counter() - tc}
-    if redone:
-        out.redone_handles = json.dumps(redone)
-    failpoints.hit("before_ack", None, partition)
-    _acknowledge(plan, client, out, acks, measured)
-    out.commit_s = time.perf_counter() - t0
-    out.decision = Decision.COMMIT.value
 
 
 def _run_attempt(
@@ -395,7 +150,7 @@ def _run_attempt(
             raise unexpected
         # A target's permanent refusal is said in full by the NO vote (the driver leads
         # its error with it): end the task quietly rather than add Spark's wall of frames.
-        _acknowledge(plan, client, out, [(ref.branch_id, Decision.ABORT)
+        acknowledge(plan, client, out, [(ref.branch_id, Decision.ABORT)
                                          for _, ref, _ in prepared], {})
         out.decision = Decision.ABORT.value
         out.error = next((v.reason or "" for v in votes if not v.yes), "")
@@ -410,8 +165,18 @@ def _run_attempt(
     if refused:
         out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
     # The last voter's answer already carries the decision: no long-poll needed then.
-    decision = answer.decision or _await_decision(plan, client)
+    decided = answer if answer.decision is not None else _await_decision(plan, client)
+    decision = decided.decision
+    assert decision is not None
     out.wait_s = time.perf_counter() - t1
+    if decision == Decision.COMMIT:
+        try:  # a stage run again after the decision: only the voted rows may commit
+            check_recorded(plan, decided, votes, task)
+        except RedoMismatch:
+            for part, ref, handle in prepared:
+                if not is_empty_branch(handle):
+                    part.abort(ref, handle)
+            raise
     t2 = time.perf_counter()
     acks: list[tuple[str, Decision]] = []
     measured_acks: dict[str, BranchMetrics] = {}
@@ -419,12 +184,12 @@ def _run_attempt(
         if _batch_commits(part, decision):
             continue  # the driver commits the batch's files at once and acknowledges
         tc = time.perf_counter()
-        _apply(part, ref, handle, decision)
+        apply_decision(part, ref, handle, decision)
         acks.append((ref.branch_id, decision))
         measured_acks[ref.branch_id] = {"wait_s": out.wait_s,
                                         "commit_s": time.perf_counter() - tc}
     failpoints.hit("before_ack", None, partition)
-    _acknowledge(plan, client, out, acks, measured_acks)
+    acknowledge(plan, client, out, acks, measured_acks)
     out.commit_s = time.perf_counter() - t2
     out.decision = decision.value
 
@@ -474,7 +239,7 @@ def _vote_and_abort(
                 part.abort(ref, handle)
 
 
-def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
+def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Transaction:
     deadline = time.monotonic() + plan.decision_timeout
     while True:
         remaining = deadline - time.monotonic()
@@ -485,7 +250,7 @@ def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Decision:
             )
         txn = client.await_decision(plan.key, timeout=min(remaining, 30.0))
         if txn.decision is not None:
-            return txn.decision
+            return txn
 
 
 def run_partition(
@@ -512,7 +277,7 @@ def run_partition(
         if plan.mode == "finish":
             rows = list(batches)  # a redo is rare and must know the count first
             out.rows = sum(b.num_rows for b in rows)
-            _finish_commit(plan, partition, schema, rows, cl, out)
+            finish_commit(plan, partition, schema, rows, cl, out)
         else:
             _run_attempt(plan, partition, schema, iter(batches), cl, out, task)
     finally:

@@ -797,6 +797,20 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 f"{self.describe()}: handle names {handle.get('gid')!r} but the branch is {gid!r}"
             )
 
+    def prune_markers(self, sink: str, lineage: str, below: int) -> int:
+        """Delete the marker rows of (sink, lineage) below batch ``below`` (needs DELETE
+        on the marker table; the driver logs a refusal and goes on)."""
+        def run(conn: psycopg.Connection[Any]) -> int:
+            try:
+                cur = conn.execute(sql.SQL(
+                    "DELETE FROM {} WHERE sink = %s AND lineage = %s AND checkpoint < %s"
+                ).format(self._marker_sql()), (sink, lineage, below))
+            except pgerr.UndefinedTable:
+                return 0
+            return max(0, cur.rowcount)
+
+        return self._idempotent("prune markers", run)
+
     def status(self, branch: BranchRef) -> BranchStatus:
         gid = self._own(branch)
 

@@ -686,6 +686,22 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 f"{self.describe()}: handle names {handle.get('xid')!r} but the branch is {xid!r}"
             )
 
+    def prune_markers(self, sink: str, lineage: str, below: int) -> int:
+        """Delete the marker rows (and hashed-xid rows) of (sink, lineage) below batch
+        ``below`` (needs DELETE on both tables; the driver logs a refusal and goes on)."""
+        def run(conn: sa.Connection) -> int:
+            n = 0
+            for t in (self._markers(), self._xids()):
+                try:
+                    res = conn.execute(sa.delete(t).where(
+                        t.c.sink == sink, t.c.lineage == lineage, t.c.checkpoint < below))
+                except sa.exc.ProgrammingError:
+                    continue  # no such table yet: nothing to prune
+                n += max(0, res.rowcount) if t.name == self.marker_table else 0
+            return n
+
+        return self._retry("prune markers", run)
+
     def status(self, branch: BranchRef) -> BranchStatus:
         xid, _ = self._xid(branch)
 

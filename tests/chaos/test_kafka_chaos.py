@@ -27,13 +27,14 @@ import pytest
 
 from tests.support.kafka import create_topic, unique_topic
 from twophase import failpoints
+from twophase.batchplan import BatchPlan
 from twophase.connection import connect
 from twophase.digest import rows_digest
 from twophase.errors import ParticipantError
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import read_log
-from twophase.task import BatchPlan, run_partition
+from twophase.task import run_partition
 from twophase.testing.verify import verify
 from twophase.wire import VoteIn
 

@@ -17,6 +17,7 @@ import httpx
 import pyarrow as pa
 import pytest
 
+from twophase.batchplan import BatchPlan
 from twophase.client import CoordinatorClient
 from twophase.coordinator import schema as s
 from twophase.coordinator.app import create_app
@@ -27,7 +28,7 @@ from twophase.errors import SchemaMismatch
 from twophase.participant import BranchRef
 from twophase.protocol import State, TxnKey
 from twophase.sinks.files import StagedFileParticipant
-from twophase.task import BatchPlan, run_partition
+from twophase.task import run_partition
 from twophase.wire import VoteIn
 
 SINK, LINEAGE = "orders", "L-console"

@@ -12,13 +12,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from twophase.batchplan import BatchPlan, BranchOutcome
 from twophase.connection import Connection, connect
 from twophase.errors import RedoMismatch
 from twophase.participant import BranchStatus, Participant
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.task import BatchPlan, BranchOutcome, run_partition
+from twophase.task import run_partition
 from twophase.testing.verify import verify
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
@@ -302,3 +303,39 @@ def test_torn_temp_files_of_a_killed_prepare_are_removed(tmp_path: Path) -> None
     torn.write_bytes(b"again")
     part.abort(first, None)
     assert not torn.exists()
+
+
+def test_a_task_run_again_after_commit_commits_only_a_replay_matching_the_vote(  # type: ignore[no-untyped-def]
+    setup,
+) -> None:
+    """The in-task path's guard for a stage Spark would run again after the decision
+    (issue 30, item 5; Spark itself refuses to re-run a barrier ResultStage, see
+    tests/spark/test_stage_retry.py): COMMIT was decided on task attempt 1/1's votes;
+    the same branches prepared again by task attempt 1/9 from other rows are aborted,
+    not committed, with an error naming both attempts; a replay with the voted rows
+    (task 1/10) commits."""
+    from twophase.digest import rows_digest
+    from twophase.wire import VoteIn
+
+    sink, parts, conn = setup
+    client = conn.client()
+    epoch = client.register(sink)
+    plan, _ = _plan(sink, parts, conn, epoch)
+    for p in range(2):  # the first run's votes (its task then died before committing)
+        client.vote(plan.key, epoch, [
+            VoteIn(branch=f"{part.name}/{p}", yes=True, handle={"first": "run"},
+                   digest=rows_digest(SCHEMA, _batch(p), "v2"), task="1/1")
+            for part in parts])
+    assert client.get(plan.key).decision == Decision.COMMIT
+    with pytest.raises(RedoMismatch) as err:
+        run_partition(plan, 0, SCHEMA, _batch(0, n=6), client, task="1/9")
+    msg = str(err.value)
+    for part in ("Spark ran the task again (task attempt 1/9)", "task attempt 1/1",
+                 "not deterministic", "Nothing of the replay was committed", "force-ack"):
+        assert part in msg, (part, msg)
+    for part in parts:
+        assert part.status(plan.ref(part, 0)) == BranchStatus.ABSENT, part.describe()
+    out = run_partition(plan, 1, SCHEMA, _batch(1), client, task="1/10")
+    assert out.decision == "COMMIT"
+    for part in parts:
+        assert part.status(plan.ref(part, 1)) == BranchStatus.COMMITTED, part.describe()

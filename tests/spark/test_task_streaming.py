@@ -13,11 +13,12 @@ import psycopg
 import pyarrow as pa
 import pytest
 
+from twophase.batchplan import BatchPlan
 from twophase.connection import Connection, connect
 from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.task import BatchPlan, run_partition
+from twophase.task import run_partition
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 _n = itertools.count()

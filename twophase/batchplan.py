@@ -1,0 +1,135 @@
+"""What travels between the driver and its tasks: the plan a task runs (``BatchPlan``,
+pickled into the task's function, its batch part in a job property) and the outcome it
+returns (``BranchOutcome``, one row of the job's result), with the driver's readers of
+those outcomes. Nothing here runs a protocol step."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Final
+
+from twophase.participant import BranchRef, Handle, Participant, ParticipantError
+from twophase.protocol import Decision, Transaction, TxnKey
+from twophase.wire import AckBody
+
+if TYPE_CHECKING:
+    from twophase.client import CoordinatorClient
+
+__all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
+           "plan_from_property", "plan_property", "redone_handles", "relay_acks", "split_of"]
+
+PREPARE: Final = "prepare"
+"""The plan's mode when every participant's prepare is durable: tasks prepare and hand
+their votes back with the job's result; the driver sends them and commits (no task waits
+for the decision, no barrier stage)."""
+
+INPUT_SPLIT = "input"
+"""The batch's partitions as Spark read them (the other split is "hash", of every column)."""
+
+
+def split_of(handle: Mapping[str, str]) -> str:
+    """How the partition behind a vote was split (votes from before this was recorded
+    were all split by hash)."""
+    return handle.get("split", "hash")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything a task needs, shipped from the driver (must pickle)."""
+
+    key: TxnKey  # the attempt this task runs
+    epoch: int
+    partitions: int
+    mode: str  # PREPARE or "run" a new attempt, or "finish" one whose decision is COMMIT
+    coordinator_url: str
+    token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
+    participants: tuple[Participant, ...]
+    handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
+    digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
+    ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
+    decision_timeout: float = 600.0
+    ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
+    split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
+    retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
+    driver_acks: bool = False  # the task returns its acks for the driver to relay (sink)
+    token_file: str | None = None  # re-read after a 401 where readable (a rotated token)
+
+    def ref(
+        self, participant: Participant, partition: int, attempt: int | None = None
+    ) -> BranchRef:
+        key = self.key if attempt is None else self.key._replace(attempt=attempt)
+        return BranchRef(*key, participant=participant.name, partition=partition)
+
+
+@dataclass
+class BranchOutcome:
+    """What a task reports back to the driver (one per partition)."""
+
+    partition: int
+    rows: int = 0
+    decision: str = ""
+    recovered: int = 0  # leftovers of earlier attempts aborted
+    redone: int = 0  # lost branches written again under a COMMIT decision
+    prepare_s: float = 0.0  # first row asked of Spark -> every participant prepared
+    wait_s: float = 0.0  # vote answered -> decision known
+    commit_s: float = 0.0  # decision known -> branches committed, acks ready
+    vote_s: float = 0.0  # the vote call
+    task_s: float = 0.0  # the whole of run_partition: the job's time minus this is Spark's
+    error: str = ""
+    acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
+    redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
+    votes: str = ""  # prepare mode: this task's votes as the wire's vote bodies (JSON list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+PLAN_PROPERTY: Final = "twophase.batch.plan"  # the Spark job's local property: see below
+
+
+def plan_property(plan: BatchPlan) -> str:
+    """The batch's part of ``plan`` as JSON, for ``PLAN_PROPERTY``: the driver plans the
+    job's DataFrame once, before it knows the batch's attempt, so the task reads the
+    attempt from the job. Only what names the batch: participants, coordinator and token
+    stay in the task's function (Spark's event log records job properties)."""
+    return json.dumps({
+        "key": list(plan.key), "epoch": plan.epoch, "partitions": plan.partitions,
+        "mode": plan.mode, "handles": plan.handles, "digests": plan.digests,
+        "ack_earlier": list(plan.ack_earlier), "split": plan.split,
+    })
+
+
+def plan_from_property(template: BatchPlan, value: str | None) -> BatchPlan:
+    """``template`` (the sink's fixed part) with the batch read from ``plan_property``."""
+    if not value:
+        raise ParticipantError(
+            f"the task found no {PLAN_PROPERTY} property on its job: the sink's job was "
+            "started without it (a twophase bug: please report it)")
+    d = json.loads(value)
+    return replace(template, key=TxnKey(*d["key"]), epoch=d["epoch"],
+                   partitions=d["partitions"], mode=d["mode"], handles=d["handles"],
+                   digests=d["digests"], ack_earlier=tuple(d["ack_earlier"]),
+                   split=d["split"])
+
+
+def relay_acks(
+    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
+) -> Transaction | None:
+    """The driver's half of ``driver_acks``: every task's acks in one call. Returns the
+    transaction as the coordinator has it afterwards, or None when no task had any."""
+    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
+    if not bodies:
+        return None
+    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
+                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
+
+
+def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:
+    """The handles of batch-scope branches the tasks redid (branch id -> handle): the
+    driver commits those instead of the lost ones the coordinator recorded."""
+    out: dict[str, Handle] = {}
+    for o in outcomes:
+        out.update(json.loads(o.get("redone_handles") or "{}"))
+    return out

@@ -1,0 +1,191 @@
+"""The batch's Spark job (the protocol's "prepare" step, run from the driver): one task
+per partition runs ``twophase.task.run_partition`` over its rows; the job's result is
+one ``BranchOutcome`` row per task. Ordinary tasks when every participant prepares
+durably; one barrier stage when a participant's prepared branch lives only in its task.
+
+The job's DataFrame is planned once per batch before the attempt is known
+(``frame``): the batch's part of the plan reaches the tasks as a job property
+(``PLAN_PROPERTY``), the fixed part (participants, coordinator, token: never in a
+property, which Spark's event log records) inside the task's function."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from twophase.batchplan import (
+    INPUT_SPLIT,
+    PLAN_PROPERTY,
+    PREPARE,
+    BatchPlan,
+    plan_from_property,
+    plan_property,
+    split_of,
+)
+from twophase.plan import arrow_schema, jvm_context
+from twophase.protocol import BeginKind, TxnKey
+from twophase.report import REPORT_SCHEMA, report_struct, short_error
+from twophase.task import run_partition
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from twophase.participant import Participant
+    from twophase.protocol import Transaction
+
+__all__ = ["PrepareJob"]
+
+
+class PrepareJob:
+    """Builds and runs each batch's job for one sink. ``template`` (the plan's fixed
+    part) is set once the driver has connected and registered its epoch."""
+
+    def __init__(self, participants: Sequence[Participant], split_columns: Sequence[str],
+                 one_branch: bool, gang: bool) -> None:
+        self.participants = tuple(participants)
+        self.split_columns = tuple(split_columns)
+        self.one_branch = one_branch
+        self.gang = gang
+        self.template: BatchPlan | None = None
+        self._checked_schema: Any = None
+        self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
+
+    def fixed_part(self, *, epoch: int, coordinator_url: str, token: str | None,
+                   ca_pem: str | None, vote_timeout: float, retry_budget: float,
+                   token_file: str | None = None) -> None:
+        """What every batch's plan shares (``plan`` fills in the batch)."""
+        self.template = BatchPlan(
+            key=TxnKey("", "", 0, 0), epoch=epoch, partitions=0, mode="run",
+            coordinator_url=coordinator_url, token=token, participants=self.participants,
+            decision_timeout=vote_timeout + 60.0, ca_pem=ca_pem,
+            retry_budget=retry_budget, driver_acks=True, token_file=token_file,
+        )
+
+    def renew_token(self, token: str | None) -> None:
+        """The driver's client re-read a rotated token: the next batches' tasks carry it."""
+        if self.template is not None and self.template.token != token:
+            self.template = dataclasses.replace(self.template, token=token)
+
+    def check(self, df: DataFrame) -> None:
+        """Each participant checks its target against the schema once, before writing."""
+        schema = self.schema(df)
+        if self._checked_schema is schema:
+            return
+        if self._checked_schema is not None and self._checked_schema.equals(schema):
+            return
+        for p in self.participants:
+            p.check(schema)
+        self._checked_schema = schema
+
+    def schema(self, df: DataFrame) -> Any:
+        """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
+        (a column added from batch N on), so the schema is the batch's own, never the
+        lineage's; only the conversion is reused while the Spark schema and the session's
+        time zone stay the same."""
+        tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        key = (df.schema, tz)
+        if self._schema_of[0] != key:
+            self._schema_of = (key, arrow_schema(df, tz))
+        return self._schema_of[1]
+
+    def plan(self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
+             n_in: int | None) -> BatchPlan:
+        """The plan of this attempt: its mode, and for a finish the votes to honour."""
+        assert self.template is not None
+        handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
+        digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
+        # Spark's own split only where it has txn.partitions tasks; a finish redoes lost
+        # branches, so it must split as the votes did (they say how).
+        split = INPUT_SPLIT if n_in == txn.partitions else "hash"
+        if kind == BeginKind.IN_DOUBT and any(split_of(h) != split for h in handles.values()):
+            split = "hash"  # cannot split as voted: a branch needing a redo refuses it
+        return dataclasses.replace(
+            self.template,
+            key=txn.key,
+            partitions=txn.partitions,
+            mode="finish" if kind == BeginKind.IN_DOUBT else "run" if self.gang else PREPARE,
+            handles=handles,
+            digests=digests,
+            ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
+            split=split,
+        )
+
+    def frame(self, df: DataFrame) -> DataFrame | None:
+        """``df`` mapped by the sink's task, the plan left to the job property, when this
+        batch may run on Spark's own split; None before the first batch connected, under
+        Spark Connect (no local properties) and when the sink always shuffles."""
+        if (self.template is None or self.split_columns or self.one_branch
+                or jvm_context(df) is None):
+            return None
+        return df.mapInArrow(self._task(None, self.schema(df)), report_struct(),
+                             barrier=self.gang)
+
+    def run(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None
+            ) -> tuple[list[dict[str, Any]], str]:
+        """One task per partition; returns the tasks' outcomes and the job's error.
+        ``direct`` (``frame``) is run as planned when the plan keeps Spark's split."""
+        sc = jvm_context(df)
+        batch_schema = self.schema(df)
+        cols = list(self.split_columns or df.columns)
+        if plan.split == INPUT_SPLIT and direct is not None:
+            job = direct
+        else:
+            if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
+                split = df  # Spark's split is the same on replay: no shuffle
+            elif cols:
+                split = df.repartition(plan.partitions, *cols)
+            else:
+                split = df.repartition(plan.partitions)
+            job = split.mapInArrow(self._task(None if sc is not None else plan, batch_schema),
+                                   report_struct(), barrier=self.gang)
+        if sc is not None:
+            sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
+        try:
+            rows = job.collect()
+        except Exception as exc:  # the job failed: the coordinator's record decides what next
+            return [], short_error(exc)
+        finally:
+            if sc is not None:
+                sc.setLocalProperty(PLAN_PROPERTY, None)
+        return [r.asDict() for r in rows], ""
+
+    def _task(self, fixed: BatchPlan | None, batch_schema: Any) -> Callable[[Any], Any]:
+        """The task's function. With ``fixed`` it runs that plan; without, it reads the
+        batch's plan from the job property over the template."""
+        import pyarrow as pa
+
+        template = fixed or self.template
+        assert template is not None
+        report_schema = pa.schema(
+            [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"
+              else pa.int64())
+             for name, kind in (f.strip().split() for f in REPORT_SCHEMA.split(","))]
+        )
+
+        def task(batches: Any) -> Any:
+            from pyspark import TaskContext
+
+            entered = time.perf_counter()
+            ctx = TaskContext.get()  # a BarrierTaskContext in a barrier stage
+            assert ctx is not None, "a Spark task always has its context"
+            partition = ctx.partitionId()
+            # unique in the application: a retried or speculative copy has its own
+            attempt = f"{ctx.stageId()}/{ctx.taskAttemptId()}"
+            plan = template if fixed is not None else plan_from_property(
+                template, ctx.getLocalProperty(PLAN_PROPERTY))
+            it = iter(batches)
+            first = next(it, None)
+            before = time.perf_counter() - entered  # Spark's first rows: the task's too
+            if first is None:
+                out = run_partition(plan, partition, batch_schema, iter(()), task=attempt)
+            else:  # the rows stream on to the participants, never held here
+                out = run_partition(plan, partition, first.schema,
+                                    itertools.chain([first], it), task=attempt)
+            out.task_s += before
+            out.prepare_s += before
+            yield pa.RecordBatch.from_pylist([out.as_dict()], schema=report_schema)
+
+        return task
