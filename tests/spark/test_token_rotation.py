@@ -81,6 +81,8 @@ def test_a_running_query_commits_across_a_data_token_rotation(
         write_input(cfg.input_dir, batches=1, rows_per_batch=ROWS, first=3)
         committed(4)
         assert sink._client is not None and sink._client.token == new
+        # the tasks of the batches after the rotation carry the new token in their plan
+        assert sink._job.template is not None and sink._job.template.token == new
     finally:
         if query is not None:
             query.stop()
