@@ -51,6 +51,7 @@ from twophase.coordinator.models import (
     SinkName,
     VotesIn,
 )
+from twophase.coordinator.roles import TokenSet, role_for
 from twophase.coordinator.store import Store
 from twophase.coordinator.ui import StoreDecisions, ui_routes
 from twophase.errors import InvalidRequest, StoreError, TransactionNotFound, TwophaseError
@@ -86,14 +87,19 @@ def create_app(
     poll_interval: float | None = None,
     max_body: int = MAX_BODY,
     hot_path: bool = True,
+    tokens: TokenSet | None = None,
 ) -> FastAPI:
     """Build the service around ``store`` (a :class:`Store` or a store URL).
 
-    A token is required unless ``insecure`` is set explicitly. ``hot_path=False`` sends
-    the per-batch endpoints through FastAPI's routing too (same answers, more CPU; for
-    the benchmark's comparison).
+    ``token`` is an operator token; ``tokens`` the full set with roles (a token file,
+    several per role; ``token`` is ignored then). A token is required unless
+    ``insecure`` is set explicitly. ``hot_path=False`` sends the per-batch endpoints
+    through FastAPI's routing too (same answers, more CPU; for the benchmark's
+    comparison).
     """
-    if not token and not insecure:
+    if tokens is None:
+        tokens = TokenSet(token)
+    if not tokens.enabled and not insecure:
         raise InvalidRequest("a bearer token is required (or pass insecure=True explicitly)")
     st = Store(store) if isinstance(store, str) else store
     svc = _Service(
@@ -109,7 +115,7 @@ def create_app(
         title="twophase coordinator",
         version=__version__,
         description="Durable 2PC decision log. See docs/coordinator-api.md.",
-        lifespan=_lifespan(svc, auth=bool(token)),
+        lifespan=_lifespan(svc, auth=tokens.enabled),
         # Swagger UI and ReDoc load their scripts from a CDN (blank offline): /docs is a
         # self-contained page instead (docs/decisions.md, issue 10).
         docs_url=None,
@@ -130,7 +136,7 @@ def create_app(
     if hot_path:
         # inside the guard: the token and the body limit apply to it as to every route
         app.add_middleware(HotPath, routes=hot)
-    app.add_middleware(Guard, token=token, max_body=max_body)
+    app.add_middleware(Guard, tokens=tokens, max_body=max_body)
     return app
 
 
@@ -548,7 +554,9 @@ def _docs_page(app: FastAPI) -> str:
         "<p>The full description is the OpenAPI document at "
         "<a href='/openapi.json'>/openapi.json</a> (load it into any OpenAPI viewer); "
         "the reference is docs/coordinator-api.md. Calls other than /healthz, /metrics, "
-        "/openapi.json and /docs need <code>Authorization: Bearer TOKEN</code>.</p>"
+        "/openapi.json and /docs need <code>Authorization: Bearer TOKEN</code>: a data "
+        "token for the jobs' per-batch calls, an operator token for everything else "
+        "(each operation's <code>x-twophase-role</code>).</p>"
         "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th>"
         "</tr>" + "".join(rows) + "</table></body></html>"
     )
@@ -565,6 +573,10 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
                 "bearer": {"type": "http", "scheme": "bearer"}
             }
             schema["security"] = [{"bearer": []}]
+            for path, ops in schema.get("paths", {}).items():
+                for method, op in ops.items():
+                    # the role each call needs (roles.ROUTE_ROLES; docs/coordinator-api.md)
+                    op["x-twophase-role"] = role_for(method.upper(), path)
             for path in OPEN_PATHS:
                 for op in schema.get("paths", {}).get(path, {}).values():
                     op["security"] = []

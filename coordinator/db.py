@@ -25,6 +25,7 @@ from twophase.errors import InvalidRequest, StoreError
 __all__ = [
     "Conflict",
     "Database",
+    "StoreMissing",
     "lock_sqlite",
     "normalize_url",
     "run",
@@ -60,6 +61,23 @@ def sqlite_path(url: str) -> Path | None:
     if not url.startswith("sqlite:///"):
         return None
     return Path(url[len("sqlite:///") :].split("?")[0])
+
+
+class StoreMissing(InvalidRequest):
+    """An existing store was asked for (``create=False``) and its SQLite file is not
+    there: a typo, refused before SQLite would create the file (and the store its
+    folder)."""
+
+    @classmethod
+    def at(cls, path: Path, user: str = "this command") -> StoreMissing:
+        what = "it is a folder" if path.is_dir() else "the file does not exist"
+        return cls(
+            f"no SQLite store at {path.absolute()}: {what} (a typo in the URL?); {user} "
+            "works on an existing store and never creates one: pass the file the "
+            "coordinator writes (sqlite:///relative/path.db from this folder, "
+            "sqlite:////absolute/path.db) or the daemon's http://host:port. Only "
+            "`twophase serve` and a sink's coordinator= store URL create a new store"
+        )
 
 
 def _ensure_parent(path: Path) -> None:
@@ -114,13 +132,17 @@ def lock_sqlite(url: str) -> IO[str] | None:
 class Database:
     """A write engine, a read engine and the write lock for one store URL."""
 
-    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+    def __init__(self, url: str, *, pool_size: int = 8, create: bool = True) -> None:
+        """``create=False``: a SQLite file that does not exist is refused
+        (:class:`StoreMissing`) instead of being created empty."""
         self.url = normalize_url(url)
         self.is_sqlite = self.url.startswith("sqlite")
         self.write_lock: contextlib.AbstractContextManager[Any]
         if self.is_sqlite:
             path = sqlite_path(self.url)
             assert path is not None
+            if not create and not path.is_file():
+                raise StoreMissing.at(path)
             _ensure_parent(path)
             self.engine = _sqlite_engine(self.url, immediate=True)
             self.read_engine = _sqlite_engine(self.url, immediate=False)

@@ -1,7 +1,9 @@
 """The service inside the calling process (the Spark driver), for ``coordinator=<store URL>``.
 
-The same app as the daemon, run by uvicorn in a daemon thread on a free port with a
-random token, so executors on other hosts reach it over HTTP exactly like a daemon.
+The same app as the daemon, run by uvicorn in a daemon thread on a free port with two
+random tokens: a data token, which the tasks carry, and an operator token, which stays in
+this process (the console's URL, ``twophase force``/``resolve`` on a store URL). Executors
+on other hosts reach it over HTTP exactly like a daemon.
 :mod:`twophase.connection` starts and shares these servers.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 from twophase.coordinator.app import create_app
 from twophase.coordinator.background import Settings
 from twophase.coordinator.db import normalize_url
+from twophase.coordinator.roles import TokenSet
 from twophase.coordinator.store import Store
 from twophase.errors import CoordinatorUnavailable
 
@@ -40,15 +43,19 @@ class EmbeddedServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        data_token: str | None = None,
         advertise_host: str | None = None,
         settings: Settings | None = None,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        create: bool = True,
     ) -> None:
         self.store_url = store_url
+        self.create = create  # False: a missing SQLite file is refused, not created
         self.host = host
         self.port = port
-        self.token = token or secrets.token_urlsafe(24)
+        self.token = token or secrets.token_urlsafe(24)  # operator: never shipped to tasks
+        self.data_token = data_token or secrets.token_urlsafe(24)  # what the tasks carry
         self.advertise_host = advertise_host
         self.settings = settings
         self.ssl_certfile = ssl_certfile
@@ -75,8 +82,9 @@ class EmbeddedServer:
     def start(self, timeout: float = 30.0) -> EmbeddedServer:
         import uvicorn
 
-        self.store = Store(self.store_url)
-        app = create_app(self.store, self.token, settings=self.settings)
+        self.store = Store(self.store_url, create=self.create)
+        tokens = TokenSet(self.token, data_token=self.data_token)
+        app = create_app(self.store, None, settings=self.settings, tokens=tokens)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only
         # then, and without it Nagle + delayed ACK add ~40 ms to every response.

@@ -1,26 +1,23 @@
-"""Bearer token and body size, checked before any routing or parsing.
+"""Bearer token, its role and body size, checked before any routing or parsing.
 
-A pure ASGI middleware, so that an unauthenticated or oversized request costs no JSON
-parsing and no validation. A body without Content-Length is counted as it arrives.
+A pure ASGI middleware, so that an unauthenticated, unauthorized or oversized request
+costs no JSON parsing and no validation. A body without Content-Length is counted as it
+arrives. Which role a route needs is :mod:`twophase.coordinator.roles`' table.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
 from twophase import wire
+from twophase.coordinator.roles import OPEN_PATHS, TokenSet, role_for
 from twophase.errors import TwophaseError
 
 __all__ = ["MAX_BODY", "OPEN_PATHS", "Guard"]
 
 MAX_BODY: Final = 1 << 20  # 1 MiB
-# reachable without a token: probes, scrapers and the API's own description
-# and the console's sign-in page (/ui: no data in it; /ui/view and every action need it)
-OPEN_PATHS: Final = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs",
-                               "/ui"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,12 +27,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Guard:
-    """Refuses a request without the expected bearer token (401) or with a body larger
-    than ``max_body`` (413), answering in the service's error layout."""
+    """Refuses a request without a known bearer token (401), with a data token on an
+    operator route (403) or with a body larger than ``max_body`` (413), answering in the
+    service's error layout."""
 
-    def __init__(self, app: ASGIApp, token: str | None, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenSet, max_body: int) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.tokens = tokens if tokens.enabled else None
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,12 +41,11 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            got = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                why = "missing bearer token" if not got else "wrong bearer token"
-                await _send_error(send, 401, "unauthorized", f"{why}: send 'Authorization: "
-                                  "Bearer <token>' (the daemon's --token / TWOPHASE_TOKEN)")
+        if self.tokens is not None and scope["path"] not in OPEN_PATHS:
+            refusal = self._refusal(scope["method"], scope["path"],
+                                    headers.get(b"authorization", b""))
+            if refusal is not None:
+                await _send_error(send, *refusal)
                 return
         length = headers.get(b"content-length")
         too_big = f"request body is larger than {self.max_body} bytes"
@@ -79,6 +76,27 @@ class Guard:
             if not started:
                 await _send_error(send, 413, "body_too_large", too_big)
 
+    def _refusal(self, method: str, path: str, got: bytes) -> tuple[int, str, str] | None:
+        """(status, code, message) when the token may not make this call, else None."""
+        assert self.tokens is not None
+        if not got:
+            return 401, "unauthorized", (
+                "missing bearer token: send 'Authorization: Bearer <token>' (jobs: a data "
+                "token, operators: an operator token, from the daemon's --token-file or "
+                "--token; docs/coordinator-api.md, Security)")
+        role = self.tokens.role_of(got)
+        if role is None:
+            return 401, "unauthorized", (
+                "unknown bearer token: it is not among the daemon's tokens (mistyped, or "
+                "rotated out of its --token-file); send a current token: jobs a 'data' "
+                "line, operators an 'operator' line of that file, or the daemon's --token")
+        if role == "data" and role_for(method, path) != "data":
+            return 403, "forbidden", (
+                f"{method} {path} needs an operator token; this is a data token (for the "
+                "jobs' begin, votes, acks and decisions only): send an operator token (an "
+                "'operator' line of the daemon's --token-file, or its --token)")
+        return None
+
 
 class _TooLarge(TwophaseError):
     pass
@@ -86,10 +104,11 @@ class _TooLarge(TwophaseError):
 
 async def _send_error(send: Send, status: int, code: str, message: str) -> None:
     body = json.dumps(wire.error_body(code, message)).encode()
-    await send({
-        "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer")],
-    })
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    elif status == 403:
+        headers.append((b"www-authenticate", b'Bearer error="insufficient_scope"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -20,6 +20,7 @@ def fetch(
     state: str | None = None,
     limit: int = 100,
     token: str | None = None,
+    token_file: str | None = None,
 ) -> list[dict[str, Any]]:
     """Transactions as wire JSON (each with ``alert``), newest first."""
     if state is not None:
@@ -27,7 +28,8 @@ def fetch(
     if coordinator.startswith(("http://", "https://")):
         from twophase.client import CoordinatorClient
 
-        with CoordinatorClient(coordinator, token, retry_budget=10.0) as client:
+        with CoordinatorClient(coordinator, token, token_file=token_file,
+                               retry_budget=10.0) as client:
             return client.list_raw(sink=sink, state=state, limit=limit)
     from twophase.coordinator.store import Store
 
@@ -42,13 +44,15 @@ def fetch(
         store.close()
 
 
-def fetch_sinks(coordinator: str, *, token: str | None = None) -> list[dict[str, Any]]:
+def fetch_sinks(coordinator: str, *, token: str | None = None,
+                token_file: str | None = None) -> list[dict[str, Any]]:
     """Every sink with its last committed batch, in-doubt count and age, alerts
     (``wire.SinkSummaryOut``), from a daemon or read from a store."""
     if coordinator.startswith(("http://", "https://")):
         from twophase.client import CoordinatorClient
 
-        with CoordinatorClient(coordinator, token, retry_budget=10.0) as client:
+        with CoordinatorClient(coordinator, token, token_file=token_file,
+                               retry_budget=10.0) as client:
             return [dict(s) for s in client.sinks()]
     from twophase.coordinator.store import Store
 

@@ -74,7 +74,7 @@ class Store:
         group_commit: bool = True,
         max_group: int = 512,
     ) -> None:
-        self.db = Database(url, pool_size=pool_size)
+        self.db = Database(url, pool_size=pool_size, create=create)
         self.url = self.db.url
         self.is_sqlite = self.db.is_sqlite
         self.engine = self.db.engine

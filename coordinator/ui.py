@@ -265,11 +265,13 @@ code{background:#f0f0f0;padding:0 .2em}button{cursor:pointer}
 <span id="who"></span></header>
 <div id="signin" hidden>
 <h2>Sign in</h2>
-<p>Every read and every action of this console needs the coordinator's bearer token:
-the daemon's <code>--token</code> (or <code>TWOPHASE_TOKEN</code>). An embedded
-coordinator (a <code>sqlite:///</code> or <code>postgresql://</code> store in the Spark
-driver) makes a random one: <code>twophase demo</code> prints this page's address with it
-(<code>/ui#token=...</code>), and <code>TransactionalSink.console_url</code> gives it.</p>
+<p>Every read and every action of this console needs an <b>operator</b> token: an
+<code>operator</code> line of the daemon's <code>--token-file</code>, or its
+<code>--token</code> (<code>TWOPHASE_TOKEN</code>); the jobs' data token is refused here.
+An embedded coordinator (a <code>sqlite:///</code> or <code>postgresql://</code> store in
+the Spark driver) makes a random one: <code>twophase demo</code> prints this page's address
+with it (<code>/ui#token=...</code>), and <code>TransactionalSink.console_url</code> gives
+it.</p>
 <p>The token stays in this browser tab (session storage) and is sent only as
 <code>Authorization: Bearer</code> to this coordinator.</p>
 <form id="signin-form"><input id="token" type="password" size="40"
@@ -299,14 +301,19 @@ function say(text, bad) { $("msg").textContent = text; $("msg").className = bad 
 async function call(method, path, body) {
   const r = await fetch(path, {method, headers: {"Authorization": "Bearer " + token(),
     "Content-Type": "application/json"}, body: body ? JSON.stringify(body) : undefined});
-  if (r.status === 401) { sessionStorage.removeItem(KEY); signin("the token was refused"); }
+  if (r.status === 401 || r.status === 403) {
+    const e = await r.clone().json().catch(() => ({}));
+    sessionStorage.removeItem(KEY);
+    signin((r.status === 403 ? "this token may not use the console (an operator token is " +
+      "needed): " : "the token was refused: ") + (e.message || ("HTTP " + r.status)));
+  }
   return r;
 }
 async function refresh() {
   if (!token()) { signin(""); return; }
   try {
     const r = await call("GET", "/ui/view" + location.search);
-    if (r.status === 401) return;
+    if (r.status === 401 || r.status === 403) return;
     if (!r.ok) { $("status").textContent = "refresh failed: HTTP " + r.status; return; }
     $("view").innerHTML = await r.text();
     $("signin").hidden = true; $("main").hidden = false;

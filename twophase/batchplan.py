@@ -54,6 +54,7 @@ class BatchPlan:
     split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
     driver_acks: bool = False  # the task returns its acks for the driver to relay (sink)
+    token_file: str | None = None  # re-read after a 401 where readable (a rotated token)
 
     def ref(
         self, participant: Participant, partition: int, attempt: int | None = None

@@ -15,6 +15,7 @@ import builtins
 import logging
 import os
 import ssl
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -33,14 +34,36 @@ from twophase.errors import (
 from twophase.protocol import TxnKey
 from twophase.wire import VoteIn
 
-__all__ = ["CoordinatorClient", "pinned"]
+__all__ = ["CoordinatorClient", "pinned", "read_token_file"]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
+TOKEN_FILE_ENV: Final = "TWOPHASE_CLIENT_TOKEN_FILE"  # noqa: S105 - a variable name
 CA_ENV: Final = "TWOPHASE_CA_CERT"
 POLL_SLICE: Final = 30.0
 FIRST_CONTACT_BUDGET: Final = 5.0  # seconds register() retries a refused/unresolvable URL
 
 log = logging.getLogger("twophase.client")
+
+
+def read_token_file(path: str) -> str:
+    """The one bearer token in ``path`` (blank lines and ``#`` comments skipped): what a
+    mounted secret holds, rewritten in place to rotate it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [ln.split("#", 1)[0].strip() for ln in fh.read().splitlines()]
+    except OSError as exc:
+        raise InvalidRequest(
+            f"cannot read the token file {path}: {exc.strerror or exc}; pass a readable file "
+            f"holding the bearer token alone (token_file=, ${TOKEN_FILE_ENV})"
+        ) from exc
+    words = [ln for ln in lines if ln]
+    if len(words) != 1 or len(words[0].split()) != 1:
+        raise InvalidRequest(
+            f"token file {path}: expected one bearer token alone on one line, found "
+            f"{len(words)} non-blank line(s){' with spaces' if words else ''}; the daemon's "
+            "'ROLE TOKEN' file is not a client's token file: give the job only its token"
+        )
+    return words[0]
 
 
 def pinned(ca_pem: str | None) -> ssl.SSLContext | None:
@@ -61,13 +84,19 @@ def _seg(x: str | int) -> str:
 
 
 class CoordinatorClient:
-    """Thread-safe; one pooled HTTP connection set per instance. Cheap to construct."""
+    """Thread-safe; one pooled HTTP connection set per instance. Cheap to construct.
+
+    The token: ``token``, else the one in ``token_file``, else ``$TWOPHASE_CLIENT_TOKEN_FILE``'s,
+    else ``$TWOPHASE_TOKEN``. With a token file, an answer 401 re-reads the file and, when
+    the token in it changed, sends the call again with it: a rotated token reaches a
+    running job without a restart."""
 
     def __init__(
         self,
         url: str,
         token: str | None = None,
         *,
+        token_file: str | None = None,
         timeout: float = 30.0,
         retry_budget: float = 120.0,
         verify: bool | str | ssl.SSLContext | None = None,
@@ -77,12 +106,16 @@ class CoordinatorClient:
                 f"coordinator URL must start with http:// or https://, got {url!r}"
             )
         self.url = url.rstrip("/")
+        if token is None and token_file is None:
+            token_file = os.environ.get(TOKEN_FILE_ENV) or None
+        self.token_file = token_file
+        if token is None and token_file is not None:
+            token = read_token_file(token_file)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._token_lock = threading.Lock()
         self.timeout = timeout
         self.retry_budget = retry_budget
         headers = {"Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
         if verify is None:
             verify = os.environ.get(CA_ENV) or True
         kwargs: dict[str, Any] = {}
@@ -116,11 +149,16 @@ class CoordinatorClient:
         if read_timeout is not None:
             timeout = httpx.Timeout(read_timeout, connect=min(self.timeout, 10.0))  # type: ignore[assignment]
 
+        def send(token: str | None) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {token}"} if token else None
+            return self._http.request(method, path, json=body, params=params,
+                                      timeout=timeout, headers=auth)
+
         def once() -> Any:
-            try:
-                resp = self._http.request(method, path, json=body, params=params, timeout=timeout)
-            except httpx.TransportError:
-                raise
+            token = self.token
+            resp = send(token)
+            if resp.status_code == 401 and self._reload_token(token):
+                resp = send(self.token)  # the token file was rotated: once more with it
             if resp.status_code >= 500:
                 raise _Retryable(resp.status_code, resp.text)
             if resp.status_code >= 400:
@@ -174,6 +212,24 @@ class CoordinatorClient:
                 status=getattr(exc, "status", None),
                 code="unavailable",
             ) from exc
+
+    def _reload_token(self, refused: str | None) -> bool:
+        """After ``refused`` got a 401: re-read the token file; True when the token to
+        send now differs (another thread may have re-read it already)."""
+        if self.token_file is None:
+            return False
+        with self._token_lock:
+            if self.token == refused:
+                try:
+                    fresh = read_token_file(self.token_file)
+                except InvalidRequest as exc:
+                    log.warning("coordinator %s refused the token; %s", self.url, exc)
+                    return False
+                if fresh != refused:
+                    log.warning("coordinator %s: token re-read from %s", self.url,
+                                self.token_file)
+                self.token = fresh
+            return self.token != refused
 
     @staticmethod
     def _txn_path(key: TxnKey) -> str:

@@ -9,7 +9,8 @@ Where it listens: ``host`` (the sink passes the Spark driver's ``spark.driver.bi
 and advertises ``spark.driver.host`` on a cluster, loopback under a ``local`` master),
 overridden by ``$TWOPHASE_EMBEDDED_HOST`` (bind address) and
 ``$TWOPHASE_EMBEDDED_ADVERTISE`` (the address the executors are told). Every embedded
-server has its own random token, which the tasks carry; ``tls=(certfile, keyfile)``
+server has its own random data token, which the tasks carry, and an operator token, which
+stays in this process (``Connection.operator_token``); ``tls=(certfile, keyfile)``
 serves HTTPS and the tasks trust exactly that certificate.
 
 This is the one module of the core that imports the coordinator (lazily, only when an
@@ -22,7 +23,7 @@ import os
 import threading
 from typing import Any, Final
 
-from twophase.client import TOKEN_ENV, CoordinatorClient, pinned
+from twophase.client import TOKEN_ENV, TOKEN_FILE_ENV, CoordinatorClient, pinned
 from twophase.errors import InvalidRequest
 
 __all__ = [
@@ -36,44 +37,56 @@ _STORE_PREFIXES: Final = ("sqlite:///", "postgresql://", "postgresql+psycopg://"
 
 
 class Connection:
-    """What :func:`connect` returns. Pickles to ``url`` + ``token`` only, so it can be
-    shipped to Spark executors; there it reaches the (daemon or embedded) coordinator."""
+    """What :func:`connect` returns. Pickles to ``url``, ``token`` and ``token_file``
+    only (never the operator token), so it can be shipped to Spark executors; there it
+    reaches the (daemon or embedded) coordinator."""
 
     def __init__(self, url: str, token: str | None, server: Any = None, cache_key: Any = None,
-                 ca_pem: str | None = None):
+                 ca_pem: str | None = None, *, token_file: str | None = None,
+                 operator_token: str | None = None):
         self.url = url
         self.token = token
+        self.token_file = token_file  # re-read on a 401 (a rotated token)
+        self.operator_token = operator_token  # an embedded server's; None for a daemon
         self.ca_pem = ca_pem  # the embedded server's own certificate, when it serves TLS
         self._server = server
         self._cache_key = cache_key
-        self._client: CoordinatorClient | None = None
+        self._clients: dict[bool, CoordinatorClient] = {}
         self._lock = threading.Lock()
 
-    def client(self, *, retry_budget: float = 120.0) -> CoordinatorClient:
+    def client(self, *, retry_budget: float = 120.0, operator: bool = False
+               ) -> CoordinatorClient:
         """A shared, thread-safe client for this connection (do not close it yourself);
-        ``retry_budget``: seconds it rides through an unreachable coordinator."""
+        ``retry_budget``: seconds it rides through an unreachable coordinator;
+        ``operator``: with an embedded server's operator token (force, abort, resolve)
+        rather than the data token (a daemon's client has the one token it was given)."""
+        op = operator and self.operator_token is not None
         with self._lock:
-            if self._client is None:
-                self._client = CoordinatorClient(self.url, self.token,
-                                                 verify=pinned(self.ca_pem),
-                                                 retry_budget=retry_budget)
-            return self._client
+            cl = self._clients.get(op)
+            if cl is None:
+                cl = self._clients[op] = CoordinatorClient(
+                    self.url, self.operator_token if op else self.token,
+                    token_file=None if op else self.token_file,
+                    verify=pinned(self.ca_pem), retry_budget=retry_budget)
+            return cl
 
     def close(self) -> None:
-        """Close the client; stop the embedded server when its last user closes."""
+        """Close the clients; stop the embedded server when its last user closes."""
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            for cl in self._clients.values():
+                cl.close()
+            self._clients.clear()
         if self._server is not None:
             _release_embedded(self._cache_key)
             self._server = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "token": self.token, "ca_pem": self.ca_pem}
+        return {"url": self.url, "token": self.token, "ca_pem": self.ca_pem,
+                "token_file": self.token_file}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["token"], ca_pem=state.get("ca_pem"))  # type: ignore[misc]
+        self.__init__(state["url"], state["token"], ca_pem=state.get("ca_pem"),  # type: ignore[misc]
+                      token_file=state.get("token_file"))
 
     def __repr__(self) -> str:
         kind = "embedded" if self._server is not None else "daemon"
@@ -111,14 +124,23 @@ def connect(
     host: str | None = None,
     advertise: str | None = None,
     tls: tuple[str, str] | None = None,
+    token_file: str | None = None,
+    create: bool = True,
 ) -> Connection:
-    """``http(s)://host:port`` -> a daemon (token: the parameter, else $TWOPHASE_TOKEN);
+    """``http(s)://host:port`` -> a daemon (token: ``token``, else the one in
+    ``token_file`` or $TWOPHASE_CLIENT_TOKEN_FILE, else $TWOPHASE_TOKEN);
     ``sqlite:///path.db`` / ``postgresql://...`` -> an embedded coordinator in this process
     (one per store URL and address, shared by every sink of the process; random token),
     listening on ``host`` (default loopback) and known to the tasks as ``advertise``
-    (default ``host``); the environment overrides both (module docstring)."""
+    (default ``host``); the environment overrides both (module docstring). ``create=False``
+    (operators' commands): a store URL naming a SQLite file that does not exist is
+    refused instead of created."""
     if coordinator.startswith(("http://", "https://")):
-        return Connection(coordinator.rstrip("/"), token or os.environ.get(TOKEN_ENV))
+        if not token and token_file is None:
+            token_file = os.environ.get(TOKEN_FILE_ENV) or None
+        if not token and token_file is None:
+            token = os.environ.get(TOKEN_ENV)
+        return Connection(coordinator.rstrip("/"), token or None, token_file=token_file)
     if coordinator.startswith(_STORE_PREFIXES):
         # lazy, and the core's only import of the coordinator (see the module docstring)
         from twophase.coordinator.embedded import EmbeddedServer
@@ -133,13 +155,14 @@ def connect(
                 server = EmbeddedServer(
                     coordinator, host=bind, advertise_host=shown,
                     ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None,
+                    create=create,
                 ).start()
                 _EMBEDDED[key] = (server, 1)
             else:
                 server, users = entry
                 _EMBEDDED[key] = (server, users + 1)
-        return Connection(server.url, server.token, server=server, cache_key=key,
-                          ca_pem=server.ca_pem)
+        return Connection(server.url, server.data_token, server=server, cache_key=key,
+                          ca_pem=server.ca_pem, operator_token=server.token)
     raise _not_understood(coordinator)
 
 

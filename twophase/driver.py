@@ -78,8 +78,8 @@ class TransactionalSink:
     """Exactly-once ``foreachBatch`` sink over several participants.
 
     ``coordinator`` is a store URL (``sqlite:///path.db``, ``postgresql://...``: an
-    embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``,
-    token from ``token=`` or ``TWOPHASE_TOKEN``).
+    embedded coordinator starts in this driver) or a daemon URL (``http(s)://host:port``;
+    a data token from ``token=`` or ``token_file=``, re-read after a 401: rotatable).
 
     Before its first batch the sink checks the executors (``preflight=False`` skips it;
     :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
@@ -104,6 +104,7 @@ class TransactionalSink:
         coordinator: str,
         *,
         token: str | None = None,
+        token_file: str | None = None,
         partitions: int | None = None,
         max_attempts: int = 3,
         backoff: float = 1.0,
@@ -137,7 +138,7 @@ class TransactionalSink:
         self.split_columns, self.one_branch, partitions = fixed_split(
             self.name, self.participants, partitions)
         self.coordinator = check_coordinator(coordinator)
-        self.token = token
+        self.token, self.token_file = token, token_file
         self.partitions = partitions
         self.max_attempts = max_attempts
         self.backoff = backoff
@@ -178,7 +179,7 @@ class TransactionalSink:
 
             bind, advertise = self._coordinator_address(df)
             self._conn = connect(self.coordinator, self.token, host=bind, advertise=advertise,
-                                 tls=self.coordinator_tls)
+                                 tls=self.coordinator_tls, token_file=self.token_file)
             self._client = self._conn.client(retry_budget=self.retry_budget_s)
         return self._client
 
@@ -202,15 +203,15 @@ class TransactionalSink:
 
     @property
     def console_url(self) -> str | None:
-        """The coordinator's web console (``/ui``), signed in (the token is in the URL's
-        fragment, which browsers never send); ``None`` before the first batch connects."""
+        """The web console (``/ui``), signed in with an embedded coordinator's operator
+        token, else the sink's (in the URL's fragment, which browsers never send);
+        ``None`` before the first batch connects."""
         if self._conn is None:
             return None
         from urllib.parse import quote
 
-        if not self._conn.token:
-            return f"{self._conn.url}/ui"
-        return f"{self._conn.url}/ui#token={quote(self._conn.token, safe='')}"
+        token = self._conn.operator_token or (self._client.token if self._client else None)
+        return f"{self._conn.url}/ui" + (f"#token={quote(token, safe='')}" if token else "")
 
     def report(self, batch_id: int) -> BatchReport | None:
         """The twophase outcome of micro-batch ``batch_id`` in this driver run (what a
@@ -279,9 +280,10 @@ class TransactionalSink:
             log.info("sink %s: writer epoch %d, lineage %s", self.name, self._epoch, lineage)
             assert self._conn is not None
             self._job.fixed_part(epoch=self._epoch, coordinator_url=self._conn.url,
-                                 token=self._conn.token, ca_pem=self._conn.ca_pem,
+                                 token=client.token, ca_pem=self._conn.ca_pem,
                                  vote_timeout=self.vote_timeout,
-                                 retry_budget=self.retry_budget_s)
+                                 retry_budget=self.retry_budget_s,
+                                 token_file=self._conn.token_file)
         if not self._preflighted:
             from twophase.preflight import preflight_sink
 
@@ -300,6 +302,7 @@ class TransactionalSink:
                 [p.name for p in self.participants], partitions, self.vote_timeout,
             )
             laps.lap("begin_s")
+            self._job.renew_token(client.token)  # the begin may have met a rotation
             if res.new_lineage:
                 log.warning(
                     "sink %s: new lineage %s (checkpoint location changed): batch ids "

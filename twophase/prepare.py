@@ -54,14 +54,20 @@ class PrepareJob:
         self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
 
     def fixed_part(self, *, epoch: int, coordinator_url: str, token: str | None,
-                   ca_pem: str | None, vote_timeout: float, retry_budget: float) -> None:
+                   ca_pem: str | None, vote_timeout: float, retry_budget: float,
+                   token_file: str | None = None) -> None:
         """What every batch's plan shares (``plan`` fills in the batch)."""
         self.template = BatchPlan(
             key=TxnKey("", "", 0, 0), epoch=epoch, partitions=0, mode="run",
             coordinator_url=coordinator_url, token=token, participants=self.participants,
             decision_timeout=vote_timeout + 60.0, ca_pem=ca_pem,
-            retry_budget=retry_budget, driver_acks=True,
+            retry_budget=retry_budget, driver_acks=True, token_file=token_file,
         )
+
+    def renew_token(self, token: str | None) -> None:
+        """The driver's client re-read a rotated token: the next batches' tasks carry it."""
+        if self.template is not None and self.template.token != token:
+            self.template = dataclasses.replace(self.template, token=token)
 
     def check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""

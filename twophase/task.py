@@ -33,6 +33,7 @@ ABORT rule) finds them applied and acknowledges them then.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -269,7 +270,7 @@ def run_partition(
     """
     started = time.perf_counter()
     cl = client or _shared_client(plan.coordinator_url, plan.token, plan.retry_budget,
-                                  plan.ca_pem)
+                                  plan.ca_pem, plan.token_file)
     out = BranchOutcome(partition=partition)
     try:
         _settle_earlier(plan, partition, cl, out)
@@ -286,22 +287,27 @@ def run_partition(
     return out
 
 
-_CLIENTS: dict[tuple[str, str | None, float, str | None], CoordinatorClient] = {}
+_CLIENTS: dict[tuple[str, str | None, float, str | None, str | None], CoordinatorClient] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
 def _shared_client(
-    url: str, token: str | None, retry_budget: float, ca_pem: str | None
+    url: str, token: str | None, retry_budget: float, ca_pem: str | None,
+    token_file: str | None = None,
 ) -> CoordinatorClient:
     """One client per coordinator in this process: Spark reuses its Python workers across
     tasks and batches, so a task finds the connection pool of the one before it instead
     of building a client and opening connections (the client is thread-safe)."""
     from twophase.client import CoordinatorClient, pinned
 
-    key = (url, token, retry_budget, ca_pem)
+    key = (url, token, retry_budget, ca_pem, token_file)
     with _CLIENTS_LOCK:
         cl = _CLIENTS.get(key)
         if cl is None:
+            # the token file only where this host has it (a mounted secret); else the
+            # plan's token alone, which the driver renews each batch
+            usable = token_file if token_file and os.path.isfile(token_file) else None
             cl = _CLIENTS[key] = CoordinatorClient(
-                url, token, verify=pinned(ca_pem), retry_budget=retry_budget)
+                url, token, token_file=usable, verify=pinned(ca_pem),
+                retry_budget=retry_budget)
         return cl

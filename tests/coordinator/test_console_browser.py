@@ -3,7 +3,8 @@
 A stuck batch (decided COMMIT, its writer gone before any acknowledgement) is on the
 page after signing in; the operator gives a reason, forces it through the page and
 confirms; the coordinator's own record shows it COMMITTED with the reason in the
-history. Without the token the page shows how to sign in and nothing else. Needs
+history. Without the token, or with the jobs' data token, the page shows how to sign
+in (and why it refused) and nothing else. Needs
 ``apt-get install chromium`` and ``pip install playwright`` (scripts/test.sh does both;
 Playwright's own browser download is not used).
 """
@@ -81,6 +82,13 @@ def test_force_a_stuck_batch_through_the_page(server: EmbeddedServer, browser: o
         page.fill("#token", "not-the-token")
         page.click("#signin-form button")
         expect(page.locator("#signin-error")).to_contain_text("refused")
+        # the jobs' data token may not use the console: the reason is on the form
+        page.fill("#token", server.data_token)
+        page.click("#signin-form button")
+        expect(page.locator("#signin-error")).to_contain_text(
+            "an operator token is needed")
+        expect(page.locator("#signin-error")).to_contain_text("this is a data token")
+        assert LINEAGE not in page.content()
 
         page.fill("#token", server.token)
         page.click("#signin-form button")

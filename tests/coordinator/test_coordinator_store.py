@@ -13,6 +13,7 @@ from tests.support.pg import fresh_pg_db
 from tests.support.store import decisions, new_sink
 from twophase import protocol as p
 from twophase.coordinator.background import Background, Settings, parse_duration
+from twophase.coordinator.db import StoreMissing
 from twophase.coordinator.store import Store, normalize_url
 from twophase.errors import SchemaMismatch, TransactionNotFound
 
@@ -149,8 +150,24 @@ def test_schema_version_is_checked(tmp_path: Path) -> None:
     st.close()
     with pytest.raises(SchemaMismatch, match="schema version 999"):
         Store(url)
+    (tmp_path / "empty.db").touch()  # a SQLite file of something else: no schema in it
     with pytest.raises(SchemaMismatch, match="no twophase schema"):
         Store(f"sqlite:///{tmp_path}/empty.db", create=False)
+
+
+def test_a_missing_sqlite_file_is_refused_unless_creation_was_asked_for(tmp_path: Path) -> None:
+    """``create=False`` (the operators' commands, ``twophase force``/``resolve`` on a store
+    URL) names the path and the fix, and leaves neither a file nor a folder behind."""
+    missing = tmp_path / "typo" / "tp.db"
+    with pytest.raises(StoreMissing) as err:
+        Store(f"sqlite:///{missing}", create=False)
+    assert f"no SQLite store at {missing}: the file does not exist" in str(err.value)
+    assert "never creates one" in str(err.value) and "twophase serve" in str(err.value)
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(StoreMissing, match="it is a folder"):
+        Store(f"sqlite:///{tmp_path}", create=False)
+    Store(f"sqlite:///{missing}").close()  # asked for: created
+    assert missing.is_file()
 
 
 def test_urls() -> None:

@@ -1,8 +1,8 @@
 """What the operator commands share, so that one flag means one thing in all of them.
 
-``--coordinator URL`` (alias ``--store``, default ``$TWOPHASE_COORDINATOR``) and ``--token``
-(default ``$TWOPHASE_TOKEN``) are added here for ``txns``, ``sinks``, ``force`` and
-``resolve``. The commands that only read (and ``force``, which settles what a store
+``--coordinator URL`` (alias ``--store``, default ``$TWOPHASE_COORDINATOR``), ``--token``
+(default ``$TWOPHASE_TOKEN``) and ``--token-file`` are added here for ``txns``, ``sinks``,
+``force`` and ``resolve``. The commands that only read (and ``force``, which settles what a store
 already holds) never create a store: a SQLite path that does not exist is a typo, and is
 refused before anything is opened (SQLite itself would create the file, and the store
 its folder).
@@ -34,29 +34,22 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
                    help="http(s)://host:port of a daemon, or a store URL (sqlite:///path.db, "
                    "postgresql://user@host/db) (default: $TWOPHASE_COORDINATOR)")
     p.add_argument("--token", default=None,
-                   help="the daemon's bearer token (default: $TWOPHASE_TOKEN)")
-
-
-class StoreMissing(InvalidRequest):
-    """A command that works on an existing store was pointed at a SQLite file that is not
-    there."""
+                   help="the daemon's bearer token, an operator one for force and resolve "
+                   "(default: $TWOPHASE_TOKEN)")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="read the bearer token from this file (the token alone; default: "
+                   "$TWOPHASE_CLIENT_TOKEN_FILE)")
 
 
 def require_store(url: str, command: str) -> None:
     """Refuse a SQLite store URL whose file does not exist (a daemon URL or a PostgreSQL
     store passes: the latter is refused without a write when it has no schema)."""
-    from twophase.coordinator.db import normalize_url, sqlite_path
+    from twophase.coordinator.db import StoreMissing, normalize_url, sqlite_path
 
     path = sqlite_path(normalize_url(url))
     if path is None or path.is_file():
         return
-    what = "it is a folder" if path.is_dir() else "the file does not exist"
-    raise StoreMissing(
-        f"no SQLite store at {path.absolute()}: {what} (a typo in the URL?); "
-        f"twophase {command} works on an existing store and never creates one: pass the "
-        "file the coordinator writes (sqlite:///relative/path.db from this folder, "
-        "sqlite:////absolute/path.db) or the daemon's http://host:port"
-    )
+    raise StoreMissing.at(path, f"twophase {command}")
 
 
 class StoreReader:

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         console_conn = connect(cfg.coordinator, cfg.token)
         conns.append(console_conn)
         console.print(f"console (live, signed in): {console_conn.url}/ui#token="
-                      f"{console_conn.token}")
+                      f"{console_conn.operator_token or console_conn.token}")
         write_input(cfg.input_dir, args.batches, args.rows_per_batch)
         participants = build_participants(cfg)
         console.print(

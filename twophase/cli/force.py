@@ -97,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.coordinator.startswith(("http://", "https://")):
             require_store(args.coordinator, "force")
-        with connect(args.coordinator, args.token) as conn:
-            client = conn.client()
+        with connect(args.coordinator, args.token, token_file=args.token_file,
+                     create=False) as conn:
+            client = conn.client(operator=True)
             txn = client.get(key)
             if args.action == "ack":
                 if txn.decision is None:

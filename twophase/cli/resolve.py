@@ -96,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
             with read_store(location, "resolve") as reader:
                 report = _resolve(reader, args)
         else:
-            with connect(location, args.token) as conn:
-                report = _resolve(conn.client(), args)
+            with connect(location, args.token, token_file=args.token_file,
+                         create=False) as conn:
+                report = _resolve(conn.client(operator=True), args)
     except (TwophaseError, ValueError, OSError, ImportError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}))

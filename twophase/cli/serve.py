@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from twophase.errors import StoreError
+from twophase.errors import InvalidRequest, StoreError
 
 if TYPE_CHECKING:
     from twophase.coordinator.store import Store
@@ -17,6 +18,12 @@ examples:
   twophase serve --store postgresql://twophase@db:5432/twophase --host 0.0.0.0 --token s3cret
   twophase serve --store sqlite:///dev.db --insecure          # no auth: local testing only
   twophase serve --store sqlite:///tp.db --token t --ssl-certfile cert.pem --ssl-keyfile key.pem
+  twophase serve --store sqlite:///tp.db --token-file /etc/twophase/tokens   # roles, rotatable
+
+Roles: a token file holds lines 'data <token>' (the jobs: begin, votes, acks, decisions)
+and 'operator <token>' (everything: force, abort, resolve, the console), several per
+role; the daemon re-reads it when it changes (within a second), so tokens rotate without
+a restart. --token / $TWOPHASE_TOKEN is one operator token (docs/coordinator-api.md).
 
 Several daemons may share one PostgreSQL store (no leader: every change is a
 compare-and-set). SQLite allows one daemon per file.
@@ -47,12 +54,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--store", default=os.environ.get("TWOPHASE_STORE"), metavar="URL",
                    help="sqlite:///path.db or postgresql://user@host:port/db, created if "
-                   "missing (default: $TWOPHASE_STORE)")
+                   "missing (a new SQLite file is logged with its path) "
+                   "(default: $TWOPHASE_STORE)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
     p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
-                   help="bearer token required on every call but /healthz and /metrics "
-                   "(default: $TWOPHASE_TOKEN)")
+                   help="an operator bearer token, good for every call (default: "
+                   "$TWOPHASE_TOKEN); jobs should get a data token from --token-file")
+    p.add_argument("--token-file", default=os.environ.get("TWOPHASE_TOKEN_FILE"),
+                   metavar="PATH",
+                   help="file of 'data <token>' / 'operator <token>' lines, re-read when it "
+                   "changes: rotate tokens without a restart (default: $TWOPHASE_TOKEN_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without a token (anyone reaching the port can decide)")
     p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
@@ -80,23 +92,40 @@ def run(args: argparse.Namespace) -> int:
     from twophase.coordinator.background import Settings, parse_duration
     from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
+    from twophase.coordinator.roles import TokenSet
 
     if not args.store:
         print("twophase serve: no store: pass --store URL or set TWOPHASE_STORE "
               "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
         return 2
-    if not args.token and not args.insecure:
-        print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN "
-              "(or --insecure to run without authentication)", file=sys.stderr)
+    if not args.token and not args.token_file and not args.insecure:
+        print("twophase serve: no token: pass --token or set TWOPHASE_TOKEN (one operator "
+              "token), or --token-file PATH / TWOPHASE_TOKEN_FILE (data and operator tokens, "
+              "rotatable); --insecure to run without authentication", file=sys.stderr)
         return 2
-    if not args.token:
+    try:
+        tokens = TokenSet(args.token, args.token_file)
+    except InvalidRequest as exc:
+        print(f"twophase serve: {exc}", file=sys.stderr)
+        return 2
+    if not tokens.enabled:
         print("WARNING: running WITHOUT authentication (--insecure): anyone who can reach "
               f"{args.host}:{args.port} can change transactions", file=sys.stderr)
     setup_logging(args.log_level)
+    if tokens.enabled:
+        import logging
+
+        counts = tokens.roles()
+        logging.getLogger("twophase.serve").log(
+            logging.INFO if counts["operator"] else logging.WARNING,
+            "bearer tokens" if counts["operator"] else "bearer tokens: no operator token, "
+            "so force, abort, resolve and the console are refused until the token file "
+            "gets an 'operator <token>' line", extra={"roles": counts, "file": args.token_file})
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after))
         wait = parse_duration(args.store_wait)
+        new = _new_sqlite(args.store)
         lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
         store = _open_store(args.store, wait)
     except _StoreDown as exc:
@@ -105,13 +134,28 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, StoreError) as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(store, args.token, insecure=args.insecure, settings=settings)
+    if new is not None:
+        import logging
+
+        logging.getLogger("twophase.serve").warning(
+            "created a NEW, EMPTY store: if the jobs' decisions are in an existing one, "
+            "stop this daemon and fix --store (a new store knows no in-doubt batch)",
+            extra={"path": str(new)})
+    app = create_app(store, None, insecure=args.insecure, settings=settings, tokens=tokens)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.access_log, ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile, timeout_keep_alive=75,
     )
     return 0
+
+
+def _new_sqlite(url: str) -> Path | None:
+    """The SQLite file this daemon is about to create (None: it exists, or not SQLite)."""
+    from twophase.coordinator.db import normalize_url, sqlite_path
+
+    path = sqlite_path(normalize_url(url))
+    return path.absolute() if path is not None and not path.exists() else None
 
 
 class _StoreDown(StoreError):

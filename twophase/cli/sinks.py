@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.coordinator.startswith(("http://", "https://")):
             require_store(args.coordinator, "sinks")
-        sinks = fetch_sinks(args.coordinator, token=args.token)
+        sinks = fetch_sinks(args.coordinator, token=args.token,
+                            token_file=args.token_file)
     except (TwophaseError, ValueError) as exc:
         print(f"twophase sinks: {exc}", file=sys.stderr)
         return 1

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.coordinator.startswith(("http://", "https://")):
             require_store(args.coordinator, "txns")
         txns = fetch(args.coordinator, sink=args.sink, state=args.state, limit=args.limit,
-                     token=args.token)
+                     token=args.token, token_file=args.token_file)
     except (TwophaseError, ValueError) as exc:
         print(f"twophase txns: {exc}", file=sys.stderr)
         return 1

@@ -131,12 +131,14 @@ class LocalDaemon(LocalServer):
     port and store (what a coordinator crash and restart looks like to clients)."""
 
     def __init__(
-        self, store: str, token: str, log: Path | None = None, *, port: int | None = None,
-        host: str = "127.0.0.1", netns: str | None = None,
+        self, store: str, token: str | None, log: Path | None = None, *,
+        port: int | None = None, host: str = "127.0.0.1", netns: str | None = None,
+        token_file: str | None = None,
     ) -> None:
         super().__init__(port=port)
         self.store = store
-        self.token = token
+        self.token = token  # an operator token (--token); None: token_file only
+        self.token_file = token_file  # the daemon's --token-file (roles, rotatable)
         self.log = log
         self.host = host
         self.netns = netns  # run inside this network namespace (`ip netns exec`; root)
@@ -149,7 +151,13 @@ class LocalDaemon(LocalServer):
         in the daemon only (the caller's own are never inherited)."""
         import httpx
 
-        env = clean_env(TWOPHASE_TOKEN=self.token)
+        env = clean_env()
+        env.pop("TWOPHASE_TOKEN", None)
+        env.pop("TWOPHASE_TOKEN_FILE", None)
+        if self.token:
+            env["TWOPHASE_TOKEN"] = self.token
+        if self.token_file:
+            env["TWOPHASE_TOKEN_FILE"] = self.token_file
         if failpoint_spec:
             env[failpoints.ENV] = failpoint_spec
             env[failpoints.ONCE_DIR_ENV] = once_dir

@@ -1,0 +1,210 @@
+"""Who may call what: the route -> role table, and the daemon's set of bearer tokens.
+
+Two roles (docs/coordinator-api.md, "Security"). **data**: what a sink's normal batch
+path calls, from the driver and the executors (register, begin, votes, acks, abandon,
+the decision long-poll, one transaction's status). **operator**: everything, including
+the overviews, force-ack, abort, resolve and the console. A route missing from
+:data:`ROUTE_ROLES` needs an operator token (default deny for the data role; a test
+asserts every route of the app is in the table).
+
+Tokens come from ``--token`` (one operator token, as before roles existed) and from a
+token file of ``ROLE TOKEN`` lines, re-read when it changes (a ``stat`` at most every
+``CHECK_EVERY`` seconds, so a request costs no file read), which is how tokens rotate
+without a restart: add the new token, move the jobs to it, remove the old one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import threading
+import time
+from typing import Final, Literal
+
+from twophase.errors import InvalidRequest
+
+__all__ = ["CHECK_EVERY", "ROUTE_ROLES", "Role", "TokenSet", "parse_token_file", "role_for"]
+
+log = logging.getLogger("twophase.coordinator.roles")
+
+Role = Literal["open", "data", "operator"]
+
+_TXN: Final = "/v1/txns/{sink}/{lineage}/{checkpoint}/{attempt}"
+_ADMIN_TXN: Final = "/v1/admin/txns/{sink}/{lineage}/{checkpoint}/{attempt}"
+
+# (method, route path) -> the least role that may call it; the per-batch routes first
+# (the guard tries them in this order)
+ROUTE_ROLES: Final[dict[tuple[str, str], Role]] = {
+    ("POST", _TXN + "/votes"): "data",
+    ("POST", _TXN + "/acks"): "data",
+    ("GET", _TXN + "/decision"): "data",
+    ("POST", "/v1/sinks/{sink}/begin"): "data",
+    ("GET", _TXN): "data",
+    ("POST", _TXN + "/abandon"): "data",
+    ("POST", "/v1/sinks/{sink}/register"): "data",
+    ("GET", "/healthz"): "open",
+    ("GET", "/metrics"): "open",
+    ("GET", "/openapi.json"): "open",
+    ("GET", "/docs"): "open",
+    ("GET", "/ui"): "open",  # the console's sign-in page: no data in it
+    ("GET", "/ui/view"): "operator",
+    ("GET", "/v1/sinks"): "operator",
+    ("GET", "/v1/sinks/{sink}"): "operator",
+    ("GET", "/v1/sinks/{sink}/participants"): "operator",
+    ("GET", "/v1/txns"): "operator",
+    ("POST", _ADMIN_TXN + "/force-ack"): "operator",
+    ("POST", _ADMIN_TXN + "/abort"): "operator",
+    ("POST", "/v1/admin/sinks/{sink}/resolve"): "operator",
+    ("POST", "/v1/admin/tick"): "operator",
+}
+
+# open by path, whatever the method (a wrong method is then FastAPI's 405, not a 401)
+OPEN_PATHS: Final = frozenset(path for (_m, path), role in ROUTE_ROLES.items()
+                              if role == "open")
+
+
+def _compile(path: str) -> re.Pattern[str]:
+    return re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(path)) + "$")
+
+
+_MATCHERS: Final = [(method, _compile(path), role)
+                    for (method, path), role in ROUTE_ROLES.items() if role != "open"]
+
+
+def role_for(method: str, path: str) -> Role:
+    """The role a request needs: its table entry, else ``operator`` (default deny)."""
+    if path in OPEN_PATHS:
+        return "open"
+    method = "GET" if method == "HEAD" else method
+    for m, pattern, role in _MATCHERS:
+        if m == method and pattern.match(path):
+            return role
+    return "operator"
+
+
+CHECK_EVERY: Final = 1.0  # seconds between two stat() calls of the token file
+ROLES: Final = ("data", "operator")
+
+
+def parse_token_file(path: str) -> dict[str, str]:
+    """``token -> role`` from a file of ``ROLE TOKEN`` lines (``#`` comments, blank
+    lines); several tokens per role are what makes an overlap window possible."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise InvalidRequest(
+            f"cannot read the token file {path}: {exc.strerror or exc}; pass an existing "
+            "file of 'data <token>' / 'operator <token>' lines (--token-file, "
+            "$TWOPHASE_TOKEN_FILE)"
+        ) from exc
+    tokens: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        parts = text.split()
+        if len(parts) != 2 or parts[0] not in ROLES:
+            raise InvalidRequest(
+                f"token file {path}, line {n}: expected 'data <token>' or 'operator "
+                f"<token>', got {len(parts)} word(s) starting {parts[0][:12]!r}"
+            )
+        role, token = parts
+        if len(token) < 16:
+            raise InvalidRequest(f"token file {path}, line {n}: a {role} token needs at "
+                                 "least 16 characters (e.g. python -c 'import secrets; "
+                                 "print(secrets.token_urlsafe(24))')")
+        if tokens.get(token, role) != role:
+            raise InvalidRequest(f"token file {path}, line {n}: the same token is listed "
+                                 "as data and as operator; give each role its own")
+        tokens[token] = role
+    return tokens
+
+
+class TokenSet:
+    """The tokens the daemon accepts, each with its role. ``token``: an operator token
+    given on the command line; ``token_file``: the rotatable set, re-read when its
+    mtime, size or inode changes. A file that becomes unreadable or malformed keeps the
+    last good set (logged), so a half-written file never locks the jobs out."""
+
+    def __init__(self, token: str | None = None, token_file: str | None = None,
+                 *, check_every: float = CHECK_EVERY, data_token: str | None = None) -> None:
+        self.fixed: dict[str, str] = {}
+        if token:
+            self.fixed[token] = "operator"
+        if data_token:
+            self.fixed[data_token] = "data"
+        self.token_file = token_file
+        self.check_every = check_every
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int, int] | None = None
+        self._next_check = 0.0
+        self._from_file: dict[str, str] = {}
+        self._current: list[tuple[bytes, Role]] = []
+        if token_file is not None:
+            self._from_file = parse_token_file(token_file)
+            self._seen = _signature(token_file)
+            self._next_check = time.monotonic() + check_every
+        self._rebuild()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any token is configured (else the service runs without auth)."""
+        return bool(self.fixed) or self.token_file is not None
+
+    def roles(self) -> dict[str, int]:
+        """How many tokens each role has now (for the start-up log; never the tokens)."""
+        self._refresh()
+        return self._count()
+
+    def role_of(self, authorization: bytes) -> Role | None:
+        """The role of an ``Authorization`` header's bearer token; None: unknown."""
+        self._refresh()
+        found: Role | None = None
+        for expected, role in self._current:  # compare with every token: constant time
+            if hmac.compare_digest(authorization, expected):
+                found = role
+        return found
+
+    def _rebuild(self) -> None:
+        merged = {**self._from_file, **self.fixed}
+        self._current = [(f"Bearer {tok}".encode(), role)  # type: ignore[misc]
+                         for tok, role in merged.items()]
+
+    def _refresh(self) -> None:
+        if self.token_file is None or time.monotonic() < self._next_check:
+            return
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_check:
+                return
+            self._next_check = now + self.check_every
+            sig = _signature(self.token_file)
+            if sig == self._seen:
+                return
+            self._seen = sig  # a bad file is reported once per change, not per check
+            try:
+                self._from_file = parse_token_file(self.token_file)
+            except InvalidRequest as exc:
+                log.error("token file not reloaded, keeping the previous tokens",
+                          extra={"error": str(exc)})
+                return
+            self._rebuild()
+            log.warning("token file reloaded", extra={"file": self.token_file,
+                                                      "tokens": self._count()})
+
+    def _count(self) -> dict[str, int]:
+        out = dict.fromkeys(ROLES, 0)
+        for _tok, role in self._current:
+            out[role] += 1
+        return out
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
