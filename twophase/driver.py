@@ -351,7 +351,8 @@ class TransactionalSink:
             from twophase.preflight import check_executors, choose_worker_python, probe_targets
 
             assert self._conn is not None
-            probe_targets(self.participants)  # the driver first: no job needed to say why
+            # the driver first: no job needed to say why; then what a crash left open
+            probe_targets(self.participants, self.name, client)
             sc = jvm_context(df)
             if sc is None:  # Spark Connect: no SparkContext to run the probe job with
                 log.info("sink %s: Spark Connect, the executors' preflight is skipped",

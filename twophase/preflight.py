@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from twophase.errors import EnvironmentProblem, TargetProblem
+from twophase.errors import EnvironmentProblem, TargetProblem, TwophaseError
 from twophase.participant import Participant
 
 __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
@@ -235,11 +235,41 @@ def choose_worker_python(sc: Any) -> str:
 _CACHE: dict[tuple[Any, ...], PreflightReport] = {}
 
 
-def probe_targets(participants: Sequence[Participant]) -> None:
+def probe_targets(participants: Sequence[Participant], sink: str | None = None,
+                  client: Any = None) -> None:
     """Each participant checks its target from this process (the driver), before the
-    executors do: a refusal here needs no Spark job to be named."""
+    executors do: a refusal here needs no Spark job to be named. Given the sink and its
+    coordinator ``client`` (a sink starting), then :func:`clear_lingering`."""
     for p in participants:
         p.probe()
+    if sink is not None and client is not None:
+        clear_lingering(client, sink, participants)
+
+
+def clear_lingering(client: Any, sink: str, participants: Sequence[Participant]) -> None:
+    """Once per sink start, before the first batch: a participant that can find what a
+    crash left open on its target (Kafka's open transactions, which stall every
+    ``read_committed`` reader until the broker's timeout) clears it now, sparing what
+    the coordinator (``client``) holds as COMMIT-decided. Cannot list them: a warning,
+    not a failure (the next ``init_transactions`` or the broker's timeout ends them)."""
+    for p in participants:
+        clear = getattr(p, "abort_lingering_at_start", None)
+        if clear is None:
+            continue
+        try:
+            cleared = clear(sink, client)
+        except TwophaseError as exc:
+            log.warning("sink %s: %s: cannot look for transactions a crash left open (%s);"
+                        " `twophase resolve %s` clears them later", sink, p.name, exc, sink)
+            continue
+        if cleared:
+            log.warning(
+                "sink %s: %s: aborted %d transaction(s) a crash left open (%s; oldest "
+                "%.0fs): read_committed readers of %s were stalled behind them", sink,
+                p.name, len(cleared), ", ".join(t.transactional_id for t in cleared),
+                max(t.age_s for t in cleared),
+                ", ".join(sorted({tp for t in cleared for tp in t.partitions
+                                  if not tp.startswith("__")})))  # not __consumer_offsets
 
 
 def _targets(participants: Sequence[Participant]) -> bytes:
