@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from twophase.errors import EnvironmentProblem, TargetProblem, TwophaseError
+from twophase.errors import EnvironmentProblem, TargetProblem
 from twophase.participant import Participant
 
 __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
@@ -258,9 +258,10 @@ def clear_lingering(client: Any, sink: str, participants: Sequence[Participant])
             continue
         try:
             cleared = clear(sink, client)
-        except TwophaseError as exc:
-            log.warning("sink %s: %s: cannot look for transactions a crash left open (%s);"
-                        " `twophase resolve %s` clears them later", sink, p.name, exc, sink)
+        except Exception as exc:  # a clean-up: never the reason a sink cannot start
+            log.warning("sink %s: %s: cannot look for transactions a crash left open "
+                        "(%s: %s); `twophase resolve %s` clears them later", sink, p.name,
+                        type(exc).__name__, exc, sink)
             continue
         if cleared:
             log.warning(
