@@ -91,9 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(jars resolved once through Maven; Kafka is judged from its partition "
                    "logs and a read_committed consumer)")
     p.add_argument("--kafka", action="store_true",
-                   help="read the events from a Kafka topic (demo_events) with Spark's Kafka "
-                   "source and write Kafka (demo_orders) and PostgreSQL, not files; the "
-                   "broker is --kafka-bootstrap's, else a private Apache Kafka")
+                   help="read the events from a Kafka topic of this run (demo_events-ID) "
+                   "with Spark's Kafka source and write Kafka (demo_orders) and PostgreSQL, "
+                   "not files; the broker is --kafka-bootstrap's, else a private Apache Kafka")
     p.add_argument("--coordinator", default=None, metavar="URL",
                    help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
                    "instead of one the demo starts")
