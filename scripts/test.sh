@@ -80,6 +80,10 @@ echo "== Spark's Delta and Iceberg connectors and the reader's Spark (cached aft
 # ---- end issue 32 ----------------------------------------------------------------------
 echo "== Apache Kafka's jars (Maven Central, cached after the first run)"
 "$VENV/bin/python" -m twophase.testing.kafkajars
+# Spark's own Kafka source for the Kafka-in pipeline (tests/spark/test_kafka_source.py,
+# `twophase demo --kafka`): twophase/testing/spark-kafka.pom.xml, resolved once the same way.
+echo "== Spark's Kafka connector (Maven Central, cached after the first run)"
+"$VENV/bin/python" -m twophase.testing.sparkkafka
 
 echo "== ruff"
 "$VENV/bin/ruff" check .

@@ -288,9 +288,10 @@ class TransactionalSink:
             from twophase.preflight import preflight_sink
 
             assert self._conn is not None
+            # the targets from here, what a crash left open, then the executors
             preflight_sink(jvm_context(df), df.sparkSession, self.name, self.participants,
                            self._conn.url, executors=self.preflight,
-                           wait_s=self.retry_budget_s)
+                           wait_s=self.retry_budget_s, client=client)
             self._preflighted = True
         self._job.check(df)
         laps.lap("setup_s")

@@ -235,11 +235,42 @@ def choose_worker_python(sc: Any) -> str:
 _CACHE: dict[tuple[Any, ...], PreflightReport] = {}
 
 
-def probe_targets(participants: Sequence[Participant]) -> None:
+def probe_targets(participants: Sequence[Participant], sink: str | None = None,
+                  client: Any = None) -> None:
     """Each participant checks its target from this process (the driver), before the
-    executors do: a refusal here needs no Spark job to be named."""
+    executors do: a refusal here needs no Spark job to be named. Given the sink and its
+    coordinator ``client`` (a sink starting), then :func:`clear_lingering`."""
     for p in participants:
         p.probe()
+    if sink is not None and client is not None:
+        clear_lingering(client, sink, participants)
+
+
+def clear_lingering(client: Any, sink: str, participants: Sequence[Participant]) -> None:
+    """Once per sink start, before the first batch: a participant that can find what a
+    crash left open on its target (Kafka's open transactions, which stall every
+    ``read_committed`` reader until the broker's timeout) clears it now, sparing what
+    the coordinator (``client``) holds as COMMIT-decided. Cannot list them: a warning,
+    not a failure (the next ``init_transactions`` or the broker's timeout ends them)."""
+    for p in participants:
+        clear = getattr(p, "abort_lingering_at_start", None)
+        if clear is None:
+            continue
+        try:
+            cleared = clear(sink, client)
+        except Exception as exc:  # a clean-up: never the reason a sink cannot start
+            log.warning("sink %s: %s: cannot look for transactions a crash left open "
+                        "(%s: %s); `twophase resolve %s` clears them later", sink, p.name,
+                        type(exc).__name__, exc, sink)
+            continue
+        if cleared:
+            log.warning(
+                "sink %s: %s: aborted %d transaction(s) a crash left open (%s; oldest "
+                "%.0fs): read_committed readers of %s were stalled behind them", sink,
+                p.name, len(cleared), ", ".join(t.transactional_id for t in cleared),
+                max(t.age_s for t in cleared),
+                ", ".join(sorted({tp for t in cleared for tp in t.partitions
+                                  if not tp.startswith("__")})))  # not __consumer_offsets
 
 
 def _targets(participants: Sequence[Participant]) -> bytes:
@@ -252,12 +283,14 @@ def _targets(participants: Sequence[Participant]) -> bytes:
 
 def preflight_sink(
     sc: Any, session: Any, sink: str, participants: Sequence[Participant],
-    coordinator_url: str, *, executors: bool, wait_s: float,
+    coordinator_url: str, *, executors: bool, wait_s: float, client: Any = None,
 ) -> None:
-    """Once per sink start: each target from the driver (no job needed to say why), the
-    executors' interpreter, then (``executors``) the probe job that checks it can run
-    the sink's tasks. ``sc`` is None under Spark Connect: no SparkContext, no probe job."""
-    probe_targets(participants)
+    """Once per sink start: each target from the driver (no job needed to say why) and
+    what a crash left open on it (:func:`clear_lingering`, given the coordinator's
+    ``client``), the executors' interpreter, then (``executors``) the probe job that
+    checks it can run the sink's tasks. ``sc`` is None under Spark Connect: no
+    SparkContext, no probe job."""
+    probe_targets(participants, sink, client)
     if sc is None:
         log.info("sink %s: Spark Connect, the executors' preflight is skipped", sink)
         return

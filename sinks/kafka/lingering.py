@@ -14,18 +14,48 @@ call) and aborts them the way Kafka itself would, by fencing the transactional.i
 Aborting is always safe under the protocol: a Kafka prepare is not durable, so a branch
 whose transaction was open is redone under a COMMIT decision, never committed by another
 process (that would need KIP-939).
+
+At sink start (the driver, before its first batch) the same cleanup runs, sparing what
+the coordinator holds as COMMIT-decided and not yet acknowledged (:func:`committing_ids`):
+such a transaction may belong to a task of another run that is committing it now, and
+aborting it would only force a redo (docs/decisions.md, "lingering transactions at start").
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from twophase.errors import ParticipantError
+from twophase.participant import BranchRef
+from twophase.protocol import State, Transaction, parse_branch_id
 
-__all__ = ["OpenTransaction", "list_open_transactions"]
+__all__ = ["Listing", "OpenTransaction", "committing_ids", "list_open_transactions"]
+
+
+class Listing(Protocol):
+    """What the start-up cleanup needs of the coordinator: its listing of a sink's
+    transactions (:class:`twophase.client.CoordinatorClient`)."""
+
+    def list(
+        self, sink: str | None = None, state: str | None = None, limit: int = 100
+    ) -> list[Transaction]: ...
+
+
+def committing_ids(decisions: Listing, sink: str, participant: str,
+                   transactional_id: Callable[[BranchRef], str]) -> set[str]:
+    """The transactional ids of ``participant``'s branches that the coordinator holds in
+    a COMMIT-decided batch of ``sink`` not yet acknowledged: the ones a starting sink
+    must not abort."""
+    out: set[str] = set()
+    for txn in decisions.list(sink=sink, state=State.COMMITTING.value, limit=10_000):
+        for bid, st in txn.branches.items():
+            name, partition = parse_branch_id(bid)
+            if name == participant and st.ack is None:
+                out.add(transactional_id(BranchRef(*txn.key, name, partition)))
+    return out
 
 # librdkafka setting -> kafka-python argument: the connection and security settings a
 # participant's config may carry

@@ -68,7 +68,12 @@ from twophase.sinks.kafka.errors import (
     describe_error,
     kafka_error,
 )
-from twophase.sinks.kafka.lingering import OpenTransaction, list_open_transactions
+from twophase.sinks.kafka.lingering import (
+    Listing,
+    OpenTransaction,
+    committing_ids,
+    list_open_transactions,
+)
 from twophase.sinks.kafka.log import (
     LostMarker,
     judge_log,
@@ -885,13 +890,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         return list_open_transactions(self.describe(), self._common_config(),
                                       f"twophase.{sink}.{self.name}.", self.connect_timeout_s)
 
-    def abort_lingering(self, sink: str, older_than_s: float = 0.0) -> list[OpenTransaction]:
+    def abort_lingering(self, sink: str, older_than_s: float = 0.0,
+                        keep: Iterable[str] = ()) -> list[OpenTransaction]:
         """Abort this participant's open transactions of ``sink`` that no branch of this
-        object holds and that are at least ``older_than_s`` old, by fencing their
-        transactional.id (the broker writes the ABORT markers). Returns those aborted."""
+        object holds, not in ``keep`` (transactional ids) and at least ``older_than_s``
+        old, by fencing their transactional.id (the broker writes the ABORT markers).
+        Returns those aborted."""
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None}
+                    if p.producer is not None} | set(keep)
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         for txn in found:
@@ -903,6 +910,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             except PrepareRefused as exc:
                 raise ParticipantError(str(exc)) from exc
         return found
+
+    def abort_lingering_at_start(self, sink: str, decisions: Listing) -> list[OpenTransaction]:
+        """The sink's start-up cleanup (the driver calls it before the first batch):
+        :meth:`abort_lingering`, sparing the COMMIT-decided batches' transactions."""
+        return self.abort_lingering(sink, keep=committing_ids(
+            decisions, sink, self.name, self.transactional_id))
 
     def read_back(
         self, column: str, *, outcomes: Mapping[tuple[int, int], bool] | None = None

@@ -5,6 +5,10 @@ through a TransactionalSink with an embedded coordinator into staged Parquet fil
 PostgreSQL table (a private server started here when the binaries exist), optionally a
 Kafka topic; live progress per batch; at the end every id is checked to have landed
 exactly once in every system.
+
+With --kafka, the pipeline users run: the events are produced to a Kafka topic, read by
+Spark's own Kafka source (its jars resolved once through Maven) and written to a Kafka
+topic and the PostgreSQL table through one sink.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ examples:
   twophase demo --coordinator-mode daemon     through a `twophase serve` daemon it starts
   twophase demo --kafka-bootstrap local       also a Kafka topic on a private Apache Kafka
   twophase demo --kafka-bootstrap host:9092   also a Kafka topic on your broker
+  twophase demo --kafka                       Kafka in -> Spark -> Kafka + PostgreSQL, on a
+                                              private Apache Kafka (or --kafka-bootstrap's)
 
 Exit code 0 when every id landed exactly once in every judged system, 1 otherwise.
 """
@@ -84,6 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="add a Kafka topic; 'local' starts a private Apache Kafka broker "
                    "(jars resolved once through Maven; Kafka is judged from its partition "
                    "logs and a read_committed consumer)")
+    p.add_argument("--kafka", action="store_true",
+                   help="read the events from a Kafka topic of this run (demo_events-ID) "
+                   "with Spark's Kafka source and write Kafka (demo_orders) and PostgreSQL, "
+                   "not files; the broker is --kafka-bootstrap's, else a private Apache Kafka")
     p.add_argument("--coordinator", default=None, metavar="URL",
                    help="a coordinator daemon (http://host:7070; token from $TWOPHASE_TOKEN) "
                    "instead of one the demo starts")
@@ -95,11 +105,27 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(run=run)
 
 
+def _produce_source(console: Any, bootstrap: str, topic: str, records: int) -> None:
+    """The Kafka-in pipeline's input: ``records`` events in a 2-partition topic, and
+    Spark's Kafka connector resolved now (Maven, once) rather than inside the job."""
+    from twophase.testing.kafkasource import create_source_topic, produce_events
+    from twophase.testing.sparkkafka import SPARK_KAFKA_VERSION, spark_kafka_jars
+
+    create_source_topic(bootstrap, topic, partitions=2)
+    produce_events(bootstrap, topic, 0, records)
+    console.print(f"records in: {records:,} events (ids 0..{records - 1}) produced to Kafka "
+                  f"topic {topic} (2 partitions); Spark reads them with its Kafka source "
+                  f"(spark-sql-kafka-0-10 {SPARK_KAFKA_VERSION}, "
+                  f"{len(spark_kafka_jars())} jars)")
+
+
 def _phase(r: Any, key: str) -> str:
     return f"{r.phases.get(key, 0.0) * 1000:7.0f}ms"
 
 
 def run(args: argparse.Namespace) -> int:
+    import secrets
+
     from rich.console import Console
 
     console = Console(stderr=False, highlight=False, soft_wrap=True)
@@ -143,8 +169,6 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"[yellow]could not start PostgreSQL ({exc}): files only.[/]")
         coordinator, token = args.coordinator, None
         if coordinator is None and args.coordinator_mode == "daemon":
-            import secrets
-
             from twophase.testing.servers import LocalDaemon
 
             token = secrets.token_urlsafe(16)
@@ -152,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                                        work / "coordinator.log").start())
             coordinator = servers[-1].url
             console.print(f"coordinator daemon (twophase serve) on {coordinator}")
-        kafka = args.kafka_bootstrap
+        kafka = args.kafka_bootstrap or ("local" if args.kafka else None)
         if kafka == "local":
             console.print("starting a private Apache Kafka broker ...")
             servers.append(LocalKafka().start())
@@ -166,10 +190,13 @@ def run(args: argparse.Namespace) -> int:
             sink="demo_orders",
             pg_dsn=pg_dsn,
             pg_table="demo_orders",
-            files_path=str(work / "output"),
+            files_path=None if args.kafka else str(work / "output"),
             kafka_bootstrap=kafka,
             kafka_topic="demo_orders",
             partitions=args.partitions,
+            # a topic of this run's own: a rerun on the same broker reads only its events
+            source_topic=f"demo_events-{secrets.token_hex(4)}" if args.kafka else None,
+            source_per_batch=args.rows_per_batch,
         )
         # Hold the embedded coordinator for the whole run (the job's sink shares it), so
         # its console can be opened while the job streams.
@@ -179,7 +206,10 @@ def run(args: argparse.Namespace) -> int:
         conns.append(console_conn)
         console.print(f"console (live, signed in): {console_conn.url}/ui#token="
                       f"{console_conn.operator_token or console_conn.token}")
-        write_input(cfg.input_dir, args.batches, args.rows_per_batch)
+        if cfg.source_topic and kafka:
+            _produce_source(console, kafka, cfg.source_topic, args.batches * args.rows_per_batch)
+        else:
+            write_input(cfg.input_dir, args.batches, args.rows_per_batch)
         participants = build_participants(cfg)
         console.print(
             f"streaming {args.batches} batches x {args.rows_per_batch} rows into "
@@ -216,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(report.to_json())
         else:
+            if cfg.source_topic:
+                console.print("records out: " + ", ".join(
+                    f"{s.rows:,} in {s.participant}" for s in report.systems))
             console.print("exactly-once check:")
             for line in report.lines():
                 console.print(line)

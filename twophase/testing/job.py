@@ -8,7 +8,8 @@ in that output mode instead of the events (pair it with ``pg_mode="upsert"``,
 separate driver process (``python -m twophase.testing.job CONFIG.json``) so that it can be
 SIGKILLed and restarted from its checkpoint. Input is a folder of Parquet files, one
 per micro-batch (``maxFilesPerTrigger=1``), with deterministic ids, so a replayed batch
-has exactly the same rows.
+has exactly the same rows; or, with ``source_topic``, a Kafka topic read by Spark's own
+Kafka source (:mod:`.kafkasource`, ``source_per_batch`` records a micro-batch).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class JobConfig:
     max_attempts: int = 3
     vote_timeout: float = 120.0
     spark_conf: dict[str, str] = field(default_factory=dict)
+    # Spark's Kafka source instead of the Parquet folder: the topic (on source_bootstrap,
+    # else kafka_bootstrap) and the records a micro-batch
+    source_topic: str | None = None
+    source_bootstrap: str | None = None
+    source_per_batch: int = 1000
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -224,7 +230,13 @@ def run(
     """Process every input file present now (``availableNow``), then return the sink."""
     from twophase.driver import TransactionalSink
 
-    spark = spark or spark_session(cfg.spark_conf)
+    if spark is None:
+        conf = dict(cfg.spark_conf)
+        if cfg.source_topic:
+            from twophase.testing.sparkkafka import spark_kafka_conf
+
+            conf = {**spark_kafka_conf(), **conf}
+        spark = spark_session(conf)
     sink = TransactionalSink(
         cfg.sink,
         participants=list(participants) if participants is not None else build_participants(cfg),
@@ -236,8 +248,16 @@ def run(
         on_batch=on_batch,
     )
     try:
-        stream = spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1) \
-            .parquet(cfg.input_dir)
+        if cfg.source_topic:
+            from twophase.testing.kafkasource import kafka_events
+
+            bootstrap = cfg.source_bootstrap or cfg.kafka_bootstrap
+            if not bootstrap:
+                raise ValueError("source_topic needs source_bootstrap or kafka_bootstrap")
+            stream = kafka_events(spark, bootstrap, cfg.source_topic, cfg.source_per_batch)
+        else:
+            stream = spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1) \
+                .parquet(cfg.input_dir)
         output_mode = "append"
         if cfg.aggregate is not None:
             if cfg.aggregate not in ("update", "complete"):

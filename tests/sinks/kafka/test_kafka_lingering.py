@@ -7,8 +7,12 @@ and the partition log and a read_committed consumer agree exactly."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.support.kafka import create_topic, read_all, unique_topic
 from twophase.connection import connect
@@ -82,3 +86,78 @@ def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
     assert not report.ok
     [entry] = report.unresolved
     assert entry.branch == down.name and "cannot list them" in entry.action, entry
+
+
+@pytest.mark.spark
+def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
+    tmp_path: Path, kafka_bootstrap: str, spark: Any
+) -> None:
+    """Issue 31 item 3: a crash leaves a transaction open that no later batch's
+    ``init_transactions`` touches (its partition is not written again); the restarted
+    sink aborts it before its first batch, and the readers it stalled go on at once, not
+    after ``transaction.timeout.ms``. A transaction of a batch the coordinator holds as
+    COMMIT-decided (another run may be committing it) is left alone."""
+    from twophase import TransactionalSink
+    from twophase.wire import VoteIn
+
+    stalled, decided_topic = unique_topic("lstart"), unique_topic("ldecided")
+    for t in (stalled, decided_topic):
+        create_topic(kafka_bootstrap, t)
+    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
+    sink, old = f"lstart_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:12]
+    dead = make_branch(p, sink=sink, lineage=old, partition=5)
+    _prepare_in_child_and_kill(p, dead)
+    alive = make_branch(p, sink=sink, lineage=old, partition=1)
+    p.commit(alive, p.prepare(alive, SCHEMA, [batch_for(alive)]))
+    assert read_all(kafka_bootstrap, stalled, idle_s=2.0) == []  # stalled behind `dead`
+    assert [t.transactional_id for t in p.open_transactions(sink)] == [
+        p.transactional_id(dead)]
+
+    store = f"sqlite:///{tmp_path / 'c.db'}"
+    rows = [{"id": 900_000 + i, "label": "new", "amount": 1.0} for i in range(4)]
+    df = spark.createDataFrame(rows, "id long, label string, amount double")
+    started = time.monotonic()
+    ts = TransactionalSink(sink, [p], coordinator=store, lineage=uuid.uuid4().hex[:12],
+                           partitions=1, preflight=False)
+    try:
+        ts(df, 0)  # batch 0 of the new run writes partition 0 only, not 5
+    finally:
+        ts.close()
+    assert p.open_transactions(sink) == []
+    expected = sorted(r["id"] for r in batch_for(alive).to_pylist()) + [r["id"] for r in rows]
+    seen = sorted(json.loads(m.value())["id"]
+                  for m in read_all(kafka_bootstrap, stalled, expect=len(expected)))
+    assert seen == expected  # the last stable offset moved past the aborted transaction
+    assert time.monotonic() - started < p.transaction_timeout_ms / 1000 / 2
+    log = read_log({"bootstrap.servers": kafka_bootstrap}, stalled)
+    assert log.open_transactions == 0
+    assert sorted(json.loads(v)["id"] for v in log.aborted if v) == sorted(
+        r["id"] for r in batch_for(dead).to_pylist())
+    p.close()
+
+    # The rule's other half: q's batch of another run is COMMIT-decided, its branch 7 not
+    # committed yet (its task may be committing it now): spared; its undecided one goes.
+    q = KafkaParticipant(decided_topic, {"bootstrap.servers": kafka_bootstrap},
+                         connect_timeout_s=15)
+    conn = connect(store)
+    try:
+        client = conn.client()
+        epoch = client.register(sink)
+        res = client.begin(sink, old, 0, epoch, [q.name], 8, 60.0)
+        assert res.txn is not None
+        committing = client.vote(res.txn.key, epoch,
+                                 [VoteIn(f"{q.name}/{i}", True, {}) for i in range(8)])
+        assert committing.state.value == "COMMITTING"
+        in_flight = make_branch(q, sink=sink, lineage=old, partition=7)
+        undecided = make_branch(q, sink=sink, lineage=uuid.uuid4().hex[:12], batch_id=3,
+                                partition=9)  # no branch of the decided batch
+        for branch in (in_flight, undecided):
+            _prepare_in_child_and_kill(q, branch)
+        aborted = q.abort_lingering_at_start(sink, client)
+    finally:
+        conn.close()
+    assert [t.transactional_id for t in aborted] == [q.transactional_id(undecided)]
+    assert [t.transactional_id for t in q.open_transactions(sink)] == [
+        q.transactional_id(in_flight)]
+    q.abort_lingering(sink)  # leave nothing open on the session's broker
+    q.close()

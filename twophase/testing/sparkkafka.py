@@ -1,0 +1,106 @@
+"""Spark's own Kafka source (``spark-sql-kafka-0-10``), its jars resolved once through
+Maven and cached, for the Kafka-in pipeline (:mod:`.kafkasource`).
+
+Why a pinned local folder and not ``spark.jars.packages``: Spark's Ivy resolution runs at
+every session start and reaches the network then; here Maven runs once (``scripts/test.sh``,
+or the first use) and every session is given the local jars as ``spark.jars``.
+``spark-kafka.pom.xml`` (beside this module) names the connector; only the jars Spark
+does not ship itself are copied (the connector, its token provider, the Kafka client and
+commons-pool2). The folder is keyed by the pom's content.
+
+``$TWOPHASE_SPARK_KAFKA_JARS`` names a ready folder of those jars instead (offline).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from twophase.testing.kafkajars import KafkaJarsUnavailable, cache_dir, java_binary
+
+__all__ = ["ENV_JARS", "POM", "SPARK_KAFKA_VERSION", "spark_kafka_conf", "spark_kafka_jars"]
+
+ENV_JARS = "TWOPHASE_SPARK_KAFKA_JARS"
+POM = Path(__file__).with_name("spark-kafka.pom.xml")
+_JARS = ("spark-sql-kafka-0-10_2.13", "spark-token-provider-kafka-0-10_2.13",
+         "kafka-clients", "commons-pool2")
+
+
+def _pom_version() -> str:
+    found = re.search(r"<spark\.kafka\.version>([^<]+)</spark\.kafka\.version>",
+                      POM.read_text())
+    assert found, f"{POM} names no <spark.kafka.version>"
+    return found.group(1)
+
+
+SPARK_KAFKA_VERSION = _pom_version()
+
+
+def _ready(folder: Path) -> bool:
+    return all(any(folder.glob(f"{name}-*.jar")) for name in _JARS)
+
+
+def spark_kafka_jars(timeout: float = 600.0) -> list[Path]:
+    """The connector's jars: ``$TWOPHASE_SPARK_KAFKA_JARS``, else the cache, resolved
+    with ``mvn`` the first time (under a file lock: parallel callers wait for one)."""
+    explicit = os.environ.get(ENV_JARS)
+    if explicit:
+        if not _ready(Path(explicit)):
+            raise KafkaJarsUnavailable(
+                f"${ENV_JARS}={explicit} lacks one of {', '.join(_JARS)}: unset it or "
+                "fill it")
+        return sorted(Path(explicit).glob("*.jar"))
+    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
+    root = cache_dir() / f"spark-kafka-{SPARK_KAFKA_VERSION}-{digest}"
+    jars = root / "jars"
+    if not _ready(jars):
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _ready(jars):  # another process resolved it while this one waited
+                _build(root, jars, timeout)
+    return sorted(jars.glob("*.jar"))
+
+
+def spark_kafka_conf() -> dict[str, str]:
+    """The Spark settings that make ``format("kafka")`` available to a new session."""
+    return {"spark.jars": ",".join(str(j) for j in spark_kafka_jars())}
+
+
+def _build(root: Path, jars: Path, timeout: float) -> None:
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise KafkaJarsUnavailable(
+            f"Spark's Kafka connector {SPARK_KAFKA_VERSION} is not cached in {jars} and mvn "
+            "is not installed: install Maven (Debian: apt-get install maven) and Java 17, "
+            f"or set ${ENV_JARS} to a folder of its jars")
+    java_binary()  # Maven needs it too: the same clear error
+    tmp = Path(tempfile.mkdtemp(prefix="jars-", dir=root))
+    cmd = [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
+           "-DincludeScope=runtime", f"-DoutputDirectory={tmp}",
+           f"-DincludeArtifactIds={','.join(_JARS)}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except subprocess.TimeoutExpired as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KafkaJarsUnavailable(f"mvn did not resolve Spark's Kafka connector within "
+                                   f"{timeout}s (is Maven Central reachable?)") from exc
+    if done.returncode != 0 or not _ready(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KafkaJarsUnavailable(
+            f"mvn could not resolve spark-sql-kafka-0-10 {SPARK_KAFKA_VERSION} from {POM} "
+            f"(exit {done.returncode}; is Maven Central reachable?):\n"
+            f"{(done.stdout + done.stderr)[-3000:]}")
+    shutil.rmtree(jars, ignore_errors=True)
+    tmp.rename(jars)  # whole or nothing: a half-copied folder is never found
+
+
+if __name__ == "__main__":  # `python -m twophase.testing.sparkkafka`: resolve now (CI)
+    print(*spark_kafka_jars(), sep="\n")
