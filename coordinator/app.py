@@ -402,6 +402,16 @@ def _sink_routes(svc: _Service, hot: HotRoutes) -> APIRouter:
             return _error(404, "not_found", f"no sink {sink!r}")
         return _json({"sink": sink, "participants": st.participants(sink)})
 
+    @r.get("/v1/sinks/{sink}/committing", response_model=wire.TxnListOut, responses=ERRORS)
+    def committing(sink: SinkName) -> Response:
+        """The sink's COMMIT-decided transactions not yet finished (newest first, up to
+        10,000): what its starting writer must not abort. A data route: a sink's own
+        start-up cleanup reads it with the jobs' token."""
+        rows = st.list(sink=sink, state=p.State.COMMITTING.value, limit=10_000)
+        out: wire.TxnListOut = {"txns": [{**wire.encode_txn(r.txn), "alert": r.alert}
+                                         for r in rows]}
+        return _json(out)
+
     @r.get("/v1/sinks/{sink}", response_model=wire.SinkOut, responses=ERRORS)
     def get_sink(sink: SinkName) -> Response:
         rec = st.sink(sink)

@@ -44,6 +44,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], Role]] = {
     ("GET", _TXN): "data",
     ("POST", _TXN + "/abandon"): "data",
     ("POST", "/v1/sinks/{sink}/register"): "data",
+    ("GET", "/v1/sinks/{sink}/committing"): "data",  # a starting sink's cleanup
     ("GET", "/healthz"): "open",
     ("GET", "/metrics"): "open",
     ("GET", "/openapi.json"): "open",

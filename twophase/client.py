@@ -342,6 +342,11 @@ class CoordinatorClient:
     ) -> builtins.list[protocol.Transaction]:
         return [wire.decode_txn(t) for t in self.list_raw(sink, state, limit)]
 
+    def committing(self, sink: str) -> builtins.list[protocol.Transaction]:
+        """``sink``'s COMMIT-decided, unfinished transactions (a data-token route)."""
+        out = self._request("GET", f"/v1/sinks/{quote(sink, safe='')}/committing")
+        return [wire.decode_txn(t) for t in out["txns"]]
+
     def list_raw(
         self, sink: str | None = None, state: str | None = None, limit: int = 100
     ) -> builtins.list[dict[str, Any]]:

@@ -30,18 +30,17 @@ from typing import Any, Protocol
 
 from twophase.errors import ParticipantError
 from twophase.participant import BranchRef
-from twophase.protocol import State, Transaction, parse_branch_id
+from twophase.protocol import Transaction, parse_branch_id
 
 __all__ = ["Listing", "OpenTransaction", "committing_ids", "list_open_transactions"]
 
 
 class Listing(Protocol):
-    """What the start-up cleanup needs of the coordinator: its listing of a sink's
-    transactions (:class:`twophase.client.CoordinatorClient`)."""
+    """What the start-up cleanup needs of the coordinator: a sink's COMMIT-decided,
+    unfinished transactions (:meth:`twophase.client.CoordinatorClient.committing`, a
+    route the jobs' data token may call)."""
 
-    def list(
-        self, sink: str | None = None, state: str | None = None, limit: int = 100
-    ) -> list[Transaction]: ...
+    def committing(self, sink: str) -> list[Transaction]: ...
 
 
 def committing_ids(decisions: Listing, sink: str, participant: str,
@@ -50,7 +49,7 @@ def committing_ids(decisions: Listing, sink: str, participant: str,
     a COMMIT-decided batch of ``sink`` not yet acknowledged: the ones a starting sink
     must not abort."""
     out: set[str] = set()
-    for txn in decisions.list(sink=sink, state=State.COMMITTING.value, limit=10_000):
+    for txn in decisions.committing(sink):
         for bid, st in txn.branches.items():
             name, partition = parse_branch_id(bid)
             if name == participant and st.ack is None:

@@ -50,11 +50,11 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
 
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
     try:
-        dry = resolve_sink(conn.client(), sink, [p], dry_run=True)
+        dry = resolve_sink(conn.client(operator=True), sink, [p], dry_run=True)
         assert [(a.txn, a.action) for a in dry.actions] == [
             (f"kafka transaction {open_txn.transactional_id}", "abort")]
         assert len(p.open_transactions(sink)) == 1  # a dry run aborts nothing
-        report = resolve_sink(conn.client(), sink, [p])
+        report = resolve_sink(conn.client(operator=True), sink, [p])
     finally:
         conn.close()
     assert report.ok and [a.action for a in report.actions] == ["abort"], report.as_dict()
@@ -80,7 +80,7 @@ def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
                             connect_timeout_s=2)
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
     try:
-        report = resolve_sink(conn.client(), "nothing_open", [down])
+        report = resolve_sink(conn.client(operator=True), "nothing_open", [down])
     finally:
         conn.close()
     assert not report.ok
