@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
-           "check", "commit", "default_staging_topic", "prepare"]
+           "check", "close_all", "commit", "default_staging_topic", "prepare"]
 
 PREPARE_MODES: Final = ("staged", "in_task")
 DEFAULT_PREPARE: Final = "in_task"
@@ -143,6 +143,7 @@ class _Stagers:
         for producer in found:
             with contextlib.suppress(Exception):
                 producer.flush(5)
+                producer.close()
 
 
 STAGERS = _Stagers()
@@ -244,9 +245,13 @@ class _CommitPool:
                 self._cond.wait()
             lane = self._free[key].pop()
             fence = list(self._free[key]) if fresh else []
-        for other in fence:  # never used in this process: initialise (fence) them all
-            with contextlib.suppress(Exception):
-                _ready(p, other)
+        if fence:  # never used in this process: initialise (fence) them all, at once
+            threads = [threading.Thread(target=_fence, args=(p, other), daemon=True)
+                       for other in fence]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         return key, lane
 
     def give(self, key: str, lane: _Lane) -> None:
@@ -254,12 +259,30 @@ class _CommitPool:
             self._free.setdefault(key, []).append(lane)
             self._cond.notify()
 
+    def close_all(self) -> None:
+        """Close every idle lane's clients (none has a transaction open)."""
+        with self._cond:
+            lanes = [lane for free in self._free.values() for lane in free]
+            self._free = {}
+        for lane in lanes:
+            with contextlib.suppress(Exception):
+                if lane.producer is not None:
+                    lane.producer.close()
+            lane.producer = None
+            _drop(lane)
+
 
 POOL = _CommitPool()
 
 
-def _ready(p: KafkaParticipant, lane: _Lane) -> None:
-    """The lane's producer, initialised (a new one fences every older one of the id)."""
+def _fence(p: KafkaParticipant, lane: _Lane) -> None:
+    with contextlib.suppress(Exception):  # a failure here is met again when the lane is used
+        _ready(p, lane, reader=False)
+
+
+def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
+    """The lane's producer, initialised (a new one fences every older one of the id), and
+    its reader of the staging topic."""
     from confluent_kafka import Consumer, Producer
 
     if lane.producer is None:
@@ -271,7 +294,7 @@ def _ready(p: KafkaParticipant, lane: _Lane) -> None:
                 f"{p.describe()}: cannot initialise transactional.id "
                 f"{lane.transactional_id!r} at {p.bootstrap}: {describe_error(exc)}") from exc
         lane.producer = producer
-    if lane.reader is None:
+    if lane.reader is None and reader:
         lane.reader = Consumer({**common_config(p.config),
                                 "group.id": "twophase-staged-reader",
                                 "enable.auto.commit": False, "auto.offset.reset": "error",
@@ -410,7 +433,7 @@ def _staged(p: KafkaParticipant, reader: Any, branch: BranchRef, handle: Handle
         offset = first
         stalled = time.monotonic() + p.connect_timeout_s
         while offset <= last:
-            msgs = reader.consume(1000, 0.5)
+            msgs = reader.consume(min(1000, last - offset + 1), 0.5)
             if not msgs and time.monotonic() > stalled:
                 raise ParticipantError(
                     f"{p.describe()}: cannot read staged records of branch "
@@ -441,3 +464,10 @@ def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None
     open transaction, no lock); they are never copied and leave with the staging topic's
     retention."""
     p._check_branch(branch)
+
+
+def close_all() -> None:
+    """Close this process's staging producers and commit lanes: for a test or tool
+    stopping the broker it started (idle clients would go on reconnecting to it)."""
+    STAGERS.close_all()
+    POOL.close_all()

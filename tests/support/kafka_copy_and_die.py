@@ -18,7 +18,7 @@ def main() -> int:
     from twophase.sinks.kafka import staged
 
     with open(sys.argv[1], "rb") as f:
-        participant, branch, handle = pickle.load(f)  # noqa: S301 - written by the test
+        participant, branch, handle = pickle.load(f)
 
     def die(*_: Any) -> None:  # the records are in the open transaction: die before its end
         os.kill(os.getpid(), signal.SIGKILL)

@@ -29,7 +29,7 @@ def staged(bootstrap: str, **kw: object) -> KafkaParticipant:
 
 
 def fresh(p: KafkaParticipant) -> KafkaParticipant:
-    clone: KafkaParticipant = pickle.loads(pickle.dumps(p))  # noqa: S301
+    clone: KafkaParticipant = pickle.loads(pickle.dumps(p))
     return clone
 
 
@@ -87,8 +87,8 @@ def test_staged_count_mismatch_commits_nothing(kafka_bootstrap: str) -> None:
     p = staged(kafka_bootstrap)
     b = branch(p, batch_id=0)
     handle = dict(p.prepare(b, SCHEMA, [batch(0, 10)]))
-    with pytest.raises(ParticipantError, match="10 staged records carry its token .* the "
-                                               "vote says 11; nothing was committed"):
+    with pytest.raises(ParticipantError, match=r"10 staged records carry its token .* the "
+                                               r"vote says 11; nothing was committed"):
         fresh(p).commit(b, {**handle, "rows": "11"})
     with pytest.raises(ParticipantError, match="without its vote's handle"):
         fresh(p).commit(b, None)
