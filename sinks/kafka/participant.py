@@ -719,7 +719,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         """``commit_transaction`` by the producer that prepared; ambiguous errors retried.
         Staged: the copy in one transaction with the marker (:mod:`.staged`)."""
-        if self.durable_prepare:
+        if staged.is_staged(self, handle):
             return staged.commit(self, branch, handle)
         self._check_branch(branch)
         with self._lock:
@@ -772,7 +772,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """Abort in-process; otherwise fence the transactional.id (aborts a zombie's open
         transaction). Fencing aborts *any* open transaction of this (sink, participant,
         partition): call it only when no newer attempt is preparing that branch."""
-        if self.durable_prepare:
+        if staged.is_staged(self, handle):
             return staged.abort(self, branch, handle)
         self._check_branch(branch)
         with self._lock:

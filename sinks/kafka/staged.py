@@ -49,10 +49,12 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
-           "check", "close_all", "commit", "default_staging_topic", "prepare"]
+           "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare"]
 
 PREPARE_MODES: Final = ("staged", "in_task")
-DEFAULT_PREPARE: Final = "in_task"
+DEFAULT_PREPARE: Final = "staged"
+"""The default: no barrier stage, so dynamic allocation and speculation are allowed
+(docs/decisions.md, 2026-11-25); "in_task" is the opt-in fast path for guaranteed slots."""
 STAGING_SUFFIX: Final = ".twophase-staged"
 COMMIT_IDS: Final = 8
 """Transactional ids per (sink, participant) for the copies: as many as the driver's
@@ -60,6 +62,15 @@ commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id.
 _ATTEMPT: Final = "twophase.attempt"
 _STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
 _STAGE_ONLY: Final = frozenset({_ATTEMPT, _STAGE_ID})
+
+
+def is_staged(p: KafkaParticipant, handle: Handle | None) -> bool:
+    """Whether a branch was staged: its vote's handle says how it was prepared (a
+    participant rebuilt in the other mode commits or aborts it all the same); without a
+    handle, the participant's mode."""
+    if handle is not None and "transactional_id" in handle:
+        return handle.get("prepare") == "staged"
+    return p.durable_prepare
 
 
 def default_staging_topic(topic: str) -> str:
@@ -157,7 +168,7 @@ def prepare(
     A branch whose marker is committed writes nothing."""
     p._check_branch(branch)
     if _marker(p, branch) >= branch.batch_id + 1:
-        return p._handle(branch, 0, already=True)
+        return {**p._handle(branch, 0, already=True), "prepare": "staged"}
     cfg = dict(p.config)
     cfg.update({"enable.idempotence": True, "acks": "all"})
     producer = STAGERS.get(cfg)
