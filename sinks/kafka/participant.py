@@ -1,6 +1,9 @@
 """Kafka participant: a transactional producer per branch, committed offsets as the marker.
 
-How a branch maps onto Kafka (see ``docs/kafka.md``):
+Two prepares (``prepare=``): "staged" (the default, :mod:`.staged`: records staged in
+the task, copied with the marker in one transaction by the driver; durable, no barrier
+stage) and "in_task", described here. How an in-task branch maps onto Kafka (see
+``docs/kafka.md``):
 
 - ``transactional.id = twophase.<sink>.<participant>.<partition>``: stable per sink and
   partition across checkpoints, attempts and restarts, so the ``init_transactions`` of a
