@@ -39,6 +39,7 @@ def rows(start: int, n: int) -> pa.RecordBatch:
 def make(bootstrap: str, **kw: object) -> KafkaParticipant:
     topic = unique_topic("real")
     create_topic(bootstrap, topic, partitions=3)
+    kw.setdefault("prepare", "in_task")
     return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, connect_timeout_s=15,
                             **kw)  # type: ignore[arg-type]
 
