@@ -9,9 +9,9 @@ A batch of ``--branches`` partitions (threads, as tasks) prepares ``rows / branc
 each, then every branch is committed (in-task: by the object that prepared, as the task
 does after the decision; staged: by a fresh unpickled object in a thread per branch, as
 the driver's Committer does). Runs alternate in_task / staged on fresh topics, with one
-participant name, so the staged commit pool and the staging producer are warm after the
-first run (a long-running query's steady state). Printed: prepare, commit and total
-seconds per mode (median of ``--repeats``), and staged/in_task.
+participant name and one staging topic, so the staged commit pool, its readers and the
+staging producer are warm after the first run (a long-running query's steady state).
+Printed: prepare, commit and total seconds per mode (median of ``--repeats``), and staged/in_task.
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ from bench.participants_kafka import _new_topic, make_batch  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
 from twophase.sinks.kafka import KafkaParticipant  # noqa: E402
 
+STAGING = f"bench-staging-{uuid.uuid4().hex[:8]}"
+"""One staging topic for every run, as a sink keeps one for its life."""
+
 
 def run(bootstrap: str, mode: str, rows: int, branches: int) -> tuple[float, float]:
     topic = _new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, name="bench-kafka",
-                         prepare=mode)
+                         prepare=mode, staging_topic=STAGING)
     batch = make_batch(rows // branches)
     p.check(batch.schema)
     lineage = uuid.uuid4().hex[:16]

@@ -56,12 +56,14 @@ DEFAULT_PREPARE: Final = "staged"
 """The default: no barrier stage, so dynamic allocation and speculation are allowed
 (docs/decisions.md, 2026-11-25); "in_task" is the opt-in fast path for guaranteed slots."""
 STAGING_SUFFIX: Final = ".twophase-staged"
+STAGING_PARTITIONS: Final = 8
+"""A created staging topic's least partition count: branches that share a staging
+partition interleave there, and each copy reads past the others' records."""
 COMMIT_IDS: Final = 8
 """Transactional ids per (sink, participant) for the copies: as many as the driver's
 commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id."""
 _ATTEMPT: Final = "twophase.attempt"
 _STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
-_STAGE_ONLY: Final = frozenset({_ATTEMPT, _STAGE_ID})
 
 
 def is_staged(p: KafkaParticipant, handle: Handle | None) -> bool:
@@ -85,8 +87,8 @@ def default_staging_topic(topic: str) -> str:
 
 # -- driver-side check ---------------------------------------------------------------------
 def check(p: KafkaParticipant) -> int:
-    """Make sure the staging topic exists (created with the target's partition count when
-    missing); returns its partition count. A topic that cannot be created is an error
+    """Make sure the staging topic exists (created with the target's partition count, at
+    least :data:`STAGING_PARTITIONS`, when missing); returns its partition count. A topic that cannot be created is an error
     naming the fix."""
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
@@ -95,7 +97,7 @@ def check(p: KafkaParticipant) -> int:
     found = _partitions(admin, p.staging_topic, p.connect_timeout_s)
     if found:
         return found
-    n = _partitions(admin, p.topic, p.connect_timeout_s) or 1
+    n = max(_partitions(admin, p.topic, p.connect_timeout_s), STAGING_PARTITIONS)
     try:
         [future] = admin.create_topics([NewTopic(p.staging_topic, n)],
                                        request_timeout=p.connect_timeout_s).values()
@@ -255,14 +257,18 @@ class _CommitPool:
             while not self._free[key]:
                 self._cond.wait()
             lane = self._free[key].pop()
-            fence = list(self._free[key]) if fresh else []
-        if fence:  # never used in this process: initialise (fence) them all, at once
+            fence, self._free[key] = (self._free[key], []) if fresh else ([], self._free[key])
+        if fence:  # never used in this process: initialise (fence) them all, at once,
+            # out of the free list (a lane initialised twice fences its own producer)
             threads = [threading.Thread(target=_fence, args=(p, other), daemon=True)
                        for other in fence]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            with self._cond:
+                self._free[key].extend(fence)
+                self._cond.notify_all()
         return key, lane
 
     def give(self, key: str, lane: _Lane) -> None:
@@ -309,6 +315,8 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
         lane.reader = Consumer({**common_config(p.config),
                                 "group.id": "twophase-staged-reader",
                                 "enable.auto.commit": False, "auto.offset.reset": "error",
+                                "fetch.wait.max.ms": 10,  # the range is there: no long poll
+                                "fetch.error.backoff.ms": 50,
                                 "isolation.level": "read_committed"})
 
 
@@ -365,12 +373,6 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
 
     producer = lane.producer
     expected = int(handle["rows"])
-    errors: list[Any] = []
-
-    def on_delivery(err: Any, _msg: Any) -> None:
-        if err is not None:
-            errors.append(err)
-
     where = f"branch {branch.branch_id} of batch {branch.batch_id}"
     producer.begin_transaction()
     try:
@@ -382,7 +384,7 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
         for key, value, headers in _staged(p, lane.reader, branch, handle):
             while True:
                 try:
-                    produce(topic, value, key, on_delivery=on_delivery, headers=headers)
+                    produce(topic, value, key, headers=headers)
                     break
                 except BufferError:
                     poll(0.05)
@@ -393,11 +395,12 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
                 f"{handle['staging_topic']!r} partition {handle['staging_partition']} "
                 f"offsets {handle['first_offset']}..{handle['last_offset']}, the vote "
                 f"says {expected}; nothing was committed (the staging topic was altered?)")
+        # No delivery callbacks: a record that fails makes the transaction abortable,
+        # and commit_transaction (below) then fails with the cause.
         left = producer.flush(p.connect_timeout_s)
-        if errors or left:
-            cause = f"{errors[0].name()}: {errors[0].str()}" if errors else \
-                f"{left} records not delivered within {p.connect_timeout_s:g}s"
-            raise ParticipantError(f"{p.describe()}: {where}: copy failed: {cause}")
+        if left:
+            raise ParticipantError(f"{p.describe()}: {where}: copy failed: {left} records "
+                                   f"not delivered within {p.connect_timeout_s:g}s")
     except BaseException:
         with contextlib.suppress(Exception):
             producer.abort_transaction(p.connect_timeout_s)
@@ -437,14 +440,16 @@ def _staged(p: KafkaParticipant, reader: Any, branch: BranchRef, handle: Handle
     if first < 0:
         return
     staging, partition = handle["staging_topic"], int(handle["staging_partition"])
-    token = handle["token"].encode()
-    tag = dict(p.headers(branch))
+    target = p.headers(branch)
+    # a staged record of this prepare call carries exactly these headers (staged.prepare)
+    mine = [*target, (_ATTEMPT, str(branch.attempt).encode()),
+            (_STAGE_ID, handle["token"].encode())]
     reader.assign([TopicPartition(staging, partition, first)])
     try:
         offset = first
         stalled = time.monotonic() + p.connect_timeout_s
         while offset <= last:
-            msgs = reader.consume(min(1000, last - offset + 1), 0.5)
+            msgs = reader.consume(min(1000, last - offset + 1), 0.05)
             if not msgs and time.monotonic() > stalled:
                 raise ParticipantError(
                     f"{p.describe()}: cannot read staged records of branch "
@@ -458,14 +463,12 @@ def _staged(p: KafkaParticipant, reader: Any, branch: BranchRef, handle: Handle
                         f"{msg.error().name()}: {msg.error().str()} (gone with the staging "
                         "topic's retention? it must outlast a batch's commit)")
                 offset = msg.offset() + 1
-                stalled = time.monotonic() + p.connect_timeout_s
-                if msg.offset() > last:
+                if offset > last + 1:
                     break
-                headers = msg.headers() or []
-                seen = dict(headers)
-                if seen.get(_STAGE_ID) != token or any(seen.get(k) != v for k, v in tag.items()):
-                    continue  # another branch, or another attempt of this one
-                yield msg.key(), msg.value(), [h for h in headers if h[0] not in _STAGE_ONLY]
+                if msg.headers() == mine:  # else another branch, or another attempt's
+                    yield msg.key(), msg.value(), target
+            if msgs:
+                stalled = time.monotonic() + p.connect_timeout_s
     finally:
         reader.unassign()
 
