@@ -88,8 +88,8 @@ def default_staging_topic(topic: str) -> str:
 # -- driver-side check ---------------------------------------------------------------------
 def check(p: KafkaParticipant) -> int:
     """Make sure the staging topic exists (created with the target's partition count, at
-    least :data:`STAGING_PARTITIONS`, when missing); returns its partition count. A topic that cannot be created is an error
-    naming the fix."""
+    least :data:`STAGING_PARTITIONS`, when missing); returns its partition count. A topic
+    that cannot be created is an error naming the fix."""
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
