@@ -427,7 +427,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
             from twophase.sinks.kafka import KafkaParticipant
 
             parts.append(KafkaParticipant(topic, {"bootstrap.servers": setup.kafka},
-                                          reuse_clients=setup.kafka_reuse))
+                                          reuse_clients=setup.kafka_reuse, prepare="in_task"))
         sink = TransactionalSink(
             f"e2e{tag}", parts, coordinator=f"sqlite:///{work / f'coord-{tag}.db'}",
             vote_timeout=120.0,

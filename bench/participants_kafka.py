@@ -72,7 +72,7 @@ def _new_topic(bootstrap: str) -> str:
 
 def _participant_run(bootstrap: str, batch: pa.RecordBatch) -> float:
     topic = _new_topic(bootstrap)
-    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap})
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, prepare="in_task")
     b = BranchRef("bench", uuid.uuid4().hex[:16], 0, 0, p.name, 0)
     t = time.perf_counter()
     p.commit(b, p.prepare(b, batch.schema, [batch]))
@@ -94,7 +94,8 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
     from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
 
     topic = _new_topic(bootstrap)
-    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse)
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse,
+                         prepare="in_task")
     lineage = uuid.uuid4().hex[:16]
     out = []
     for i in range(n + 1):

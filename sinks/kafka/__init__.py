@@ -6,6 +6,8 @@ Modules, one concern each:
 - ``errors``: what a librdkafka error means for a branch (retry or report);
 - ``admin``: driver-side checks of columns, brokers and topic;
 - ``participant``: the transactional branch (prepare, commit, abort, status, in_doubt);
+- ``staged``: the default prepare, staged in the task and copied by the driver;
+- ``clients``: this process's idle producers and marker consumers;
 - ``readback``: the topic read as a ``read_committed`` consumer (for the verifier).
 """
 

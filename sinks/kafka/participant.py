@@ -1,6 +1,9 @@
 """Kafka participant: a transactional producer per branch, committed offsets as the marker.
 
-How a branch maps onto Kafka (see ``docs/kafka.md``):
+Two prepares (``prepare=``): "staged" (the default, :mod:`.staged`: records staged in
+the task, copied with the marker in one transaction by the driver; durable, no barrier
+stage) and "in_task", described here. How an in-task branch maps onto Kafka (see
+``docs/kafka.md``):
 
 - ``transactional.id = twophase.<sink>.<participant>.<partition>``: stable per sink and
   partition across checkpoints, attempts and restarts, so the ``init_transactions`` of a
@@ -28,10 +31,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,16 @@ from twophase.participant import (
     Verifiable,
     required_secret,
 )
+from twophase.sinks.kafka import staged
 from twophase.sinks.kafka.admin import check_columns, check_topic, probe_topic
+from twophase.sinks.kafka.clients import (
+    MARKER_CONSUMERS,
+    PRODUCERS,
+    healthy,
+    parse_offsets,
+    to_bytes,
+    txn_producer,
+)
 from twophase.sinks.kafka.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RECORD_OVERHEAD_BYTES,
@@ -84,68 +94,7 @@ from twophase.sinks.kafka.log import (
 from twophase.sinks.kafka.readback import read_topic
 from twophase.wire import MAX_TEXT
 
-__all__ = ["KafkaParticipant"]
-
-
-class _IdleClients:
-    """Idle Kafka clients of this process, keyed by (settings, transactional.id or group).
-
-    Only a producer whose last transaction was committed or aborted (or that never began
-    one) is put here; taking one removes it, so two prepares never share a producer. At
-    most ``limit`` are kept (the least recently used is dropped). A forked child does not
-    use its parent's clients (librdkafka's threads do not survive a fork)."""
-
-    def __init__(self, limit: int = 64) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._idle: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._pid = os.getpid()
-
-    def _own(self) -> None:
-        if self._pid != os.getpid():  # inherited through fork: unusable, never closed here
-            self._idle, self._pid = OrderedDict(), os.getpid()
-
-    def take(self, key: tuple[str, str]) -> Any:
-        with self._lock:
-            self._own()
-            return self._idle.pop(key, None)
-
-    def put(self, key: tuple[str, str], producer: Any) -> None:
-        """Keep an idle producer; one it replaces or pushes out is dropped (released, not
-        ``close()``d: close aborts an open transaction with no time limit and blocks on a
-        fenced producer; an idle one has nothing to flush)."""
-        with self._lock:
-            self._own()
-            self._idle.pop(key, None)
-            self._idle[key] = producer
-            while len(self._idle) > self.limit:
-                self._idle.popitem(last=False)
-
-    def drop(self, key: tuple[str, str]) -> None:
-        self.take(key)
-
-    def close_all(self) -> None:
-        """Close every idle client (none has a transaction open), for a process that is
-        done with its brokers: a test or tool stopping the broker it started, so the
-        clients do not go on reconnecting to it."""
-        with self._lock:
-            self._own()
-            idle, self._idle = list(self._idle.values()), OrderedDict()
-        for client in idle:
-            with contextlib.suppress(Exception):
-                client.close()
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._own()
-            return len(self._idle)
-
-
-PRODUCERS = _IdleClients()
-"""This process's idle producers (see the module docstring)."""
-MARKER_CONSUMERS = _IdleClients()
-"""This process's idle marker-group consumers: ``committed()`` asks the group coordinator
-every time, so a cached consumer reads fresh offsets without reconnecting."""
+__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "KafkaParticipant"]
 
 
 class _Stale(TwophaseError):
@@ -180,6 +129,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         connect_timeout_s: float = 30.0,
         commit_retry_s: float = 120.0,
         reuse_clients: bool = False,
+        prepare: str = staged.DEFAULT_PREPARE,
+        staging_topic: str | None = None,
     ) -> None:
         self.topic = validate_topic(topic)
         if name is None:
@@ -224,6 +175,14 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         if not isinstance(reuse_clients, bool):
             raise InvalidRequest(f"reuse_clients must be True or False, got {reuse_clients!r}")
         self.reuse_clients = reuse_clients
+        if prepare not in staged.PREPARE_MODES:
+            raise InvalidRequest(f"prepare must be one of {staged.PREPARE_MODES}, got {prepare!r}")
+        self.prepare_mode = prepare
+        """"staged" (durable, no barrier: :mod:`.staged`) or "in_task" (the gang)."""
+        self.durable_prepare = prepare == "staged"
+        self.staging_topic = (validate_topic(staging_topic) if staging_topic is not None
+                              else staged.default_staging_topic(self.topic))
+        self.staging_partitions = 0  # learnt by check() on the driver (staged)
         """Keep producers and marker consumers for the next batch in this process (see
         the module docstring). Off by default: in the suite's tansu-restart test a reused
         producer blocked in ``send_offsets_to_transaction`` past its timeout after the
@@ -384,13 +343,16 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         )
         if limit is not None:
             self.broker_max_message_bytes = limit
+        if self.durable_prepare:
+            self.staging_partitions = staged.check(self)
 
     def probe(self) -> None:
         """The brokers answer this process with these settings, and the topic, when it
         exists already, is readable by this principal with at least one partition (run on
         the driver and on every executor; :meth:`check` creates a missing topic)."""
-        probe_topic(self.describe(), self._common_config(), self.topic,
-                    timeout=self.connect_timeout_s)
+        for topic in (self.topic, self.staging_topic) if self.durable_prepare else (self.topic,):
+            probe_topic(self.describe(), self._common_config(), topic,
+                        timeout=self.connect_timeout_s)
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)
@@ -421,7 +383,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     def check_vote_window(self, vote_timeout: float) -> None:
         """A transaction must outlive the vote window, or the broker aborts it while the
-        other branches are still preparing."""
+        other branches are still preparing. Staged: none is open while voting."""
+        if self.durable_prepare:
+            return
         timeout_ms = self.transaction_timeout_ms
         if timeout_ms / 1000 <= vote_timeout + 60:
             raise InvalidRequest(
@@ -439,7 +403,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """A producer with no open transaction goes back to the cache for the next batch
         (``reuse_clients``) if it never saw a broker error, or is closed (it has no
         transaction to wait for)."""
-        if self.reuse_clients and _healthy(producer):
+        if self.reuse_clients and healthy(producer):
             PRODUCERS.put(self._cache_key(branch), producer)
         else:
             producer.close()
@@ -450,7 +414,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
         tid = self.transactional_id(branch)
         cfg = self.producer_config(tid)
-        producer = _txn_producer(Producer, cfg) if self.reuse_clients else Producer(cfg)
+        producer = txn_producer(Producer, cfg) if self.reuse_clients else Producer(cfg)
         try:
             producer.init_transactions(self.connect_timeout_s)
         except Exception as exc:
@@ -470,7 +434,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
     ) -> Handle:
-        """Write the rows and the marker in one open transaction, flushed, not committed."""
+        """Write the rows and the marker in one open transaction, flushed, not committed;
+        staged: write them to the staging topic (:mod:`.staged`)."""
+        if self.durable_prepare:
+            return staged.prepare(self, branch, schema, batches)
         return self._prepare(branch, schema, batches, None)
 
     def redo(
@@ -482,7 +449,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     ) -> Handle:
         """Prepare again under a COMMIT decision, unless the branch was committed after
         all: the marker says so, or (the marker may lag, see :meth:`_committed_in_log`)
-        the partition logs hold the branch's records committed."""
+        the partition logs hold the branch's records committed. Staged: prepare again."""
+        if self.durable_prepare:
+            return staged.prepare(self, branch, schema, batches)
         return self._prepare(branch, schema, batches, voted if voted is not None else {})
 
     def _prepare(
@@ -502,7 +471,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         # a redo always starts a new one: it fences every older producer of the branch
         # before the marker and the log are read.
         cached = PRODUCERS.take(self._cache_key(branch)) if self.reuse_clients else None
-        if cached is not None and not _healthy(cached):
+        if cached is not None and not healthy(cached):
             # It saw a broker error while idle (a broker restart): librdkafka's cached
             # coordinator can then block send_offsets_to_transaction past its timeout
             # (confluentinc/librdkafka#5456), so it is closed (no transaction is open)
@@ -571,7 +540,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """
         if not self.log_readable():
             return False
-        start = _parse_offsets(voted.get("offsets", ""))
+        start = parse_offsets(voted.get("offsets", ""))
         tag = dict(self.headers(branch))
         deadline = time.monotonic() + self.connect_timeout_s
         while True:
@@ -675,10 +644,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         on_delivery: Callable[[Any, Any], None],
         errors: list[Any],
         headers: list[tuple[str, bytes]],
+        *,
+        topic: str | None = None,
+        partition: int = -1,
     ) -> int:
         limit = self.max_message_bytes()
         room = limit - RECORD_OVERHEAD_BYTES - sum(len(k) + len(v) for k, v in headers)
-        produce, poll, topic = producer.produce, producer.poll, self.topic
+        produce, poll, topic = producer.produce, producer.poll, topic or self.topic
         rows = 0
         for batch in batches:
             if batch.schema.names != schema.names:
@@ -695,12 +667,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                         "producer / max.message.bytes of the topic)"
                     )
                 try:
-                    produce(topic, v, k, on_delivery=on_delivery, headers=headers)
+                    produce(topic, v, k, partition, on_delivery=on_delivery, headers=headers)
                 except BufferError:
                     while True:  # the local queue is full: serve delivery reports, retry
                         poll(0.05)
                         try:
-                            produce(topic, v, k, on_delivery=on_delivery, headers=headers)
+                            produce(topic, v, k, partition, on_delivery=on_delivery,
+                                    headers=headers)
                             break
                         except BufferError:
                             continue
@@ -713,13 +686,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         n = batch.num_rows
         if self.value is not None:
             values: Iterable[bytes | None] = (
-                _to_bytes(v) for v in batch.column(self.value).to_pylist()
+                to_bytes(v) for v in batch.column(self.value).to_pylist()
             )
         else:
             values = json_rows(batch)
         if self.key is not None:
             keys: Iterable[bytes | None] = [
-                _to_bytes(k) for k in batch.column(self.key).to_pylist()
+                to_bytes(k) for k in batch.column(self.key).to_pylist()
             ]
         elif self.keys:
             keys = list(json_rows(batch.select(list(self.keys))))
@@ -752,7 +725,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     # -- commit / abort ------------------------------------------------------------------
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
-        """``commit_transaction`` by the producer that prepared; ambiguous errors retried."""
+        """``commit_transaction`` by the producer that prepared; ambiguous errors retried.
+        Staged: the copy in one transaction with the marker (:mod:`.staged`)."""
+        if staged.is_staged(self, handle):
+            return staged.commit(self, branch, handle)
         self._check_branch(branch)
         with self._lock:
             prepared = self._prepared.get(branch)
@@ -804,6 +780,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """Abort in-process; otherwise fence the transactional.id (aborts a zombie's open
         transaction). Fencing aborts *any* open transaction of this (sink, participant,
         partition): call it only when no newer attempt is preparing that branch."""
+        if staged.is_staged(self, handle):
+            return staged.abort(self, branch, handle)
         self._check_branch(branch)
         with self._lock:
             prepared = self._prepared.pop(branch, None)
@@ -982,7 +960,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             "keys": json.dumps(list(self.keys)) if len(self.keys) > 1 else None,
             "transaction_timeout_ms": self.transaction_timeout_ms,
             "connect_timeout_s": self.connect_timeout_s, "commit_retry_s": self.commit_retry_s,
-            "reuse_clients": self.reuse_clients,
+            "reuse_clients": self.reuse_clients, "prepare": self.prepare_mode,
+            "staging_topic": self.staging_topic,
         }
         secrets = []
         for k, v in self.config.items():
@@ -1014,62 +993,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             connect_timeout_s=float(o.get("connect_timeout_s", 30.0)),
             commit_retry_s=float(o.get("commit_retry_s", 120.0)),
             reuse_clients=str(o.get("reuse_clients", False)).lower() == "true",
+            prepare=str(o.get("prepare", "in_task")),
+            staging_topic=o.get("staging_topic"),
         )
-
-
-_PRODUCER_TYPES: dict[type, type] = {}
-
-
-def _txn_producer(base: type, config: Mapping[str, object]) -> Any:
-    """A ``base`` (confluent_kafka's Producer) that keeps the errors librdkafka reports
-    to its ``error_cb`` (a broker disconnect, all brokers down, ...) in
-    ``broker_errors``; they are collected whenever its events are served (poll, flush,
-    the transactional calls)."""
-    kind = _PRODUCER_TYPES.get(base)
-    if kind is None:
-        kind = _PRODUCER_TYPES[base] = type("TxnProducer", (base,), {})
-    errors: list[str] = []
-
-    def note(err: Any) -> None:
-        errors.append(f"{err.name()}: {err.str()}")
-
-    producer = kind({**config, "error_cb": note})
-    producer.broker_errors = errors
-    return producer
-
-
-def _healthy(producer: Any) -> bool:
-    """No broker error since the producer was created (its pending events served
-    first): only such a producer is kept for the next batch. A producer that lived
-    through a broker restart (disconnects while idle) is not: librdkafka's cached
-    group coordinator can block ``send_offsets_to_transaction`` past its timeout
-    (confluentinc/librdkafka#5456, #5511), seen as a 9-minute hang after a tansu
-    restart (docs/kafka.md, "Producer reuse")."""
-    with contextlib.suppress(Exception):
-        producer.poll(0)
-    return not getattr(producer, "broker_errors", ())
 
 
 class _Refusal(TwophaseError):
     """Internal: a reason to vote NO that the data or the broker explains."""
-
-
-def _parse_offsets(text: str) -> dict[int, int]:
-    """``"0:12,3:40"`` (a handle's ``offsets``) -> {0: 12, 3: 40}; anything else -> {}."""
-    out: dict[int, int] = {}
-    for item in text.split(","):
-        p, sep, o = item.partition(":")
-        if not (sep and p.isdigit() and o.isdigit()):
-            return {}
-        out[int(p)] = int(o)
-    return out
-
-
-def _to_bytes(v: object) -> bytes | None:
-    if v is None:
-        return None
-    if isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode("utf-8")
-    return str(v).encode("ascii")

@@ -56,7 +56,7 @@ def test_live_zombie_while_the_replacement_redoes(tmp_path: Path, kafka_bootstra
     topic = unique_topic("zombie")
     create_topic(kafka_bootstrap, topic)
     kafka = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap},
-                             connect_timeout_s=3.0, commit_retry_s=3.0)
+                             connect_timeout_s=3.0, commit_retry_s=3.0, prepare="in_task")
     kafka.check(SCHEMA)
     sink = f"zombie_{uuid.uuid4().hex[:8]}"
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
@@ -129,7 +129,7 @@ def test_transaction_expired_while_applying_commit_is_redone(
     create_topic(kafka_bootstrap, topic)
     kafka = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap},
                              connect_timeout_s=3.0, commit_retry_s=3.0,
-                             transaction_timeout_ms=2000)
+                             transaction_timeout_ms=2000, prepare="in_task")
     kafka.check(SCHEMA)
     sink = f"expiry_{uuid.uuid4().hex[:8]}"
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")

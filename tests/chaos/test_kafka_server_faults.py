@@ -92,7 +92,7 @@ def _wait_fired(once: Path, job: subprocess.Popen[str], log: Path) -> None:
 def _probe_down(bootstrap: str, topic: str) -> str:
     """What a Kafka participant says while the broker is down."""
     probe = KafkaParticipant(topic=topic, config={"bootstrap.servers": bootstrap},
-                             connect_timeout_s=2.0)
+                             connect_timeout_s=2.0, prepare="in_task")
     with pytest.raises(ParticipantError) as err:
         probe.check(pa.schema([("id", pa.int64())]))
     probe.close()
@@ -122,7 +122,7 @@ def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
     bs, topic = broker.bootstrap, f"reuse-{secrets.token_hex(3)}"
     create_topic(bs, topic)
     kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": bs},
-                             connect_timeout_s=10.0, reuse_clients=True)
+                             connect_timeout_s=10.0, reuse_clients=True, prepare="in_task")
     schema = pa.schema([("id", pa.int64())])
     used: list[object] = []
 
@@ -250,7 +250,7 @@ def test_status_answers_on_a_fresh_and_on_a_restarted_broker(broker: LocalKafka)
     topic = f"fresh-{secrets.token_hex(3)}"
     create_topic(broker.bootstrap, topic)
     kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": broker.bootstrap},
-                             connect_timeout_s=20.0)
+                             connect_timeout_s=20.0, prepare="in_task")
     ref = BranchRef("fresh", "lin", 0, 0, kafka.name, 0)
     assert kafka.status(ref) is BranchStatus.ABSENT  # the first offset read of the broker
     schema = pa.schema([("id", pa.int64())])

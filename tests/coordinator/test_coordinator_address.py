@@ -125,7 +125,8 @@ def test_in_task_participant_needs_a_slot_per_partition_refused_before_any_write
     never started."""
     from twophase.sinks.kafka import KafkaParticipant
 
-    kafka = KafkaParticipant(topic="t", config={"bootstrap.servers": "127.0.0.1:9"})
+    kafka = KafkaParticipant(topic="t", config={"bootstrap.servers": "127.0.0.1:9"},
+                             prepare="in_task")
     sink = TransactionalSink("slots", [kafka], f"sqlite:///{tmp_path / 's.db'}",
                              lineage="slots-1", partitions=3, cluster_wait=1)
     with pytest.raises(ValueError, match=r"needs 3 task slots .* kafka participant .* "

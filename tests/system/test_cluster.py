@@ -219,7 +219,8 @@ elastic = {**cfg["conf"], "spark.dynamicAllocation.enabled": "true",
            "spark.scheduler.minRegisteredResourcesRatio": "0"}
 run(elastic, [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["table"]),
               StagedFileParticipant(path=cfg["files"])], cfg["partitions"], "durable")
-run(elastic, [KafkaParticipant(topic="orders", config={"bootstrap.servers": "127.0.0.1:9"})],
+run(elastic, [KafkaParticipant(topic="orders", config={"bootstrap.servers": "127.0.0.1:9"},
+                               prepare="in_task")],
     2, "kafka")
 """
 

@@ -171,7 +171,7 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
                              config={"bootstrap.servers": cfg.kafka_bootstrap},
-                             reuse_clients=cfg.kafka_reuse)
+                             reuse_clients=cfg.kafka_reuse, prepare="in_task")
         )
     if cfg.sql_urls:
         from twophase.sinks.sql import SqlAlchemyParticipant

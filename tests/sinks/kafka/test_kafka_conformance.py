@@ -1,12 +1,14 @@
 """The conformance suite (twophase/testing/conformance.py) against the Kafka participant.
 
-Kafka prepare is not durable, so the cross-process checks do not apply (``durable=False``),
-and ``status``/``in_doubt`` cannot see another object's open transaction. The rows a
-reader sees are the topic's committed records rebuilt from its partition logs (COMMIT and
+The in-task prepare is not durable, so the cross-process checks do not apply
+(``durable=False``), and ``status``/``in_doubt`` cannot see another object's open
+transaction. The staged prepare is durable (every check runs, the cross-process ones too)
+but holds nothing while prepared: ``status``/``in_doubt`` see no prepared branch. The rows
+a reader sees are the topic's committed records rebuilt from its partition logs (COMMIT and
 ABORT markers, ``twophase.sinks.kafka.log``), and they must equal exactly what a
-read_committed consumer sees, on the suite's Apache Kafka broker. Every non-durable check
-runs except the pickled-clone commit, which a non-durable participant answers with "must
-be redone" by design (see docs/kafka.md).
+read_committed consumer sees, on the suite's Apache Kafka broker. Every in-task check runs
+except the pickled-clone commit, which a non-durable participant answers with "must be
+redone" by design (see docs/kafka.md).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ class KafkaTarget:
     """A fresh topic; rows are its committed records, rebuilt from the partition logs
     (and equal to what a read_committed reader sees)."""
 
-    def __init__(self, bootstrap: str, cross_check: bool) -> None:
+    def __init__(self, bootstrap: str, cross_check: bool, prepare: str = "in_task") -> None:
         self.bootstrap = bootstrap
         self.cross_check = cross_check
+        self.prepare = prepare
         self.topic = unique_topic("conf")
         create_topic(bootstrap, self.topic)
 
     def participant(self) -> Participant:
         return KafkaParticipant(self.topic, {"bootstrap.servers": self.bootstrap},
-                                connect_timeout_s=10)
+                                connect_timeout_s=10, prepare=self.prepare)
 
     def rows(self) -> list[dict[str, Any]]:
         log = read_log({"bootstrap.servers": self.bootstrap}, self.topic)
@@ -89,3 +92,18 @@ CHECKS = [c for c in applicable_checks(Harness("x", lambda: None,  # type: ignor
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_conformance(check: Callable[[Harness], None], kafka_bootstrap: str) -> None:
     check(_harness(kafka_bootstrap, "kafka", cross_check=True))
+
+
+STAGED = Harness(id="x", new_target=lambda: None,  # type: ignore[arg-type,return-value]
+                 durable=True, status_sees_prepared=False, in_doubt_finds_prepared=False)
+
+
+@pytest.mark.real_kafka
+@pytest.mark.parametrize("check", applicable_checks(STAGED), ids=lambda c: c.__name__)
+def test_conformance_staged(check: Callable[[Harness], None], kafka_bootstrap: str) -> None:
+    """The staged prepare (durable: the cross-process checks run, the commit from a
+    pickled clone too); status and in_doubt see no prepared branch (nothing is held),
+    so the commit of a branch found by name without its handle does not apply."""
+    check(Harness(id="kafka-staged",
+                  new_target=lambda: KafkaTarget(kafka_bootstrap, True, "staged"),
+                  durable=True, status_sees_prepared=False, in_doubt_finds_prepared=False))

@@ -32,7 +32,8 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
 ) -> None:
     topic = unique_topic("linger")
     create_topic(kafka_bootstrap, topic)  # one partition: both branches land in it
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
+                         prepare="in_task")
     sink = f"linger_{uuid.uuid4().hex[:8]}"
     lineage = uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=lineage, partition=0)
@@ -77,7 +78,7 @@ def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
     from twophase.testing.servers import free_port
 
     down = KafkaParticipant("t-down", {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
-                            connect_timeout_s=2)
+                            connect_timeout_s=2, prepare="in_task")
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
     try:
         report = resolve_sink(conn.client(operator=True), "nothing_open", [down])

@@ -57,6 +57,7 @@ def make(bootstrap: str, topic: str | None = None, **kw: object) -> KafkaPartici
     topic = topic or unique_topic()
     create_topic(bootstrap, topic)
     kw.setdefault("connect_timeout_s", 10.0)
+    kw.setdefault("prepare", "in_task")
     return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, **kw)  # type: ignore[arg-type]
 
 
@@ -154,7 +155,7 @@ def test_zombie_is_fenced_by_second_instance(kafka_bootstrap: str) -> None:
     p = make(kafka_bootstrap)
     b = branch(p, batch_id=3)
     zombie = KafkaParticipant(p.topic, p.config, connect_timeout_s=2,  # type: ignore[arg-type]
-                              commit_retry_s=2)
+                              commit_retry_s=2, prepare="in_task")
     old = zombie.prepare(b, SCHEMA, [batch(0, 5)])
     new = p.prepare(b, SCHEMA, [batch(0, 5)])  # same transactional.id: fences the zombie
     assert old["transactional_id"] == new["transactional_id"]
@@ -232,7 +233,8 @@ def test_oversized_against_configured_limit(kafka_bootstrap: str) -> None:
     topic = unique_topic()
     create_topic(kafka_bootstrap, topic)
     p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap,
-                                 "message.max.bytes": "2000"}, connect_timeout_s=10)
+                                 "message.max.bytes": "2000"}, connect_timeout_s=10,
+                                 prepare="in_task")
     b = branch(p)
     rb = pa.record_batch([pa.array([1]), pa.array(["a"]), pa.array(["y" * 3000])],
                          schema=SCHEMA)
@@ -247,12 +249,13 @@ def test_oversized_against_configured_limit(kafka_bootstrap: str) -> None:
 ])
 def test_hostile_topic_names_refused(topic: str) -> None:
     with pytest.raises(ValueError, match="invalid Kafka topic name"):
-        KafkaParticipant(topic, {"bootstrap.servers": "127.0.0.1:9"})
+        KafkaParticipant(topic, {"bootstrap.servers": "127.0.0.1:9"}, prepare="in_task")
 
 
 def test_unreachable_server_check_and_prepare() -> None:
     servers = f"127.0.0.1:{free_port()}"
-    p = KafkaParticipant("t", {"bootstrap.servers": servers}, connect_timeout_s=2)
+    p = KafkaParticipant("t", {"bootstrap.servers": servers}, connect_timeout_s=2,
+                         prepare="in_task")
     started = time.monotonic()
     with pytest.raises(ParticipantError, match=f"cannot reach Kafka at {servers}"):
         p.check(SCHEMA)
@@ -266,22 +269,24 @@ def test_unreachable_server_check_and_prepare() -> None:
 def test_check_creates_topic_and_validates(kafka_bootstrap: str) -> None:
     topic = unique_topic("auto")
     p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, key="k",
-                         connect_timeout_s=10)
+                         connect_timeout_s=10, prepare="in_task")
     p.check(SCHEMA)
     from confluent_kafka.admin import AdminClient
 
     md = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(topic=topic, timeout=10)
     assert md.topics[topic].error is None
     with pytest.raises(ParticipantError, match="key column 'nope' is not in the schema"):
-        KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, key="nope").check(SCHEMA)
+        KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, key="nope",
+                         prepare="in_task").check(SCHEMA)
     with pytest.raises(ParticipantError, match="value column 'id' has type int64"):
-        KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, value="id").check(SCHEMA)
+        KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, value="id",
+                         prepare="in_task").check(SCHEMA)
 
 
 def test_check_transaction_timeout_over_broker_max(kafka_bootstrap: str) -> None:
     # the suite's broker keeps Kafka's default maximum (15 minutes), read from its configs
     p = KafkaParticipant(unique_topic(), {"bootstrap.servers": kafka_bootstrap},
-                         transaction_timeout_ms=900_001, connect_timeout_s=10)
+                         transaction_timeout_ms=900_001, connect_timeout_s=10, prepare="in_task")
     with pytest.raises(ParticipantError,
                        match=r"transaction_timeout_ms=900001 exceeds the broker's "
                              r"transaction.max.timeout.ms=900000"):

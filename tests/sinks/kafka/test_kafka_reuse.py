@@ -39,7 +39,7 @@ def make(bootstrap: str) -> KafkaParticipant:
     topic = unique_topic("reuse")
     create_topic(bootstrap, topic)
     return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, connect_timeout_s=10.0,
-                            reuse_clients=True)
+                            reuse_clients=True, prepare="in_task")
 
 
 def ref(p: KafkaParticipant, lineage: str, batch_id: int) -> BranchRef:

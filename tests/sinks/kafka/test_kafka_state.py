@@ -42,6 +42,7 @@ def _closed() -> str:
 
 
 def part(**kw: object) -> KafkaParticipant:
+    kw.setdefault("prepare", "in_task")
     return KafkaParticipant("orders", {"bootstrap.servers": _closed()}, **kw)  # type: ignore[arg-type]
 
 
@@ -190,7 +191,7 @@ def test_producer_config_enforces_the_protocol_and_keeps_security() -> None:
     p = KafkaParticipant("orders", {"bootstrap.servers": "h:1", "security.protocol": "SASL_SSL",
                                     "sasl.mechanism": "PLAIN", "linger.ms": "20",
                                     "enable.idempotence": "true", "acks": "all"},
-                         transaction_timeout_ms=30_000)
+                         transaction_timeout_ms=30_000, prepare="in_task")
     cfg = p.producer_config("twophase.s.p.0")
     assert cfg["transactional.id"] == "twophase.s.p.0"
     assert cfg["enable.idempotence"] is True and cfg["acks"] == "all"
@@ -203,22 +204,24 @@ def test_producer_config_enforces_the_protocol_and_keeps_security() -> None:
 
 def test_constructor_errors() -> None:
     with pytest.raises(ValueError, match="longer than 64 characters: pass name="):
-        KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"})
-    assert KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, name="short").name == "short"
+        KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, prepare="in_task")
+    assert KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, name="short",
+                            prepare="in_task").name == "short"
     with pytest.raises(ValueError, match="invalid participant name"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, name="bad name")
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, name="bad name", prepare="in_task")
     with pytest.raises(ValueError, match="transaction_timeout_ms"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, transaction_timeout_ms=10)
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, transaction_timeout_ms=10,
+                         prepare="in_task")
     with pytest.raises(ValueError, match="key must be a column name"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, key="")
-    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"})
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, key="", prepare="in_task")
+    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"}, prepare="in_task")
     assert (p.name, p.kind, p.durable_prepare) == ("kafka-orders", "kafka", False)
 
 
 @given(batch_id=st.integers(0, 10**12), attempt=st.integers(0, 1000),
        partition=st.integers(0, 10_000))
 def test_names_and_handle(batch_id: int, attempt: int, partition: int) -> None:
-    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"})
+    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"}, prepare="in_task")
     b = ref(p, batch_id, attempt, partition)
     tid = p.transactional_id(b)
     # Stable per sink and partition: every checkpoint, attempt and lineage shares it.
@@ -261,7 +264,8 @@ def test_message_size_limit() -> None:
     assert p.max_message_bytes() == DEFAULT_MAX_MESSAGE_BYTES
     p.broker_max_message_bytes = 500_000
     assert p.max_message_bytes() == 500_000
-    q = KafkaParticipant("t", {"bootstrap.servers": "h:1", "message.max.bytes": "1000"})
+    q = KafkaParticipant("t", {"bootstrap.servers": "h:1", "message.max.bytes": "1000"},
+                         prepare="in_task")
     q.broker_max_message_bytes = 500_000
     assert q.max_message_bytes() == 1000
 

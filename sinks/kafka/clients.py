@@ -1,0 +1,134 @@
+"""This process's Kafka clients kept between batches, and small value helpers.
+
+Split out of :mod:`.participant` so the in-task and the staged prepare
+(:mod:`.staged`) share them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "IdleClients", "healthy", "parse_offsets",
+           "to_bytes", "txn_producer"]
+
+
+class IdleClients:
+    """Idle Kafka clients of this process, keyed by (settings, transactional.id or group).
+
+    Only a producer whose last transaction was committed or aborted (or that never began
+    one) is put here; taking one removes it, so two prepares never share a producer. At
+    most ``limit`` are kept (the least recently used is dropped). A forked child does not
+    use its parent's clients (librdkafka's threads do not survive a fork)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # inherited through fork: unusable, never closed here
+            self._idle, self._pid = OrderedDict(), os.getpid()
+
+    def take(self, key: tuple[str, str]) -> Any:
+        with self._lock:
+            self._own()
+            return self._idle.pop(key, None)
+
+    def put(self, key: tuple[str, str], producer: Any) -> None:
+        """Keep an idle producer; one it replaces or pushes out is dropped (released, not
+        ``close()``d: close aborts an open transaction with no time limit and blocks on a
+        fenced producer; an idle one has nothing to flush)."""
+        with self._lock:
+            self._own()
+            self._idle.pop(key, None)
+            self._idle[key] = producer
+            while len(self._idle) > self.limit:
+                self._idle.popitem(last=False)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        self.take(key)
+
+    def close_all(self) -> None:
+        """Close every idle client (none has a transaction open), for a process that is
+        done with its brokers: a test or tool stopping the broker it started, so the
+        clients do not go on reconnecting to it."""
+        with self._lock:
+            self._own()
+            idle, self._idle = list(self._idle.values()), OrderedDict()
+        for client in idle:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._own()
+            return len(self._idle)
+
+
+PRODUCERS = IdleClients()
+"""This process's idle producers (see the module docstring)."""
+MARKER_CONSUMERS = IdleClients()
+"""This process's idle marker-group consumers: ``committed()`` asks the group coordinator
+every time, so a cached consumer reads fresh offsets without reconnecting."""
+
+
+
+_PRODUCER_TYPES: dict[type, type] = {}
+
+
+def txn_producer(base: type, config: Mapping[str, object]) -> Any:
+    """A ``base`` (confluent_kafka's Producer) that keeps the errors librdkafka reports
+    to its ``error_cb`` (a broker disconnect, all brokers down, ...) in
+    ``broker_errors``; they are collected whenever its events are served (poll, flush,
+    the transactional calls)."""
+    kind = _PRODUCER_TYPES.get(base)
+    if kind is None:
+        kind = _PRODUCER_TYPES[base] = type("TxnProducer", (base,), {})
+    errors: list[str] = []
+
+    def note(err: Any) -> None:
+        errors.append(f"{err.name()}: {err.str()}")
+
+    producer = kind({**config, "error_cb": note})
+    producer.broker_errors = errors
+    return producer
+
+
+def healthy(producer: Any) -> bool:
+    """No broker error since the producer was created (its pending events served
+    first): only such a producer is kept for the next batch. A producer that lived
+    through a broker restart (disconnects while idle) is not: librdkafka's cached
+    group coordinator can block ``send_offsets_to_transaction`` past its timeout
+    (confluentinc/librdkafka#5456, #5511), seen as a 9-minute hang after a tansu
+    restart (docs/kafka.md, "Producer reuse")."""
+    with contextlib.suppress(Exception):
+        producer.poll(0)
+    return not getattr(producer, "broker_errors", ())
+
+
+
+def parse_offsets(text: str) -> dict[int, int]:
+    """``"0:12,3:40"`` (a handle's ``offsets``) -> {0: 12, 3: 40}; anything else -> {}."""
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        p, sep, o = item.partition(":")
+        if not (sep and p.isdigit() and o.isdigit()):
+            return {}
+        out[int(p)] = int(o)
+    return out
+
+
+def to_bytes(v: object) -> bytes | None:
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    return str(v).encode("ascii")

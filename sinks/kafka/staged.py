@@ -1,0 +1,487 @@
+"""Kafka's staged prepare: a branch that survives its task, committed from the driver.
+
+A Kafka transaction can be committed only by the producer that opened it, so the in-task
+prepare needs every task alive until the decision (the barrier stage). The staged
+prepare does not open one in the task:
+
+- **prepare** (the task): the branch's records go to a *staging topic* (default
+  ``<topic>.twophase-staged``, created by :meth:`check` on the driver) through an
+  idempotent producer (``acks=all``), all into one staging partition
+  (``partition % staging partitions``), each with the branch's headers plus the attempt
+  and a token unique to this prepare call. Once every record is acknowledged the vote's
+  handle names where they are: staging partition, first and last offset, count, token.
+  A failed or duplicate attempt leaves records under another token: never copied.
+- **commit** (the driver's :class:`~twophase.commit.Committer`): one Kafka transaction per
+  branch reads the staged range, keeps the records carrying the handle's token,
+  produces them to the target topic with their key, value and original headers (the
+  target's partitioner places them, as in-task), and commits the branch's marker (its
+  marker group's offset, ``send_offsets_to_transaction``) in the same transaction:
+  Kafka's read-process-write rule. The staged count is checked against the handle
+  before ``commit_transaction``; a mismatch aborts the transaction (nothing visible) and
+  is an error. Transactional ids come from a pool of :data:`COMMIT_IDS` per (sink,
+  participant), all initialised when a process first commits: a copy cut by a crash is
+  aborted by the next process's ``init_transactions`` and copied again, and a branch
+  whose marker is committed is skipped.
+- **abort**: nothing is visible and nothing is held (no transaction, no lock): the staged
+  records are never copied and leave with the staging topic's retention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from twophase.errors import InvalidRequest
+from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
+from twophase.sinks.kafka.config import common_config, validate_topic
+from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from twophase.sinks.kafka.participant import KafkaParticipant
+
+__all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
+           "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare"]
+
+PREPARE_MODES: Final = ("staged", "in_task")
+DEFAULT_PREPARE: Final = "staged"
+"""The default: no barrier stage, so dynamic allocation and speculation are allowed
+(docs/decisions.md, 2026-11-25); "in_task" is the opt-in fast path for guaranteed slots."""
+STAGING_SUFFIX: Final = ".twophase-staged"
+STAGING_PARTITIONS: Final = 8
+"""A created staging topic's least partition count: branches that share a staging
+partition interleave there, and each copy reads past the others' records."""
+COMMIT_IDS: Final = 8
+"""Transactional ids per (sink, participant) for the copies: as many as the driver's
+commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id."""
+_ATTEMPT: Final = "twophase.attempt"
+_STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
+
+
+def is_staged(p: KafkaParticipant, handle: Handle | None) -> bool:
+    """Whether a branch was staged: its vote's handle says how it was prepared (a
+    participant rebuilt in the other mode commits or aborts it all the same); without a
+    handle, the participant's mode."""
+    if handle is not None and "transactional_id" in handle:
+        return handle.get("prepare") == "staged"
+    return p.durable_prepare
+
+
+def default_staging_topic(topic: str) -> str:
+    """``<topic>.twophase-staged``: validated like any topic name (249 characters)."""
+    name = topic + STAGING_SUFFIX
+    try:
+        return validate_topic(name)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"default staging topic for {topic!r}: {exc}; pass "
+                             "staging_topic=") from exc
+
+
+# -- driver-side check ---------------------------------------------------------------------
+def check(p: KafkaParticipant) -> int:
+    """Make sure the staging topic exists (created with the target's partition count, at
+    least :data:`STAGING_PARTITIONS`, when missing); returns its partition count. A topic
+    that cannot be created is an error naming the fix."""
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
+
+    admin = AdminClient(common_config(p.config))  # type: ignore[arg-type]
+    found = _partitions(admin, p.staging_topic, p.connect_timeout_s)
+    if found:
+        return found
+    n = max(_partitions(admin, p.topic, p.connect_timeout_s), STAGING_PARTITIONS)
+    try:
+        [future] = admin.create_topics([NewTopic(p.staging_topic, n)],
+                                       request_timeout=p.connect_timeout_s).values()
+        future.result(timeout=p.connect_timeout_s)
+    except Exception as exc:
+        err = kafka_error(exc)
+        if err is None or err.name() != "TOPIC_ALREADY_EXISTS":
+            raise ParticipantError(
+                f"{p.describe()}: staging topic {p.staging_topic!r} does not exist at "
+                f"{p.bootstrap} and could not be created: {describe_error(exc)}; create it "
+                "(any partition count; its retention must outlast a batch's commit), grant "
+                "this principal Create on the cluster, or pass staging_topic= naming an "
+                "existing topic"
+            ) from exc
+    deadline = time.monotonic() + p.connect_timeout_s
+    while not (found := _partitions(admin, p.staging_topic, p.connect_timeout_s)):
+        if time.monotonic() > deadline:
+            raise ParticipantError(f"{p.describe()}: staging topic {p.staging_topic!r} was "
+                                   "created but does not show in the metadata; retry")
+        time.sleep(0.1)
+    return found
+
+
+def _partitions(client: Any, topic: str, timeout: float) -> int:
+    """The topic's partition count; 0 when it does not exist."""
+    md = client.list_topics(topic=topic, timeout=timeout)
+    t = md.topics.get(topic)
+    return 0 if t is None or t.error is not None else len(t.partitions)
+
+
+# -- prepare (the task) --------------------------------------------------------------------
+class _Stagers:
+    """This process's idempotent staging producers, one per settings (thread-safe, no
+    transaction: shared by every branch; a forked child builds its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_key: dict[str, Any] = {}
+        self._pid = os.getpid()
+
+    def get(self, config: dict[str, object]) -> Any:
+        from confluent_kafka import Producer
+
+        key = json.dumps(config, sort_keys=True, default=str)
+        with self._lock:
+            if self._pid != os.getpid():
+                self._by_key, self._pid = {}, os.getpid()
+            found = self._by_key.get(key)
+            if found is None:
+                found = self._by_key[key] = Producer(config)
+            return found
+
+    def close_all(self) -> None:
+        with self._lock:
+            found, self._by_key = list(self._by_key.values()), {}
+        for producer in found:
+            with contextlib.suppress(Exception):
+                producer.flush(5)
+                producer.close()
+
+
+STAGERS = _Stagers()
+
+
+def prepare(
+    p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
+    batches: Iterable[pa.RecordBatch],
+) -> dict[str, str]:
+    """Stage the branch's records (see the module docstring); the handle says where.
+    A branch whose marker is committed writes nothing."""
+    p._check_branch(branch)
+    if _marker(p, branch) >= branch.batch_id + 1:
+        return {**p._handle(branch, 0, already=True), "prepare": "staged"}
+    cfg = dict(p.config)
+    cfg.update({"enable.idempotence": True, "acks": "all"})
+    producer = STAGERS.get(cfg)
+    staging_partitions = p.staging_partitions or _partitions(
+        producer, p.staging_topic, p.connect_timeout_s)
+    if not staging_partitions:
+        raise PrepareRefused(f"{p.describe()}: staging topic {p.staging_topic!r} does not "
+                             f"exist at {p.bootstrap}; check() on the driver creates it")
+    partition = branch.partition % staging_partitions
+    token = uuid.uuid4().hex
+    headers = [*p.headers(branch), (_ATTEMPT, str(branch.attempt).encode()),
+               (_STAGE_ID, token.encode())]
+    errors: list[Any] = []
+    offsets: list[int] = []
+
+    def on_delivery(err: Any, msg: Any) -> None:
+        if err is not None:
+            errors.append(err)
+        else:
+            offsets.append(msg.offset())
+
+    try:
+        rows = p._produce_all(producer, schema, batches, on_delivery, errors, headers,
+                              topic=p.staging_topic, partition=partition)
+        left = producer.flush(p.connect_timeout_s)
+    except Exception as exc:
+        raise PrepareRefused(f"{p.describe()}: branch {branch.branch_id} of batch "
+                             f"{branch.batch_id} refused: cannot stage: {exc}") from exc
+    if errors or left or len(offsets) != rows:
+        cause = (f"{errors[0].name()}: {errors[0].str()}" if errors
+                 else f"{rows - len(offsets)} records not acknowledged within "
+                      f"{p.connect_timeout_s:g}s")
+        raise PrepareRefused(f"{p.describe()}: branch {branch.branch_id} of batch "
+                             f"{branch.batch_id} refused: staging failed: {cause}")
+    handle = p._handle(branch, rows, already=False)
+    handle.update({"prepare": "staged", "staging_topic": p.staging_topic,
+                   "staging_partition": str(partition), "token": token,
+                   "first_offset": str(min(offsets, default=-1)),
+                   "last_offset": str(max(offsets, default=-1))})
+    return handle
+
+
+def _marker(p: KafkaParticipant, branch: BranchRef) -> int:
+    group = p.marker_group(branch)
+    consumer = p._marker_consumer(group)
+    ok = False
+    try:
+        found = p._committed_marker(consumer, branch)
+        ok = True
+        return found
+    finally:
+        p._marker_done(group, consumer, ok)
+
+
+# -- commit (the driver) -------------------------------------------------------------------
+@dataclass
+class _Lane:
+    transactional_id: str
+    producer: Any = None
+    reader: Any = None
+
+
+class _CommitPool:
+    """Per process and (settings, sink, participant): :data:`COMMIT_IDS` transactional
+    producers with stable ids. The first use initialises every id, which aborts any copy
+    a dead process left open on it (its marker offsets would otherwise hold stable reads
+    of the marker until the broker's transaction timeout)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._free: dict[str, list[_Lane]] = {}
+        self._pid = os.getpid()
+
+    def take(self, p: KafkaParticipant, sink: str) -> tuple[str, _Lane]:
+        key = json.dumps([p.config, sink, p.name, p.transaction_timeout_ms],
+                         sort_keys=True, default=str)
+        with self._cond:
+            if self._pid != os.getpid():
+                self._free, self._pid = {}, os.getpid()
+            fresh = key not in self._free
+            if fresh:
+                self._free[key] = [_Lane(f"twophase.{sink}.{p.name}.commit.{i}")
+                                   for i in range(COMMIT_IDS)]
+            while not self._free[key]:
+                self._cond.wait()
+            lane = self._free[key].pop()
+            fence, self._free[key] = (self._free[key], []) if fresh else ([], self._free[key])
+        if fence:  # never used in this process: initialise (fence) them all, at once,
+            # out of the free list (a lane initialised twice fences its own producer)
+            threads = [threading.Thread(target=_fence, args=(p, other), daemon=True)
+                       for other in fence]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            with self._cond:
+                self._free[key].extend(fence)
+                self._cond.notify_all()
+        return key, lane
+
+    def give(self, key: str, lane: _Lane) -> None:
+        with self._cond:
+            self._free.setdefault(key, []).append(lane)
+            self._cond.notify()
+
+    def close_all(self) -> None:
+        """Close every idle lane's clients (none has a transaction open)."""
+        with self._cond:
+            lanes = [lane for free in self._free.values() for lane in free]
+            self._free = {}
+        for lane in lanes:
+            with contextlib.suppress(Exception):
+                if lane.producer is not None:
+                    lane.producer.close()
+            lane.producer = None
+            _drop(lane)
+
+
+POOL = _CommitPool()
+
+
+def _fence(p: KafkaParticipant, lane: _Lane) -> None:
+    with contextlib.suppress(Exception):  # a failure here is met again when the lane is used
+        _ready(p, lane, reader=False)
+
+
+def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
+    """The lane's producer, initialised (a new one fences every older one of the id), and
+    its reader of the staging topic."""
+    from confluent_kafka import Consumer, Producer
+
+    if lane.producer is None:
+        producer = Producer(p.producer_config(lane.transactional_id))
+        try:
+            producer.init_transactions(p.connect_timeout_s)
+        except Exception as exc:
+            raise ParticipantError(
+                f"{p.describe()}: cannot initialise transactional.id "
+                f"{lane.transactional_id!r} at {p.bootstrap}: {describe_error(exc)}") from exc
+        lane.producer = producer
+    if lane.reader is None and reader:
+        lane.reader = Consumer({**common_config(p.config),
+                                "group.id": "twophase-staged-reader",
+                                "enable.auto.commit": False, "auto.offset.reset": "error",
+                                "fetch.wait.max.ms": 10,  # the range is there: no long poll
+                                "fetch.error.backoff.ms": 50,
+                                "isolation.level": "read_committed"})
+
+
+def _drop(lane: _Lane) -> None:
+    """A lane whose producer failed: dropped, not closed (close waits on a fenced
+    producer); the next use initialises a new one, which aborts what this one held."""
+    lane.producer = None
+    if lane.reader is not None:
+        with contextlib.suppress(Exception):
+            lane.reader.close()
+        lane.reader = None
+
+
+def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None:
+    """Copy the staged records and commit the marker in one transaction (see the module
+    docstring). A committed marker is success; without a staged handle the branch can
+    only be found committed."""
+    p._check_branch(branch)
+    if handle is not None and handle.get("already_committed") == "yes":
+        return
+    if handle is None or handle.get("prepare") != "staged":
+        if p.status(branch) is BranchStatus.COMMITTED:
+            return
+        raise ParticipantError(
+            f"{p.describe()}: branch {branch.branch_id} of batch {branch.batch_id} cannot be "
+            "committed without its vote's handle: the handle says where its records are "
+            "staged; finish the batch from the coordinator's record (twophase resolve)")
+    key, lane = POOL.take(p, branch.sink)
+    try:
+        _ready(p, lane)
+        group = p.marker_group(branch)
+        consumer = p._marker_consumer(group)
+        ok = False
+        try:
+            if p._committed_marker(consumer, branch) >= branch.batch_id + 1:
+                ok = True
+                return
+            _copy(p, lane, consumer, branch, handle)
+            ok = True
+        finally:
+            p._marker_done(group, consumer, ok)
+    except BaseException:
+        _drop(lane)
+        with contextlib.suppress(Exception):  # fence now: a copy left open holds the marker
+            _ready(p, lane)
+        raise
+    finally:
+        POOL.give(key, lane)
+
+
+def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
+          handle: Handle) -> None:
+    from confluent_kafka import TopicPartition
+
+    producer = lane.producer
+    expected = int(handle["rows"])
+    where = f"branch {branch.branch_id} of batch {branch.batch_id}"
+    producer.begin_transaction()
+    try:
+        producer.send_offsets_to_transaction(
+            [TopicPartition(p.topic, 0, branch.batch_id + 1)],
+            consumer.consumer_group_metadata(), p.connect_timeout_s)
+        copied = 0
+        produce, poll, topic = producer.produce, producer.poll, p.topic
+        for key, value, headers in _staged(p, lane.reader, branch, handle):
+            while True:
+                try:
+                    produce(topic, value, key, headers=headers)
+                    break
+                except BufferError:
+                    poll(0.05)
+            copied += 1
+        if copied != expected:
+            raise ParticipantError(
+                f"{p.describe()}: {where}: {copied} staged records carry its token in "
+                f"{handle['staging_topic']!r} partition {handle['staging_partition']} "
+                f"offsets {handle['first_offset']}..{handle['last_offset']}, the vote "
+                f"says {expected}; nothing was committed (the staging topic was altered?)")
+        # No delivery callbacks: a record that fails makes the transaction abortable,
+        # and commit_transaction (below) then fails with the cause.
+        left = producer.flush(p.connect_timeout_s)
+        if left:
+            raise ParticipantError(f"{p.describe()}: {where}: copy failed: {left} records "
+                                   f"not delivered within {p.connect_timeout_s:g}s")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            producer.abort_transaction(p.connect_timeout_s)
+        raise
+    _end(p, producer, where)
+
+
+def _end(p: KafkaParticipant, producer: Any, where: str) -> None:
+    """``commit_transaction``, ambiguous errors retried until ``commit_retry_s``; any
+    other failure is raised (the lane is dropped; the next init aborts the copy)."""
+    deadline = time.monotonic() + p.commit_retry_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            producer.commit_transaction(p.connect_timeout_s)
+            return
+        except Exception as exc:
+            err = kafka_error(exc)
+            if err is not None and classify_commit_error(err) == "retry" \
+                    and time.monotonic() < deadline:
+                time.sleep(min(0.1 * attempts, 2.0))
+                continue
+            raise ParticipantError(
+                f"{p.describe()}: {where}: commit of the copy failed after {attempts} "
+                f"attempts: {describe_error(exc)}; the batch is finished again (the copy "
+                "is redone from the staged records)") from exc
+
+
+def _staged(p: KafkaParticipant, reader: Any, branch: BranchRef, handle: Handle
+            ) -> Iterator[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]:
+    """(key, value, original headers) of the records in the handle's staged range that
+    carry its token and the branch's identity, in offset order."""
+    from confluent_kafka import TopicPartition
+
+    first, last = int(handle["first_offset"]), int(handle["last_offset"])
+    if first < 0:
+        return
+    staging, partition = handle["staging_topic"], int(handle["staging_partition"])
+    target = p.headers(branch)
+    # a staged record of this prepare call carries exactly these headers (staged.prepare)
+    mine = [*target, (_ATTEMPT, str(branch.attempt).encode()),
+            (_STAGE_ID, handle["token"].encode())]
+    reader.assign([TopicPartition(staging, partition, first)])
+    try:
+        offset = first
+        stalled = time.monotonic() + p.connect_timeout_s
+        while offset <= last:
+            msgs = reader.consume(min(1000, last - offset + 1), 0.05)
+            if not msgs and time.monotonic() > stalled:
+                raise ParticipantError(
+                    f"{p.describe()}: cannot read staged records of branch "
+                    f"{branch.branch_id} from {staging!r} partition {partition} at offset "
+                    f"{offset} within {p.connect_timeout_s:g}s")
+            for msg in msgs:
+                if msg.error():
+                    raise ParticipantError(
+                        f"{p.describe()}: staged records of branch {branch.branch_id} in "
+                        f"{staging!r} partition {partition} from offset {offset}: "
+                        f"{msg.error().name()}: {msg.error().str()} (gone with the staging "
+                        "topic's retention? it must outlast a batch's commit)")
+                offset = msg.offset() + 1
+                if offset > last + 1:
+                    break
+                if msg.headers() == mine:  # else another branch, or another attempt's
+                    yield msg.key(), msg.value(), target
+            if msgs:
+                stalled = time.monotonic() + p.connect_timeout_s
+    finally:
+        reader.unassign()
+
+
+def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None:
+    """Nothing to undo: staged records are invisible in the target and hold nothing (no
+    open transaction, no lock); they are never copied and leave with the staging topic's
+    retention."""
+    p._check_branch(branch)
+
+
+def close_all() -> None:
+    """Close this process's staging producers and commit lanes: for a test or tool
+    stopping the broker it started (idle clients would go on reconnecting to it)."""
+    STAGERS.close_all()
+    POOL.close_all()

@@ -1,0 +1,119 @@
+"""The staged Kafka prepare (twophase/sinks/kafka/staged.py) against the suite's Apache
+Kafka broker: staged in one object, committed from a fresh unpickled one (as the driver's
+Committer does), judged by the partition log and a read_committed consumer
+(``read_back``: both must agree, nothing left open)."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.sinks.kafka.test_kafka_participant import SCHEMA, batch, branch, make
+from tests.support.kafka import committed_offset, kafka_bootstrap, read_all
+from twophase.participant import BranchStatus, ParticipantError
+from twophase.sinks.kafka import KafkaParticipant
+
+__all__ = ["kafka_bootstrap"]
+
+
+def staged(bootstrap: str, **kw: object) -> KafkaParticipant:
+    p = make(bootstrap, prepare="staged", key="k", **kw)
+    p.check(SCHEMA)  # the driver's check: creates the staging topic
+    return p
+
+
+def fresh(p: KafkaParticipant) -> KafkaParticipant:
+    clone: KafkaParticipant = pickle.loads(pickle.dumps(p))
+    return clone
+
+
+def visible(p: KafkaParticipant) -> list[int]:
+    """The committed ids, from the partition log cross-checked with read_committed."""
+    back = p.read_back("id")
+    assert back.exact and back.open == 0 and back.mismatch == 0, back.note
+    return sorted(back.values)
+
+
+def test_staged_commit_from_a_fresh_object_exactly_once(kafka_bootstrap: str) -> None:
+    p = staged(kafka_bootstrap)
+    assert p.durable_prepare and p.staging_topic == f"{p.topic}.twophase-staged"
+    b = branch(p, batch_id=3, partition=1)
+    task = fresh(p)  # the executor's copy
+    handle = task.prepare(b, SCHEMA, [batch(0, 300), batch(300, 200)])
+    task.close()
+    assert handle["rows"] == "500" and handle["prepare"] == "staged"
+    assert int(handle["last_offset"]) - int(handle["first_offset"]) == 499
+    assert visible(p) == [] and p.status(b) is BranchStatus.ABSENT
+    driver = fresh(p)
+    driver.commit(b, handle)
+    driver.commit(b, handle)  # already marked: skipped
+    fresh(p).commit(b, handle)
+    assert visible(p) == list(range(500))
+    assert committed_offset(kafka_bootstrap, p.marker_group(b), p.topic) == 4
+    assert p.status(b) is BranchStatus.COMMITTED
+    msgs = read_all(kafka_bootstrap, p.topic, expect=500)
+    assert all(m.key() == f"k{int(m.value().split(b',')[0][6:]) % 7}".encode() for m in msgs)
+    assert {h for m in msgs for h, _ in m.headers()} == {
+        "twophase.sink", "twophase.lineage", "twophase.batch", "twophase.partition"}
+    again = fresh(p).prepare(b, SCHEMA, [batch(0, 500)])  # a redo finds the marker
+    assert again["already_committed"] == "yes"
+    driver.close()
+
+
+def test_staged_abort_and_duplicate_attempts(kafka_bootstrap: str) -> None:
+    p = staged(kafka_bootstrap)
+    aborted = branch(p, batch_id=0)
+    fresh(p).abort(aborted, p.prepare(aborted, SCHEMA, [batch(0, 40)]))
+    p.abort(aborted, None)
+    assert p.status(aborted) is BranchStatus.ABSENT
+    # Two attempts of one branch (a retried or speculative task) staged side by side in
+    # one staging partition, the second committed: only its records are copied.
+    b = branch(p, batch_id=1, lineage=aborted.lineage)
+    first = p.prepare(b, SCHEMA, [batch(1000, 30)])
+    second = fresh(p).prepare(b, SCHEMA, [batch(2000, 20)])
+    assert first["token"] != second["token"]
+    fresh(p).commit(b, second)
+    fresh(p).commit(b, first)  # the branch is marked: the other attempt is never copied
+    assert visible(p) == list(range(2000, 2020))
+
+
+def test_staged_count_mismatch_commits_nothing(kafka_bootstrap: str) -> None:
+    p = staged(kafka_bootstrap)
+    b = branch(p, batch_id=0)
+    handle = dict(p.prepare(b, SCHEMA, [batch(0, 10)]))
+    with pytest.raises(ParticipantError, match=r"10 staged records carry its token .* the "
+                                               r"vote says 11; nothing was committed"):
+        fresh(p).commit(b, {**handle, "rows": "11"})
+    with pytest.raises(ParticipantError, match="without its vote's handle"):
+        fresh(p).commit(b, None)
+    assert p.status(b) is BranchStatus.ABSENT
+    fresh(p).commit(b, handle)
+    assert visible(p) == list(range(10))
+
+
+def test_staged_commit_killed_mid_transaction_is_redone_once(kafka_bootstrap: str) -> None:
+    p = staged(kafka_bootstrap)
+    b = branch(p, batch_id=5, sink="killed")
+    handle = fresh(p).prepare(b, SCHEMA, [batch(0, 1000)])
+    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        job.write_bytes(pickle.dumps((p, b, dict(handle))))
+        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
+                               str(job)], capture_output=True, text=True, timeout=120,
+                              check=False, env=None)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    # The dead driver's copy is open on one of the pool's ids: the redo's first use of the
+    # pool initialises them all, which aborts it, and copies again.
+    redo = fresh(p)
+    redo.commit(b, handle)
+    assert visible(p) == list(range(1000))
+    back = p.read_back("id")
+    assert back.aborted == 1000, back  # the killed copy's records, aborted by the fence
+    redo.commit(b, handle)
+    assert visible(p) == list(range(1000))
