@@ -121,3 +121,18 @@ def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:
     assert [(r.outcome, r.rows, r.partitions) for r in sink.history] == [("committed", 1, 2)]
     files = list(out.glob("part-*"))
     assert len(files) == 1 and pq.read_table(files[0]).column("id").to_pylist() == [7]
+
+
+def test_pyspark_41s_utc_schema_gets_the_session_zone_nested_too() -> None:
+    # pyspark < 4.2's to_arrow_schema has no ``timezone`` and says UTC; the tasks'
+    # batches carry the session zone (bench/tables_vs_spark.py runs on pyspark 4.1)
+    from twophase.plan import _in_zone
+
+    utc = pa.timestamp("us", tz="UTC")
+    got = _in_zone(pa.schema([("ts", utc), ("s", pa.struct([("t", utc)])),
+                              ("l", pa.list_(utc)), ("m", pa.map_(pa.string(), utc)),
+                              ("n", pa.timestamp("us")), ("id", pa.int64())]), "Asia/Tokyo")
+    tokyo = pa.timestamp("us", tz="Asia/Tokyo")
+    assert got == pa.schema([("ts", tokyo), ("s", pa.struct([("t", tokyo)])),
+                             ("l", pa.list_(tokyo)), ("m", pa.map_(pa.string(), tokyo)),
+                             ("n", pa.timestamp("us")), ("id", pa.int64())])

@@ -137,6 +137,41 @@ def reader_python() -> Path:
     return python
 
 
+def bench_python() -> Path:
+    """The reader's interpreter with twophase's own dependencies added (its core, the
+    ``spark``, ``delta`` and ``iceberg`` extras from pyproject.toml, pyspark kept at
+    ``READER_PYSPARK``), for ``bench/tables_vs_spark.py``, which runs TransactionalSink
+    beside Spark's connectors in one Spark; twophase itself comes from ``PYTHONPATH``."""
+    python = reader_python()
+    done = python.parent.parent / ".bench-complete"
+    if not done.exists():
+        with _locked(python.parent.parent.with_name(python.parent.parent.name + ".lock")):
+            if not done.exists():
+                cmd = [str(python), "-m", "pip", "install", "-q",
+                       f"pyspark=={READER_PYSPARK}", *bench_requirements()]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                                      check=False)
+                if proc.returncode != 0:
+                    raise MissingTool(
+                        f"cannot add twophase's dependencies to {python} (exit "
+                        f"{proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}\nFix: "
+                        "let pip reach PyPI (or its mirror), then run "
+                        "`python -m tests.support.spark_connectors --bench` again")
+                done.touch()
+    return python
+
+
+def bench_requirements() -> list[str]:
+    """twophase's dependencies and its spark, delta and iceberg extras, less pyspark."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in ("spark", "delta", "iceberg"):
+        reqs += project["optional-dependencies"][extra]
+    return sorted({r for r in reqs if not r.startswith("pyspark")})
+
+
 def spark_read(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``spark_reader.py`` on ``spec`` in its own JVM with the connectors; returns
     what it read. Its stderr (Spark's log) goes to ``log``."""
@@ -158,3 +193,5 @@ def spark_read(spec: dict[str, Any], log: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     print("spark connectors:", *connector_jars(), sep="\n  ")
     print("spark reader:", reader_python())
+    if "--bench" in sys.argv[1:]:
+        print("bench (reader + twophase's dependencies):", bench_python())
