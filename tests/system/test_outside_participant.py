@@ -175,7 +175,10 @@ def test_the_example_in_the_guide_is_the_shipped_package() -> None:
         jsondir = "twophase_jsondir:JsonDirParticipant"''') in toml
 
 
+# a chaos run (about 100 s): slow, to keep CI within 45 minutes; the outside participant's
+# rebuild by kind is what `twophase resolve` does in the resolve test above
 @pytest.mark.spark
+@pytest.mark.slow
 def test_the_chaos_runner_rebuilds_an_outside_participant_by_kind(tmp_path: Path) -> None:
     """``twophase chaos --participant DESCRIPTOR`` drives a third party's participant,
     rebuilt by kind from its entry point in the job's driver and its Python workers: the
