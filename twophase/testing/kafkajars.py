@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from twophase.testing.servers import ServerUnavailable
@@ -30,6 +31,7 @@ __all__ = [
     "cache_dir",
     "java_binary",
     "kafka_libs",
+    "maven_copy",
 ]
 
 ENV_LIBS = "TWOPHASE_KAFKA_LIBS"
@@ -99,31 +101,43 @@ def kafka_libs(timeout: float = 600.0) -> Path:
 
 
 def _build(root: Path, libs: Path, timeout: float) -> None:
+    maven_copy(POM, root, libs, what=f"Apache Kafka {KAFKA_VERSION}'s jars",
+               env=ENV_LIBS, ready=_has_broker, timeout=timeout)
+
+
+def maven_copy(pom: Path, root: Path, target: Path, *, what: str, env: str,
+               ready: Callable[[Path], bool], timeout: float,
+               artifacts: Sequence[str] = ()) -> None:
+    """``mvn dependency:copy-dependencies`` of ``pom`` (only ``artifacts`` when named)
+    into a temporary folder under ``root``, renamed to ``target`` once ``ready`` says it
+    is whole: a half-copied folder is never found. Each refusal names the fix (``env``:
+    the variable that names a ready folder instead)."""
     mvn = shutil.which("mvn")
     if mvn is None:
         raise KafkaJarsUnavailable(
-            f"Apache Kafka {KAFKA_VERSION}'s jars are not cached in {libs} and mvn is not "
-            "installed: install Maven (Debian: apt-get install maven) and Java 17, or set "
-            f"${ENV_LIBS} to a folder of Kafka's jars")
+            f"{what} are not cached in {target} and mvn is not installed: install Maven "
+            f"(Debian: apt-get install maven) and Java 17, or set ${env} to a folder of "
+            "those jars")
     java_binary()  # Maven needs it too: the same clear error
-    tmp = Path(tempfile.mkdtemp(prefix="libs-", dir=root))
-    cmd = [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
+    tmp = Path(tempfile.mkdtemp(prefix="jars-", dir=root))
+    cmd = [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
            "-DincludeScope=runtime", f"-DoutputDirectory={tmp}"]
+    if artifacts:
+        cmd.append(f"-DincludeArtifactIds={','.join(artifacts)}")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               check=False)
     except subprocess.TimeoutExpired as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise KafkaJarsUnavailable(f"mvn did not resolve Kafka's jars within {timeout}s "
+        raise KafkaJarsUnavailable(f"mvn did not resolve {what} within {timeout}s "
                                    "(is Maven Central reachable?)") from exc
-    if done.returncode != 0 or not _has_broker(tmp):
+    if done.returncode != 0 or not ready(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         raise KafkaJarsUnavailable(
-            f"mvn could not resolve Apache Kafka {KAFKA_VERSION} from {POM} (exit "
-            f"{done.returncode}; is Maven Central reachable?):\n"
-            f"{(done.stdout + done.stderr)[-3000:]}")
-    shutil.rmtree(libs, ignore_errors=True)
-    tmp.rename(libs)  # whole or nothing: a half-copied folder is never found
+            f"mvn could not resolve {what} from {pom} (exit {done.returncode}; is Maven "
+            f"Central reachable?):\n{(done.stdout + done.stderr)[-3000:]}")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
 
 
 if __name__ == "__main__":  # `python -m twophase.testing.kafkajars`: resolve now (CI)

@@ -17,12 +17,9 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-from twophase.testing.kafkajars import KafkaJarsUnavailable, cache_dir, java_binary
+from twophase.testing.kafkajars import KafkaJarsUnavailable, cache_dir, maven_copy
 
 __all__ = ["ENV_JARS", "POM", "SPARK_KAFKA_VERSION", "spark_kafka_conf", "spark_kafka_jars"]
 
@@ -74,32 +71,8 @@ def spark_kafka_conf() -> dict[str, str]:
 
 
 def _build(root: Path, jars: Path, timeout: float) -> None:
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise KafkaJarsUnavailable(
-            f"Spark's Kafka connector {SPARK_KAFKA_VERSION} is not cached in {jars} and mvn "
-            "is not installed: install Maven (Debian: apt-get install maven) and Java 17, "
-            f"or set ${ENV_JARS} to a folder of its jars")
-    java_binary()  # Maven needs it too: the same clear error
-    tmp = Path(tempfile.mkdtemp(prefix="jars-", dir=root))
-    cmd = [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-           "-DincludeScope=runtime", f"-DoutputDirectory={tmp}",
-           f"-DincludeArtifactIds={','.join(_JARS)}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=False)
-    except subprocess.TimeoutExpired as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise KafkaJarsUnavailable(f"mvn did not resolve Spark's Kafka connector within "
-                                   f"{timeout}s (is Maven Central reachable?)") from exc
-    if done.returncode != 0 or not _ready(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise KafkaJarsUnavailable(
-            f"mvn could not resolve spark-sql-kafka-0-10 {SPARK_KAFKA_VERSION} from {POM} "
-            f"(exit {done.returncode}; is Maven Central reachable?):\n"
-            f"{(done.stdout + done.stderr)[-3000:]}")
-    shutil.rmtree(jars, ignore_errors=True)
-    tmp.rename(jars)  # whole or nothing: a half-copied folder is never found
+    maven_copy(POM, root, jars, what=f"Spark's Kafka connector {SPARK_KAFKA_VERSION}'s jars",
+               env=ENV_JARS, ready=_ready, timeout=timeout, artifacts=_JARS)
 
 
 if __name__ == "__main__":  # `python -m twophase.testing.sparkkafka`: resolve now (CI)
