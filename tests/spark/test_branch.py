@@ -219,11 +219,12 @@ def test_redo_mismatch_settled_by_accepting_the_loss(setup) -> None:  # type: ig
     with pytest.raises(RedoMismatch):
         run_partition(finish, 0, SCHEMA, _same_count_other_value(0))
     run_partition(pickle.loads(pickle.dumps(finish)), 1, SCHEMA, _batch(1))
-    # what the refusal told the operator to run (here through the client)
+    # what the refusal told the operator to run (here through the operator's client)
+    operator = setup[2].client(operator=True)
     for part in parts:
         bid = f"{part.name}/0"
         if client.get(plan.key).branches[bid].ack is None:
-            client.force_ack(plan.key, bid, Decision.COMMIT)
+            operator.force_ack(plan.key, bid, Decision.COMMIT)
     assert client.get(plan.key).state == State.COMMITTED
     report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
     [pg, fl] = report.systems

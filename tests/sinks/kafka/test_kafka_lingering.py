@@ -104,7 +104,9 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     stalled, decided_topic = unique_topic("lstart"), unique_topic("ldecided")
     for t in (stalled, decided_topic):
         create_topic(kafka_bootstrap, t)
-    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
+    # lingering transactions are in-task prepares' (a staged prepare opens none)
+    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
+                         prepare="in_task")
     sink, old = f"lstart_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=old, partition=5)
     _prepare_in_child_and_kill(p, dead)
@@ -139,7 +141,7 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     # The rule's other half: q's batch of another run is COMMIT-decided, its branch 7 not
     # committed yet (its task may be committing it now): spared; its undecided one goes.
     q = KafkaParticipant(decided_topic, {"bootstrap.servers": kafka_bootstrap},
-                         connect_timeout_s=15)
+                         connect_timeout_s=15, prepare="in_task")
     conn = connect(store)
     try:
         client = conn.client()
