@@ -140,7 +140,8 @@ def test_resolve_dry_run_lists_each_branch_once(tmp_path: Path) -> None:
                       [pa.record_batch([pa.array([1, 2])], names=["id"])])
         # the writer died before voting: one open transaction, one prepared branch
         for dry_run in (True, False):
-            report = resolve_sink(client, "orders", [files], dry_run=dry_run)
+            report = resolve_sink(conn.client(operator=True), "orders", [files],
+                                  dry_run=dry_run)
             branches = [a for a in report.actions if a.branch != "*"]
             assert [(a.branch, a.action) for a in branches] == [(ref.branch_id, "abort")]
         assert files.in_doubt("orders") == []
