@@ -54,7 +54,8 @@ JOB = textwrap.dedent('''
     df = spark.createDataFrame([(i,) for i in range(int(rows))], "id int")
     df = df.withColumn("rerun", rerun("id"))
     sink = TransactionalSink(
-        name, [KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, name="kout")],
+        name, [KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, name="kout",
+                                prepare="in_task")],
         f"sqlite:///{store}", lineage="stageretry1", backoff=0.1, vote_timeout=60.0)
     try:
         sink(df, 0)

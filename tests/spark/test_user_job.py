@@ -117,7 +117,7 @@ def test_executors_without_pyarrow_are_named_before_anything_is_written(
     assert "PYSPARK_PYTHON" in msg and "spark.pyspark.python" in msg and "--archives" in msg
     # nothing begun (so nothing retried), nothing written anywhere
     with connect(coordinator) as conn:
-        assert conn.client().list(sink="nopyarrow") == []
+        assert conn.client(operator=True).list(sink="nopyarrow") == []
     with psycopg.connect(pg_dsn, autocommit=True) as pg:
         assert pg.execute("SELECT to_regclass('public.nopyarrow')").fetchone() == (None,)
     assert not out.exists() or not any(out.rglob("*.parquet"))
@@ -151,7 +151,7 @@ def test_a_missing_module_in_prepare_is_not_retried(spark: Any, tmp_path: Path) 
     assert "not retried" in str(err.value)
     assert "No module named 'twophase_no_such_module'" in str(err.value)
     with connect(coordinator) as conn:
-        attempts = [t.attempt for t in conn.client().list(sink="nomodule")]
+        attempts = [t.attempt for t in conn.client(operator=True).list(sink="nomodule")]
     assert attempts == [1]
 
 
