@@ -40,7 +40,9 @@ from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
-KINDS = ("postgres", "files", "kafka")
+KINDS = ("postgres", "files", "kafka", "kafka_in_task")
+"""``kafka``: the default, staged prepare (tasks stage, the driver copies and commits);
+``kafka_in_task``: ``prepare="in_task"``, a barrier stage (tasks vote, wait, commit)."""
 BATCHES, ROWS = 3, 40
 _n = itertools.count()
 
@@ -51,10 +53,10 @@ def _mode(victim: str) -> str:
 
 
 def _all_cases() -> list[tuple[str, str, str]]:
-    # a Kafka job runs in-task (its tasks vote, wait and commit); the others prepare in
-    # tasks and commit from the driver
+    # an in-task Kafka job's tasks vote, wait and commit; the others (staged Kafka too)
+    # prepare in tasks and commit from the driver
     return [(v, p, k) for k in KINDS for v in VICTIMS
-            for p in points_for(v, _mode(v), in_task=k == "kafka")]
+            for p in points_for(v, _mode(v), in_task=k == "kafka_in_task")]
 
 
 # Bounded subset for every run: all victims, all kinds, the decision on both sides.
@@ -66,8 +68,12 @@ FAST = {
     # commits while its own transaction is open: the case where tansu's marker lagged, see
     # docs/kafka.md), and the driver dies after the COMMIT decision (every Kafka branch
     # is redone under it).
-    ("worker", "after_vote", "kafka"),
-    ("driver", "after_decision", "kafka"),
+    ("worker", "after_vote", "kafka_in_task"),
+    ("driver", "after_decision", "kafka_in_task"),
+    # staged Kafka (the default): the driver dies after copying a branch into the topic
+    # and committing it, before the ack; the restart finds the marker and does not copy
+    # again
+    ("driver", "after_commit", "kafka"),
     # the coordinator victim: tests/chaos/test_chaos_cli.py's short run kills the daemon,
     # tests/coordinator/test_coordinator_daemon.py kills it at the decision (its matrix
     # row, 2-3 minutes, is in the slow matrix to keep CI within 45 minutes)
@@ -102,7 +108,8 @@ def run_case(
         sink=f"mx_{tag}", partitions=2, vote_timeout=60.0, max_attempts=4,
         pg_dsn=pg_dsn if kind == "postgres" else None, pg_table=f"mx_{tag}",
         files_path=str(tmp / "out") if kind == "files" else None,
-        kafka_bootstrap=kafka if kind == "kafka" else None, kafka_topic=f"mx-{tag}",
+        kafka_bootstrap=kafka if kind.startswith("kafka") else None, kafka_topic=f"mx-{tag}",
+        kafka_prepare="in_task" if kind == "kafka_in_task" else "staged",
     )
     if reuse is not None:
         cfg.kafka_reuse = reuse
@@ -156,7 +163,7 @@ def run_case(
     assert report.ok, report.lines()
     if kind == "postgres":
         assert _prepared(pg_dsn) == []
-    if kind == "kafka":
+    if kind.startswith("kafka"):
         assert "a read_committed consumer agrees" in system.note, system.note
         assert kafka_branches_committed(cfg, store) >= 2 * (BATCHES + 1)
     return report.systems
@@ -165,7 +172,7 @@ def run_case(
 @pytest.mark.parametrize(("victim", "point", "kind"), _params())
 def test_matrix(tmp_path: Path, pg_dsn: str, request: pytest.FixtureRequest,
                 victim: str, point: str, kind: str) -> None:
-    kafka = request.getfixturevalue("kafka_bootstrap") if kind == "kafka" else None
+    kafka = request.getfixturevalue("kafka_bootstrap") if kind.startswith("kafka") else None
     run_case(tmp_path, victim, point, kind, pg_dsn=pg_dsn, kafka=kafka)
 
 
@@ -195,7 +202,7 @@ def test_kafka_hard_moment(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, vi
                            point: str, kills: int, aborted: bool) -> None:
     """Judged from the log: exactly once, nothing open, and the killed producers' rows
     show up as *aborted* (the fence's ABORT marker), not committed."""
-    [kafka] = run_case(tmp_path, victim, point, "kafka", pg_dsn=pg_dsn,
+    [kafka] = run_case(tmp_path, victim, point, "kafka_in_task", pg_dsn=pg_dsn,
                        kafka=kafka_bootstrap, kills=kills)
     assert (kafka.aborted > 0) == aborted, kafka
 
@@ -206,7 +213,7 @@ def test_kafka_hard_moment(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, vi
 # die with it; the survivors' are reused by the retry and the next batches).
 def _reuse_params() -> list[Any]:
     out = [pytest.param(v, p, 1, None, marks=[pytest.mark.slow], id=f"{v}-{p}-kafka-reuse")
-           for v, p, k in _all_cases() if k == "kafka"]
+           for v, p, k in _all_cases() if k == "kafka_in_task"]
     out += [pytest.param(v, p, n, a, marks=[pytest.mark.slow], id=f"{i}-reuse")
             for i, v, p, n, a in KAFKA_HARD]
     return out
@@ -215,7 +222,7 @@ def _reuse_params() -> list[Any]:
 @pytest.mark.parametrize(("victim", "point", "kills", "aborted"), _reuse_params())
 def test_matrix_kafka_reuse(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, victim: str,
                             point: str, kills: int, aborted: bool | None) -> None:
-    [kafka] = run_case(tmp_path, victim, point, "kafka", pg_dsn=pg_dsn,
+    [kafka] = run_case(tmp_path, victim, point, "kafka_in_task", pg_dsn=pg_dsn,
                        kafka=kafka_bootstrap, kills=kills, reuse=True)
     if aborted is not None:
         assert (kafka.aborted > 0) == aborted, kafka

@@ -65,6 +65,7 @@ def _config(tmp: Path, pg_dsn: str, bootstrap: str) -> JobConfig:
         coordinator=f"sqlite:///{tmp / 'coord.db'}", sink=f"kdown_{tag}", partitions=2,
         vote_timeout=60.0, max_attempts=4, pg_dsn=pg_dsn, pg_table=f"kdown_{tag}",
         kafka_bootstrap=bootstrap, kafka_topic=f"kdown-{tag}",
+        kafka_prepare="in_task",  # the held steps are the in-task path's
     )
 
 

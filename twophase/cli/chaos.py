@@ -98,6 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the Kafka participant keeps its producers across batches "
                    "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
                    "under kills too")
+    p.add_argument("--kafka-prepare", choices=("staged", "in_task"), default="staged",
+                   help="the Kafka participant's prepare: staged (the default, barrier-free: "
+                   "records staged in a topic, copied by the driver) or in_task (a barrier "
+                   "stage; docs/kafka.md) (default staged)")
     p.add_argument("--broker-down-max", type=float, default=5.0, metavar="SECONDS",
                    help="victim broker: it stays down a random 0..SECONDS after each kill "
                    "(default 5)")
@@ -264,7 +268,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             batches=args.batches, rows_per_batch=args.rows_per_batch,
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
-            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse, sql_url=sql_url,
+            kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse,
+            kafka_prepare=args.kafka_prepare, sql_url=sql_url,
             delta_path=delta_path, iceberg_local=iceberg, participants=extra, job=job,
             broker=broker if "broker" in victims else None,
             broker_down_max_s=args.broker_down_max,

@@ -247,6 +247,7 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
+    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...)
     # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
     # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
     broker: LocalKafka | LocalTansu | None = None
@@ -372,6 +373,7 @@ class _Chaos:
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
                 kafka_reuse=o.kafka_reuse,
+                kafka_prepare=o.kafka_prepare,
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
                 delta_path=o.delta_path,
@@ -655,6 +657,7 @@ class _Chaos:
             "coordinator_unsettled": unsettled,
             "coordinator_store": self.store_url,
             "kafka_reuse": self.cfg.kafka_reuse,
+            "kafka_prepare": self.cfg.kafka_prepare,
             "broker_down_seconds": _summary(self.broker_down),
             "duration_s": self.now(),
             "verify": json.loads(report.to_json()),

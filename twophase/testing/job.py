@@ -62,6 +62,7 @@ class JobConfig:
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
+    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...): "staged" or "in_task"
     # SqlAlchemyParticipant, one per URL (mysql+pymysql://..., postgresql+psycopg://...)
     sql_urls: list[str] | None = None
     sql_table: str = "orders"
@@ -171,7 +172,7 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
                              config={"bootstrap.servers": cfg.kafka_bootstrap},
-                             reuse_clients=cfg.kafka_reuse, prepare="in_task")
+                             reuse_clients=cfg.kafka_reuse, prepare=cfg.kafka_prepare)
         )
     if cfg.sql_urls:
         from twophase.sinks.sql import SqlAlchemyParticipant
