@@ -62,6 +62,7 @@ from twophase.report import (
     short_error,
     summary,
 )
+from twophase.sparkcompat import check_spark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -157,6 +158,7 @@ class TransactionalSink:
         self.retry_budget_s = float(retry_budget_s)
         self.preflight = preflight
         self._preflighted = False
+        self._spark_checked = False
         if json_logs:  # one JSON object per line on stderr, as the daemon logs
             from twophase.logs import setup_logging
 
@@ -257,6 +259,11 @@ class TransactionalSink:
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         laps = Laps(started)
+        if not self._spark_checked:  # before anything is begun or written
+            import pyspark
+
+            check_spark(self.name, df.sparkSession.version, pyspark.__version__)
+            self._spark_checked = True
         lineage = self.lineage or query_lineage(df, self.name)
         slots = default_partitions(df)
         # The job's own DataFrame, planned once: its split is read from its plan, and the

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from twophase.errors import InvalidRequest
+from twophase.sparkcompat import arrow_schema_of
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -122,37 +123,10 @@ def default_partitions(df: DataFrame) -> int:
 
 def arrow_schema(df: DataFrame, tz: str | None = None) -> Any:
     """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone,
-    read from the session unless given)."""
-    from pyspark.sql.pandas.types import to_arrow_schema
-
+    read from the session unless given; :func:`twophase.sparkcompat.arrow_schema_of`)."""
     if tz is None:
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
-    try:
-        return to_arrow_schema(df.schema, timezone=tz)
-    except TypeError:  # pyspark < 4.2 has no ``timezone``: its timestamps are in UTC
-        return _in_zone(to_arrow_schema(df.schema), tz)
-
-
-def _in_zone(schema: Any, tz: str | None) -> Any:
-    """``schema`` with its timestamps' zone set to ``tz`` (nested ones too), as the JVM
-    writes them for ``mapInArrow`` (pyspark 4.1's ``to_arrow_schema`` says UTC)."""
-    import pyarrow as pa
-
-    def fix(t: Any) -> Any:
-        if pa.types.is_timestamp(t) and t.tz is not None:
-            return pa.timestamp(t.unit, tz=tz)
-        if pa.types.is_struct(t):
-            return pa.struct([f.with_type(fix(f.type)) for f in t])
-        if pa.types.is_large_list(t):
-            return pa.large_list(t.value_field.with_type(fix(t.value_type)))
-        if pa.types.is_list(t):
-            return pa.list_(t.value_field.with_type(fix(t.value_type)))
-        if pa.types.is_map(t):
-            return pa.map_(t.key_field.with_type(fix(t.key_type)),
-                           t.item_field.with_type(fix(t.item_type)))
-        return t
-
-    return pa.schema([f.with_type(fix(f.type)) for f in schema], metadata=schema.metadata)
+    return arrow_schema_of(df.schema, tz)
 
 
 # RDDs whose split is fixed by what the batch reads (its files, its offset ranges, its

@@ -1,0 +1,105 @@
+"""Which Spark the sink runs on, in one place: the versions it accepts and each API a
+version range lacks, detected and named here, never by version tests spread over the
+modules (docs/user/compatibility.md).
+
+The sink runs on Spark 3.5 and 4.x. What it needs, and since when Spark has it:
+
+- ``DataFrame.mapInArrow(..., barrier=True)``: the barrier stage of a sink with an
+  in-task participant (Kafka's in-task prepare) and, without it, the prepare job itself.
+  Added in Spark 3.5.0 (SPARK-42896), the floor;
+- ``foreachBatch`` under Spark Connect: Spark 3.5.0 (SPARK-42944), the same floor;
+- ``to_arrow_schema(schema, timezone=)``: pyspark 4.2. Older ones say UTC for every
+  timestamp while the JVM hands ``mapInArrow`` the session's zone, so the zone is set
+  here (:func:`arrow_schema_of`), found by the call's signature.
+
+The Python side (``pyspark``) and the JVM (``spark.version``) must be the same minor
+release: a pyspark 4 client in a venv packed for a Spark 3.5 platform fails inside
+Spark's own Python worker protocol, after the coordinator was asked to begin.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from functools import cache
+from typing import Any
+
+from twophase.errors import EnvironmentProblem
+
+__all__ = ["SPARK_FLOOR", "arrow_schema_of", "check_spark", "spark_version"]
+
+SPARK_FLOOR = (3, 5)
+"""The oldest Spark release the sink runs on (``mapInArrow``'s ``barrier=``, Connect's
+``foreachBatch``: both 3.5.0)."""
+
+
+def spark_version(text: str) -> tuple[int, int]:
+    """``"3.5.9"``, ``"4.1.0-SNAPSHOT"``, ``"3.5.1-amzn-0"`` -> (major, minor)."""
+    found = re.match(r"(\d+)\.(\d+)", text.strip())
+    if found is None:
+        raise EnvironmentProblem(
+            f"cannot read a Spark version from {text!r}: the sink needs Spark "
+            f"{SPARK_FLOOR[0]}.{SPARK_FLOOR[1]} or newer. Fix: run on a Spark release whose "
+            "version reads MAJOR.MINOR[.PATCH]")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_spark(sink: str, jvm: str, python: str) -> None:
+    """Refuse, before anything is begun or written, a Spark the sink cannot run on:
+    ``jvm`` is the session's ``spark.version``, ``python`` the driver's
+    ``pyspark.__version__``."""
+    spark, client = spark_version(jvm), spark_version(python)
+    floor = f"{SPARK_FLOOR[0]}.{SPARK_FLOOR[1]}"
+    if spark < SPARK_FLOOR:
+        raise EnvironmentProblem(
+            f"sink {sink!r}: Spark {jvm} is too old: the sink prepares each batch with "
+            f"mapInArrow(barrier=...) and, under Spark Connect, runs in foreachBatch, both "
+            f"added in Spark {floor}.0. Fix: run on Spark {floor} or 4.x "
+            "(docs/user/compatibility.md)")
+    if client != spark:
+        raise EnvironmentProblem(
+            f"sink {sink!r}: pyspark {python} talks to Spark {jvm}: Python and JVM sides of "
+            "Spark must be the same release (a venv packed with another pyspark than the "
+            f"platform's). Fix: install pyspark=={jvm.split('-')[0]} (twophase[spark] "
+            f"accepts {floor} and 4.x), or leave pyspark out of the packed venv and use "
+            "the platform's")
+
+
+@cache
+def _zone_argument() -> bool:
+    """Whether this pyspark's ``to_arrow_schema`` takes ``timezone=`` (4.2+)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return "timezone" in inspect.signature(to_arrow_schema).parameters
+
+
+def arrow_schema_of(schema: Any, tz: str | None) -> Any:
+    """The Arrow schema ``mapInArrow`` hands the tasks for the Spark ``schema``:
+    timestamps in the session's zone ``tz``, as the JVM writes them."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    if _zone_argument():
+        return to_arrow_schema(schema, timezone=tz)
+    return _in_zone(to_arrow_schema(schema), tz)
+
+
+def _in_zone(schema: Any, tz: str | None) -> Any:
+    """``schema`` with its timestamps' zone set to ``tz`` (nested ones too); pyspark
+    before 4.2 says UTC."""
+    import pyarrow as pa
+
+    def fix(t: Any) -> Any:
+        if pa.types.is_timestamp(t) and t.tz is not None:
+            return pa.timestamp(t.unit, tz=tz)
+        if pa.types.is_struct(t):
+            return pa.struct([f.with_type(fix(f.type)) for f in t])
+        if pa.types.is_large_list(t):
+            return pa.large_list(t.value_field.with_type(fix(t.value_type)))
+        if pa.types.is_list(t):
+            return pa.list_(t.value_field.with_type(fix(t.value_type)))
+        if pa.types.is_map(t):
+            return pa.map_(t.key_field.with_type(fix(t.key_type)),
+                           t.item_field.with_type(fix(t.item_type)))
+        return t
+
+    return pa.schema([f.with_type(fix(f.type)) for f in schema], metadata=schema.metadata)
