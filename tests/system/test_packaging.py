@@ -57,7 +57,12 @@ def test_metadata_states_python_versions_and_pyspark() -> None:
         assert f"Programming Language :: Python :: {minor}" in meta["classifiers"]
     assert "3.9" not in supported
     assert "Typing :: Typed" in meta["classifiers"]
-    assert "pyspark>=4.0" in meta["optional-dependencies"]["spark"]
+    # the lower bound is the floor the sink checks at run time (twophase.sparkcompat)
+    from twophase.sparkcompat import SPARK_FLOOR
+
+    floor = ".".join(map(str, SPARK_FLOOR))
+    assert f"pyspark>={floor}" in meta["optional-dependencies"]["spark"]
+    assert f"pyspark[connect]>={floor}" in meta["optional-dependencies"]["connect"]
 
 
 def test_cli_help_and_core_imports_do_not_load_extras() -> None:
