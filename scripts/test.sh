@@ -3,7 +3,8 @@
 # extra, Debian's PostgreSQL server, a Java runtime and Maven (Apache Kafka's jars) when
 # missing, then ruff, mypy, import-linter (the layers) and pytest. Extra arguments go to pytest
 # (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m cluster` runs only the
-# multi-host cluster tests, which need root for their network namespaces).
+# multi-host cluster tests, which need root for their network namespaces). Without
+# arguments it then runs the Spark 3.5 job (scripts/test-spark35.sh, tests/spark35.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -99,5 +100,16 @@ set -e
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   exit 1
+fi
+# The Spark 3.5 job: the subset of tests/spark35.txt on pyspark 3.5, in its own cached
+# virtual environment (scripts/test-spark35.sh). Part of the whole-suite run (no pytest
+# arguments given); TWOPHASE_SPARK35_JOB=0 leaves it out.
+if [ "$#" = 0 ] && [ "${TWOPHASE_SPARK35_JOB:-1}" != 0 ]; then
+  echo "== the Spark 3.5 job (scripts/test-spark35.sh)"
+  set +e
+  PYTHON="$PY" bash scripts/test-spark35.sh
+  rc35=$?
+  set -e
+  if [ "$rc" = 0 ]; then rc="$rc35"; fi
 fi
 exit "$rc"
