@@ -262,3 +262,30 @@ def test_sink_construction_checks(tmp_path: Path) -> None:
         TransactionalSink("s", [files], "sqlite:///x.db", lineage="job_1")
     with pytest.raises(ValueError, match="unique"):
         TransactionalSink("s", [files, files], "sqlite:///x.db")
+
+
+def test_a_pyspark_not_of_the_jvms_release_is_refused_before_anything_is_written(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a driver whose Python side is another Spark release than its JVM (a packed venv
+    # with its own pyspark on a platform's Spark): refused at the first batch, before the
+    # coordinator is started or a participant touched (twophase.sparkcompat)
+    import pyspark
+
+    from twophase.driver import TransactionalSink
+    from twophase.errors import EnvironmentProblem
+    from twophase.sinks.files import StagedFileParticipant
+
+    jvm = spark.version
+    other = "3.4.4" if jvm.startswith("4.") else "4.3.0"
+    monkeypatch.setattr(pyspark, "__version__", other)
+    store, out = tmp_path / "coord.db", tmp_path / "out"
+    sink = TransactionalSink("mismatch", [StagedFileParticipant(path=str(out))],
+                             coordinator=f"sqlite:///{store}")
+    with pytest.raises(EnvironmentProblem) as err:
+        sink(spark.range(3), 0)
+    msg = str(err.value)
+    assert f"pyspark {other} talks to Spark {jvm}" in msg.splitlines()[0], msg
+    assert f"Fix: install pyspark=={jvm}" in msg
+    assert not store.exists() and not out.exists()
+    sink.close()
