@@ -2,7 +2,9 @@
 # The Spark 3.5 job (issue 33): the sink's Spark tests listed in tests/spark35.txt, run on
 # pyspark 3.5 in a virtual environment of its own. The default suite (scripts/test.sh)
 # stays on pyspark 4.x; scripts/test.sh runs this after it, and it runs alone as
-# `bash scripts/test-spark35.sh` (extra arguments go to pytest).
+# `bash scripts/test-spark35.sh` (extra arguments go to pytest;
+# `TWOPHASE_SPARK35_LONG=1` adds the list's long tests: driver kills in stateful
+# queries, the chaos runner's short run).
 #
 # The environment is made once into ${TWOPHASE_CACHE:-~/.cache/twophase}/spark35-venv-*
 # (keyed by the pyspark release and pyproject.toml): pyspark[connect] 3.5, which pins
@@ -35,8 +37,10 @@ fi
 "$VENV/bin/python" -c 'import pyspark, pyarrow, numpy; print("== Spark 3.5 job: pyspark",
   pyspark.__version__, "pyarrow", pyarrow.__version__, "numpy", numpy.__version__)'
 
-# the subset: one test id per line of tests/spark35.txt (comments say why each is there)
-mapfile -t tests < <(grep -v '^\s*#' tests/spark35.txt | sed '/^\s*$/d')
+# the subset: one test id per line of tests/spark35.txt (comments say why each is there);
+# the "long:" lines only with TWOPHASE_SPARK35_LONG=1
+if [ "${TWOPHASE_SPARK35_LONG:-0}" = 1 ]; then long='s/^long:\s*//'; else long='/^long:/d'; fi
+mapfile -t tests < <(grep -v '^\s*#' tests/spark35.txt | sed -e "$long" -e '/^\s*$/d')
 set +e
 "$VENV/bin/python" -m pytest -p no:cacheprovider "${tests[@]}" "$@"
 rc=$?
