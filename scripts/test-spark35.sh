@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 SPARK35="${TWOPHASE_SPARK35:-3.5.9}"
 PY="${PYTHON:-python3}"
 CACHE="${TWOPHASE_CACHE:-$HOME/.cache/twophase}"
-KEY="$(cat pyproject.toml | sha256sum | cut -c1-10)"
+KEY="$(sha256sum < pyproject.toml | cut -c1-10)"
 VENV="$CACHE/spark35-venv-pyspark$SPARK35-$KEY"
 
 if [ ! -f "$VENV/.complete" ]; then
