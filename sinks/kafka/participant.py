@@ -79,6 +79,7 @@ from twophase.sinks.kafka.errors import (
     kafka_error,
 )
 from twophase.sinks.kafka.lingering import (
+    COMMIT_LANE,
     Listing,
     OpenTransaction,
     committing_ids,
@@ -302,9 +303,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 if pending_wait_s is not None and err is not None \
                         and err.name() == "_TIMED_OUT":
                     return -1
+                hint = ("; a transaction left open on the broker by a process that died "
+                        "mid-commit holds this group's offsets until it ends: `twophase "
+                        f"resolve {branch.sink}` aborts it (the broker does after "
+                        "transaction.timeout.ms)"
+                        if err is not None and err.name() == "_TIMED_OUT" else "")
                 raise ParticipantError(
                     f"{self.describe()}: cannot read marker group "
-                    f"{self.marker_group(branch)!r} at {self.bootstrap}: {describe_error(exc)}"
+                    f"{self.marker_group(branch)!r} at {self.bootstrap}: "
+                    f"{describe_error(exc)}{hint}"
                 ) from exc
         if tp.error is not None:
             raise ParticipantError(
@@ -876,12 +883,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         Returns those aborted."""
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None} | set(keep)
+                    if p.producer is not None} | set(keep) | staged.POOL.busy()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         for txn in found:
-            partition = int(txn.transactional_id.rsplit(".", 1)[1])
-            ref = BranchRef(sink, "lingering", 0, 0, self.name, partition)
+            head, number = txn.transactional_id.rsplit(".", 1)
+            if head.endswith("." + COMMIT_LANE.rstrip(".")):  # a staged copy's lane
+                staged.fence_lane(self, txn.transactional_id)
+                continue
+            ref = BranchRef(sink, "lingering", 0, 0, self.name, int(number))
             PRODUCERS.drop(self._cache_key(ref))  # about to be fenced by the init below
             try:
                 self._new_producer(ref).close()  # init_transactions aborts it
