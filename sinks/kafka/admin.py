@@ -136,6 +136,31 @@ def probe_topic(who: str, config: Mapping[str, object], topic: str, *, timeout: 
                             _KAFKA_FIXES[kind], host=host, kind=kind)
 
 
+def unstable_records(config: Mapping[str, object], topic: str, *, timeout: float
+                     ) -> dict[str, int]:
+    """Per partition of ``topic`` (``topic-N``): records past its last stable offset (the
+    high watermark minus the offset a ``read_committed`` reader stops at). Above 0 only
+    while a transaction writing the partition is open: readers wait behind it."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka import admin as kadmin
+
+    AdminClient, OffsetSpec = kadmin.AdminClient, kadmin.OffsetSpec  # type: ignore[attr-defined]
+
+    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    md = admin.list_topics(topic=topic, timeout=timeout)
+    found = md.topics.get(topic)
+    if found is None or found.error is not None:
+        return {}
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    specs = {TopicPartition(topic, n): latest for n in found.partitions}
+    ends = {}
+    for level in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+        futures = admin.list_offsets(specs, isolation_level=level, request_timeout=timeout)
+        ends[level] = {tp.partition: f.result().offset for tp, f in futures.items()}
+    high, stable = ends[IsolationLevel.READ_UNCOMMITTED], ends[IsolationLevel.READ_COMMITTED]
+    return {f"{topic}-{n}": max(0, high[n] - stable[n]) for n in sorted(high)}
+
+
 def _configs(
     who: str, bootstrap: str, admin: Any, kind: str, resource: str, timeout: float
 ) -> dict[str, str]:

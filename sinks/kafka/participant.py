@@ -51,11 +51,17 @@ from twophase.participant import (
     PrepareRefused,
     ReadBack,
     Rebuildable,
+    TargetBacklog,
     Verifiable,
     required_secret,
 )
 from twophase.sinks.kafka import staged
-from twophase.sinks.kafka.admin import check_columns, check_topic, probe_topic
+from twophase.sinks.kafka.admin import (
+    check_columns,
+    check_topic,
+    probe_topic,
+    unstable_records,
+)
 from twophase.sinks.kafka.clients import (
     MARKER_CONSUMERS,
     PRODUCERS,
@@ -874,6 +880,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         after a crash (:mod:`~twophase.sinks.kafka.lingering`)."""
         return list_open_transactions(self.describe(), self._common_config(),
                                       f"twophase.{sink}.{self.name}.", self.connect_timeout_s)
+
+    def open_on_target(self, sink: str) -> TargetBacklog:
+        """The sink's open transactions on the brokers (a crash's stall every
+        ``read_committed`` reader of their partitions) and, per partition of the topic,
+        the records past its last stable offset."""
+        txns = self.open_transactions(sink)
+        return TargetBacklog(len(txns), max((t.age_s for t in txns), default=0.0),
+                             unstable_records(self._common_config(), self.topic,
+                                              timeout=self.connect_timeout_s))
 
     def abort_lingering(self, sink: str, older_than_s: float = 0.0,
                         keep: Iterable[str] = ()) -> list[OpenTransaction]:

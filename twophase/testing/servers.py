@@ -133,9 +133,10 @@ class LocalDaemon(LocalServer):
     def __init__(
         self, store: str, token: str | None, log: Path | None = None, *,
         port: int | None = None, host: str = "127.0.0.1", netns: str | None = None,
-        token_file: str | None = None,
+        token_file: str | None = None, args: tuple[str, ...] = (),
     ) -> None:
         super().__init__(port=port)
+        self.args = args  # more `twophase serve` flags
         self.store = store
         self.token = token  # an operator token (--token); None: token_file only
         self.token_file = token_file  # the daemon's --token-file (roles, rotatable)
@@ -166,7 +167,7 @@ class LocalDaemon(LocalServer):
             self.proc = subprocess.Popen(
                 [*netns_prefix(self.netns), sys.executable, "-m", "twophase.cli", "serve",
                  "--store", self.store, "--host", self.host, "--port", str(self.port),
-                 "--log-level", "warning"],
+                 "--log-level", "warning", *self.args],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:
