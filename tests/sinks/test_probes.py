@@ -111,7 +111,8 @@ def test_sql_probe_passes_mariadb_xa_and_names_a_missing_create_right(
     try:
         with root.cursor() as cur:
             cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
-            cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {mariadb_server.database}.* TO '{user}'@'%'")
+            cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON "
+                        f"{mariadb_server.database}.* TO '{user}'@'%'")
     finally:
         root.close()
     ok = SqlAlchemyParticipant(mariadb_server.url, f"probe_{user}")
