@@ -158,3 +158,12 @@ def test_probe_names_missing_topic_acls(secure_kafka: LocalKafka) -> None:
                        rf"topic '{topic}'.*Fix: grant it: kafka-acls.sh --add "
                        r"--allow-principal User:<you> --operation Write --topic"):
         p.probe()
+
+
+def test_the_security_page_lists_exactly_the_acls_the_code_needs() -> None:
+    from twophase.sinks.kafka.acls import required_acls
+
+    page = (Path(__file__).resolve().parents[3] / "docs/user/security.md").read_text()
+    listed = {line.split("`")[1] for line in page.splitlines()
+              if line.startswith("| `--allow-principal")}
+    assert listed == {a.describe("User:app") for a in required_acls("orders")}
