@@ -245,6 +245,11 @@ def _missing_topic_ops(admin: Any, topic: str, needs: tuple[str, ...],
     return [op for op in needs if op not in names]
 
 
+_PROBE_RACES = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH",
+                          "CONCURRENT_TRANSACTIONS"})
+"""Executors probing at once share the probe's transactional.id: one fences another."""
+
+
 def probe_transactional_write(
     who: str, producer_config: Mapping[str, object], topics: Mapping[str, tuple[str, ...]],
     acl_hint: str, *, timeout: float,
@@ -278,9 +283,11 @@ def probe_transactional_write(
                 "grant the principal Write and Describe on the transactional ids by prefix "
                 f"(kafka-acls.sh --add {acl_hint})", host=host,
                 kind=Failure.AUTHORIZATION) from None
-        raise ParticipantError(
-            f"{who}: cannot initialise the probe's transactional.id {tid!r} at {bootstrap} "
-            f"within {timeout:g}s: {describe_error(exc)}") from None
+        # another process probing the same id at once: the broker accepted it
+        if err is None or err.name() not in _PROBE_RACES:
+            raise ParticipantError(
+                f"{who}: cannot initialise the probe's transactional.id {tid!r} at "
+                f"{bootstrap} within {timeout:g}s: {describe_error(exc)}") from None
     finally:
         producer.close()
     admin, _ = _admin(common_config(producer_config))
