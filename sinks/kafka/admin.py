@@ -7,6 +7,7 @@ message naming the fix, not in the middle of a batch on an executor.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from twophase.errors import Failure, ParticipantError, TargetProblem, classify
 from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS, common_config
 from twophase.sinks.kafka.errors import describe_error, kafka_error
 
-__all__ = ["check_columns", "check_topic", "probe_topic", "probe_transactional_write",
+__all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic", "probe_transactional_write",
            "security_refusal"]
 
 
@@ -33,8 +34,28 @@ def _admin(config: Mapping[str, object]) -> tuple[Any, list[str]]:
     return admin, errors
 
 
-def security_refusal(errors: list[str]) -> tuple[str, str] | None:
-    """(cause, fix) when librdkafka's errors show a TLS or SASL refusal, else None."""
+def list_metadata(admin: Any, errors: list[str], timeout: float,
+                  topic: str | None = None) -> Any:
+    """``admin.list_topics`` within ``timeout``, asked in short rounds so that a TLS or
+    SASL refusal (which librdkafka retries until the timeout) ends the wait at once."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return admin.list_topics(topic=topic, timeout=max(0.1, min(2.0, left)))
+        except Exception:
+            if time.monotonic() >= deadline or security_refusal(errors, admin) is not None:
+                raise
+
+
+def security_refusal(errors: list[str], client: Any = None) -> tuple[str, str] | None:
+    """(cause, fix) when librdkafka's errors show a TLS or SASL refusal, else None.
+    ``client``: polled first, so the errors it has queued reach ``error_cb``."""
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.poll(0)
     for text in reversed(errors):
         low = text.lower()
         if "sasl authentication" in low or "authentication failed" in low:
@@ -88,9 +109,9 @@ def check_topic(
     bootstrap = str(config["bootstrap.servers"])
     admin, errors = _admin(config)
     try:
-        md = admin.list_topics(timeout=timeout)
+        md = list_metadata(admin, errors, timeout)
     except Exception as exc:
-        refused = security_refusal(errors)
+        refused = security_refusal(errors, admin)
         if refused is not None:
             raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
                                 refused[1], kind=Failure.AUTHENTICATION) from None
@@ -136,9 +157,9 @@ def probe_topic(who: str, config: Mapping[str, object], topic: str, *, timeout: 
     host = socket.gethostname()
     admin, errors = _admin(config)
     try:
-        md = admin.list_topics(topic=topic, timeout=timeout)
+        md = list_metadata(admin, errors, timeout, topic)
     except Exception as exc:
-        refused = security_refusal(errors)
+        refused = security_refusal(errors, admin)
         if refused is not None:
             raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
                                 refused[1], host=host, kind=Failure.AUTHENTICATION) from None
@@ -272,7 +293,7 @@ def probe_transactional_write(
         producer.init_transactions(timeout)
     except Exception as exc:
         err = kafka_error(exc)
-        refused = security_refusal(errors)
+        refused = security_refusal(errors, producer)
         if refused is not None:
             raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
                                 refused[1], host=host, kind=Failure.AUTHENTICATION) from None

@@ -364,13 +364,13 @@ def _leaders(
     """(partition -> (host, port) of its leader, the cluster id), from a metadata request."""
     from confluent_kafka import KafkaException
 
-    from twophase.sinks.kafka.admin import _admin, security_refusal
+    from twophase.sinks.kafka.admin import _admin, list_metadata, security_refusal
 
     admin, errors = _admin(config)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            md = admin.list_topics(topic, timeout=10)
+            md = list_metadata(admin, errors, min(10.0, timeout), topic)
             found = md.topics.get(topic)
             if found is not None and found.error is None and found.partitions:
                 out: dict[int, tuple[str, int]] = {}
@@ -383,7 +383,7 @@ def _leaders(
                     return out, md.cluster_id
         except KafkaException:
             pass
-        refused = security_refusal(errors)
+        refused = security_refusal(errors, admin)
         if refused is not None:  # credentials or CA: waiting does not help
             raise ParticipantError(f"Kafka log reader: {refused[0]}: {refused[1]}")
         if time.monotonic() > deadline:
