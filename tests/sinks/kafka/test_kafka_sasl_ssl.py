@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.kafka import create_topic, grant, grant_app, secure_kafka, unique_topic
 from twophase.errors import ParticipantError, TargetProblem
+from twophase.participant import BranchStatus
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import fetch_partition, read_branch, read_log
 from twophase.testing.apachekafka import LocalKafka
@@ -55,7 +56,7 @@ def test_participant_commits_aborts_and_is_judged_over_sasl_ssl(
     p.abort(dropped, p.prepare(dropped, SCHEMA, [batch_for(dropped)]))
 
     assert p.log_readable()
-    assert p.status(kept).value == "committed"  # the marker, read through SASL_SSL
+    assert p.status(kept) is BranchStatus.COMMITTED  # the marker, read through SASL_SSL
     tag = dict(p.headers(kept))
     assert read_branch(p.config, topic, tag, {}).committed == batch_for(kept).num_rows
     back = p.read_back("id")  # the verifier: partition logs + a read_committed consumer
@@ -167,3 +168,22 @@ def test_the_security_page_lists_exactly_the_acls_the_code_needs() -> None:
     listed = {line.split("`")[1] for line in page.splitlines()
               if line.startswith("| `--allow-principal")}
     assert listed == {a.describe("User:app") for a in required_acls("orders")}
+
+
+def test_the_scram_client_follows_rfc_7677() -> None:
+    """The log reader's SCRAM-SHA-256 exchange on RFC 7677's example (its nonce fixed)."""
+    from twophase.sinks.kafka.brokerconn import _Scram
+
+    scram = _Scram("user", "pencil", "SCRAM-SHA-256")
+    scram.nonce = b"rOprNGfwEbeRWgbNEkqO"
+    scram.bare = b"n=user,r=" + scram.nonce
+    assert scram.first_message() == b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO"
+    scram.process_server_first_message(
+        b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
+        b"s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096")
+    assert scram.final_message() == (
+        b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
+        b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ=")
+    scram.process_server_final_message(b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=")
+    with pytest.raises(ValueError, match="signature does not match"):
+        scram.process_server_final_message(b"v=AAAA")
