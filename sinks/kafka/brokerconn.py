@@ -196,17 +196,18 @@ def _sasl(sock: socket.socket, config: Mapping[str, object], where: str) -> None
                 "sasl.password, and that the broker has this user's credentials for "
                 f"{mechanism}")
         correlation += 1
-        if scram is not None and correlation == 3:
-            scram.process_server_first_message(server)
-            rounds.append(scram.final_message())
-        elif scram is not None:
-            try:
+        if scram is None:
+            continue
+        try:
+            if correlation == 3:
+                scram.process_server_first_message(server)
+                rounds.append(scram.final_message())
+            else:
                 scram.process_server_final_message(server)
-            except ValueError as exc:
-                raise ParticipantError(
-                    f"Kafka at {where}: the broker's SCRAM signature does not verify "
-                    f"({exc}): the broker is not the one holding {user!r}'s credentials"
-                ) from exc
+        except (ValueError, KeyError) as exc:
+            raise ParticipantError(
+                f"Kafka at {where}: the broker's SCRAM answer does not verify ({exc}): "
+                f"is it the cluster holding {user!r}'s credentials?") from exc
 
 
 def connect(host: str, port: int, config: Mapping[str, object], timeout: float) -> socket.socket:
