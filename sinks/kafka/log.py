@@ -465,7 +465,7 @@ def read_branch(
     low: dict[int, int] = {}
     missing = [pid for pid in leaders if pid not in start]
     if missing:  # the log may no longer begin at offset 0 (retention)
-        consumer = Consumer({**cfg, "group.id": "twophase-log-reader"})
+        consumer = Consumer({**cfg, "group.id": "twophase.log-reader"})
         try:
             for pid in missing:
                 first, _ = consumer.get_watermark_offsets(
