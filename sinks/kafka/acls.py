@@ -63,9 +63,12 @@ def required_acls(topic: str, sink: str | None = None, *, staged: bool = True,
                     "lingering transaction"),
         RequiredAcl("TRANSACTIONAL_ID", prefix, "PREFIXED", "DESCRIBE",
                     "listing and describing this sink's lingering transactions"),
-        RequiredAcl("GROUP", prefix, "PREFIXED", "READ",
-                    "the marker groups: an offset commit inside the transaction"),
-        RequiredAcl("GROUP", prefix, "PREFIXED", "DESCRIBE",
+        RequiredAcl("GROUP", "twophase.", "PREFIXED", "READ",
+                    "the marker groups (an offset commit inside the transaction), and the "
+                    "groups of the staging, log and verifier readers (twophase.staged-reader, "
+                    "twophase.log-reader, twophase.verify; librdkafka looks their "
+                    "coordinator up)"),
+        RequiredAcl("GROUP", "twophase.", "PREFIXED", "DESCRIBE",
                     "the marker groups: reading a branch's marker (committed offsets)"),
         RequiredAcl("CLUSTER", "kafka-cluster", "LITERAL", "DESCRIBE_CONFIGS",
                     "transaction.max.timeout.ms, checked against transaction_timeout_ms"),
