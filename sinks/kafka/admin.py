@@ -18,8 +18,8 @@ from twophase.errors import Failure, ParticipantError, TargetProblem, classify
 from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS, common_config
 from twophase.sinks.kafka.errors import describe_error, kafka_error
 
-__all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic", "probe_transactional_write",
-           "security_refusal"]
+__all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic",
+           "probe_transactional_write", "security_refusal"]
 
 
 def _admin(config: Mapping[str, object]) -> tuple[Any, list[str]]:
