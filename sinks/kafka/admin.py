@@ -8,6 +8,7 @@ message naming the fix, not in the middle of a batch on an executor.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -310,7 +311,9 @@ def probe_transactional_write(
                 f"{who}: cannot initialise the probe's transactional.id {tid!r} at "
                 f"{bootstrap} within {timeout:g}s: {describe_error(exc)}") from None
     finally:
-        producer.close()
+        with warnings.catch_warnings():  # a refused producer's close warns of its abort
+            warnings.simplefilter("ignore", RuntimeWarning)
+            producer.close()
     admin, _ = _admin(common_config(producer_config))
     for topic, needs in topics.items():
         missing = _missing_topic_ops(admin, topic, needs, timeout)
