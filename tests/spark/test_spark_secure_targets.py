@@ -54,15 +54,15 @@ def test_job_into_postgres_tls_kafka_sasl_ssl_and_delta_exactly_once(
     pg = PostgresParticipant(dsn=tls_pg.tls_dsn(), table=f"secjob_{topic[-12:]}")
     delta = DeltaParticipant(str(tmp_path / "delta"))
     sink = TransactionalSink("secjob", [pg, kafka, delta], f"sqlite:///{tmp_path / 'c.db'}",
-                             lineage="secjob-1", partitions=3, cluster_wait=1)
+                             lineage="secjob-1", partitions=2, cluster_wait=1)
     try:
         for batch_id in range(2):
-            sink(spark.range(batch_id * 300, (batch_id + 1) * 300)
+            sink(spark.range(batch_id * 100, (batch_id + 1) * 100)
                  .selectExpr("id", "concat('row ', id) as label"), batch_id)
     finally:
         sink.close()
     assert [r.outcome for r in sink.history] == ["committed"] * 2
-    report = verify([pg, kafka, delta], range(600), sink="secjob")
+    report = verify([pg, kafka, delta], range(200), sink="secjob")
     assert report.ok, report
     [kafka_report] = [r for r in report.systems if r.participant == kafka.name]
     assert kafka_report.exact and "consumer agrees" in kafka_report.note, kafka_report
