@@ -60,8 +60,10 @@ from twophase.sinks.kafka.admin import (
     check_columns,
     check_topic,
     probe_topic,
+    probe_transactional_write,
     unstable_records,
 )
+from twophase.sinks.kafka.brokerconn import unsupported
 from twophase.sinks.kafka.clients import (
     MARKER_CONSUMERS,
     PRODUCERS,
@@ -138,6 +140,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         reuse_clients: bool = False,
         prepare: str = staged.DEFAULT_PREPARE,
         staging_topic: str | None = None,
+        probe_write: bool = True,
     ) -> None:
         self.topic = validate_topic(topic)
         if name is None:
@@ -190,6 +193,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         self.staging_topic = (validate_topic(staging_topic) if staging_topic is not None
                               else staged.default_staging_topic(self.topic))
         self.staging_partitions = 0  # learnt by check() on the driver (staged)
+        if not isinstance(probe_write, bool):
+            raise InvalidRequest(f"probe_write must be True or False, got {probe_write!r}")
+        self.probe_write = probe_write
+        """:meth:`probe` checks a transactional write too (ACLs), not only the topic."""
         """Keep producers and marker consumers for the next batch in this process (see
         the module docstring). Off by default: in the suite's tansu-restart test a reused
         producer blocked in ``send_offsets_to_transaction`` past its timeout after the
@@ -362,10 +369,23 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def probe(self) -> None:
         """The brokers answer this process with these settings, and the topic, when it
         exists already, is readable by this principal with at least one partition (run on
-        the driver and on every executor; :meth:`check` creates a missing topic)."""
+        the driver and on every executor; :meth:`check` creates a missing topic). With
+        ``probe_write`` (the default) also a transactional write: ``init_transactions``
+        on ``twophase.probe.<name>`` and the topics' Write/Read/Describe ACLs as the broker
+        reports them (no record is written)."""
         for topic in (self.topic, self.staging_topic) if self.durable_prepare else (self.topic,):
             probe_topic(self.describe(), self._common_config(), topic,
                         timeout=self.connect_timeout_s)
+        if self.probe_write:
+            needs = {self.topic: ("WRITE", "READ", "DESCRIBE")}
+            if self.durable_prepare:
+                needs[self.staging_topic] = ("WRITE", "READ", "DESCRIBE")
+            tid = f"twophase.probe.{self.name}"
+            probe_transactional_write(
+                self.describe(), self.producer_config(tid), needs,
+                "--allow-principal User:<you> --operation Write --operation Describe "
+                "--transactional-id twophase. --resource-pattern-type prefixed",
+                timeout=self.connect_timeout_s)
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)
@@ -532,8 +552,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 self._discard(producer)
 
     def log_readable(self) -> bool:
-        """The partition-log reader speaks plaintext Kafka only."""
-        return str(self.config.get("security.protocol", "plaintext")).lower() == "plaintext"
+        """The partition-log reader can connect with these settings: plaintext, TLS, SASL
+        PLAIN or SCRAM (not GSSAPI or OAUTHBEARER, :mod:`.brokerconn`)."""
+        return unsupported(self.config) is None
 
     def _committed_in_log(self, branch: BranchRef, voted: Handle, *, wait: bool) -> bool:
         """Whether the partition logs show this branch's records committed (by the
@@ -548,8 +569,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         the partitions the vote did not write to. Records still open after the fence
         are an older producer's ``EndTxn`` in flight: with ``wait`` (a redo, after its
         fence) wait for its marker, then refuse rather than guess; without (a status
-        read) they are not committed yet. Plaintext only: on TLS/SASL the marker alone is
-        trusted.
+        read) they are not committed yet. With settings the log reader cannot use
+        (SASL GSSAPI or OAUTHBEARER) the marker alone is trusted.
         """
         if not self.log_readable():
             return False

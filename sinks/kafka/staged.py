@@ -343,7 +343,7 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
         lane.producer = producer
     if lane.reader is None and reader:
         lane.reader = Consumer({**common_config(p.config),
-                                "group.id": "twophase-staged-reader",
+                                "group.id": "twophase.staged-reader",
                                 "enable.auto.commit": False, "auto.offset.reset": "error",
                                 "fetch.wait.max.ms": 10,  # the range is there: no long poll
                                 "fetch.error.backoff.ms": 50,
