@@ -33,6 +33,7 @@ def _bench(tmp_path: Path, name: str, *args: str) -> list[str]:
     return out.stdout.strip().splitlines()
 
 
+@pytest.mark.slow  # CI time (52 s): a bench smoke test; the kills it makes are the kill matrix's
 def test_the_restart_bench_kills_and_restarts_both_sides_and_counts_the_rows(
     tmp_path: Path
 ) -> None:

@@ -96,6 +96,7 @@ def _lineage(dt: DeltaTable, sink: str) -> str:
     return str(lineages.pop())
 
 
+@pytest.mark.slow  # CI time: tests/sinks/iceberg/test_iceberg_spark.py runs Delta under chaos too
 def test_chaos_cli_delta(tmp_path: Path) -> None:
     """``twophase chaos --delta-local``: random driver and worker kills (the batch-commit
     failpoints among them), then verified, one table version per batch included."""
