@@ -92,7 +92,8 @@ class KafkaBrokerUnavailable(ServerUnavailable):
 
 
 class LocalKafka(LocalServer):
-    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``.
+    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``HOST:PORT``
+    (``host`` defaults to loopback; a cluster test passes its bridge address).
 
     The same interface as :class:`~twophase.testing.localkafka.LocalTansu`: ``start``,
     ``stop`` (removes the folder), ``kill`` (SIGKILL; the folder stays), ``restart``,
@@ -107,8 +108,12 @@ class LocalKafka(LocalServer):
     def __init__(
         self, *, config: Mapping[str, str] | None = None, port: int | None = None,
         base_dir: str | None = None, jvm_opts: tuple[str, ...] = JVM_OPTS,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
+        # the address clients connect to and the broker advertises: another host's
+        # (a Spark worker in its own network namespace) cannot reach our loopback
+        self.host = host
         self.controller_port = free_port()
         self.config = {**BROKER_DEFAULTS, **(config or {})}
         self.jvm_opts = jvm_opts
@@ -118,7 +123,7 @@ class LocalKafka(LocalServer):
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the broker's log and of its console output (JVM errors)."""
@@ -137,9 +142,9 @@ class LocalKafka(LocalServer):
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
+            "listeners": f"PLAINTEXT://{self.host}:{self.port},"
                          f"CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -186,7 +191,7 @@ class LocalKafka(LocalServer):
                 raise KafkaBrokerUnavailable(
                     f"Apache Kafka {self.version} exited with {self.proc.returncode} at "
                     f"start (its folder {self.dir} is kept):\n{tail}")
-            if answers_kafka_metadata(self.port, self.bootstrap):
+            if answers_kafka_metadata(self.port, self.bootstrap, host=self.host):
                 self.start_seconds = time.monotonic() - began
                 return self
             time.sleep(0.1)

@@ -33,6 +33,7 @@ __all__ = [
     "EVENT_DDL",
     "JobConfig",
     "build_participants",
+    "committed_batches",
     "expected_counts",
     "expected_ids",
     "place_batch",
@@ -84,6 +85,15 @@ class JobConfig:
     source_topic: str | None = None
     source_bootstrap: str | None = None
     source_per_batch: int = 1000
+    # A stream instead of availableNow: the query runs on a processing-time trigger until
+    # this file exists and holds a batch count N and the checkpoint has committed batch
+    # N - 1; then the driver stops and exits 0 (the cluster chaos test feeds input while
+    # it kills and restarts such a driver, then writes the file).
+    stream_stop: str | None = None
+    # A second streaming query in the same application, beside the sink's: a rate source
+    # written as Parquet to <side_output>/out (its checkpoint <side_output>/ckpt); its
+    # committed batches show it kept running (side_batches()).
+    side_output: str | None = None
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -264,16 +274,57 @@ def run(
             if cfg.aggregate not in ("update", "complete"):
                 raise ValueError(f"aggregate must be 'update' or 'complete', got {cfg.aggregate!r}")
             stream, output_mode = stream.groupBy("customer").count(), cfg.aggregate
-        query = (
-            stream.writeStream.outputMode(output_mode).foreachBatch(sink)
-            .option("checkpointLocation", cfg.checkpoint)
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
+        side = _start_side_query(spark, cfg.side_output) if cfg.side_output else None
+        writer = (stream.writeStream.outputMode(output_mode).foreachBatch(sink)
+                  .option("checkpointLocation", cfg.checkpoint))
+        if cfg.stream_stop is None:
+            query = writer.trigger(availableNow=True).start()
+            query.awaitTermination()
+        else:
+            query = writer.trigger(processingTime="1 second").start()
+            _stream_until(query, side, Path(cfg.checkpoint), Path(cfg.stream_stop))
+        if side is not None:
+            side.stop()
     finally:
         sink.close()
     return sink
+
+
+def _start_side_query(spark: SparkSession, folder: str) -> Any:
+    """The second query of the application: independent of the sink, sharing its
+    executors; it must go on running while the sink's tasks are killed and retried."""
+    return (spark.readStream.format("rate").option("rowsPerSecond", 20)
+            .option("numPartitions", 1).load()
+            .writeStream.format("parquet").option("path", f"{folder}/out")
+            .option("checkpointLocation", f"{folder}/ckpt")
+            .queryName("side").trigger(processingTime="2 seconds").start())
+
+
+def committed_batches(checkpoint: str | Path) -> list[int]:
+    """The batch ids a streaming query's checkpoint records as committed."""
+    commits = Path(checkpoint) / "commits"
+    if not commits.is_dir():
+        return []
+    return sorted(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+
+
+def _stream_until(query: Any, side: Any, checkpoint: Path, stop: Path) -> None:
+    """Run until ``stop`` names a batch count whose last batch is committed; a query that
+    died raises its error (``awaitTermination`` re-raises it): the driver exits non-zero."""
+    import time
+
+    while True:
+        if stop.exists():
+            text = stop.read_text().strip()
+            if text.isdigit() and (checkpoint / "commits" / str(int(text) - 1)).exists():
+                break
+        for q in (query, side):
+            if q is not None and not q.isActive:
+                q.awaitTermination()
+                raise RuntimeError(f"query {q.name or q.id} stopped before the stop file "
+                                   f"{stop} was reached")
+        time.sleep(0.5)
+    query.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
