@@ -79,9 +79,9 @@ def elastic_conf(spark: SparkStandalone) -> dict[str, str]:
         "spark.dynamicAllocation.maxExecutors": "2",
         "spark.dynamicAllocation.executorIdleTimeout": "30s",
         "spark.speculation": "true",
-        "spark.speculation.multiplier": "1.5",
-        "spark.speculation.quantile": "0.75",
-        "spark.speculation.minTaskRuntime": "500ms",
+        "spark.speculation.multiplier": "1.3",
+        "spark.speculation.quantile": "0.6",
+        "spark.speculation.minTaskRuntime": "300ms",
         "spark.speculation.efficiency.enabled": "false",
         "spark.scheduler.minRegisteredResourcesRatio": "0",
         # a task may be hit by several kills in a run (a Python worker, then its executor)
