@@ -86,9 +86,9 @@ class JobConfig:
     source_bootstrap: str | None = None
     source_per_batch: int = 1000
     # A stream instead of availableNow: the query runs on a processing-time trigger until
-    # this file exists and holds a batch count N and the checkpoint has committed batch
-    # N - 1; then the driver stops and exits 0 (the cluster chaos test feeds input while
-    # it kills and restarts such a driver, then writes the file).
+    # this file exists and the query has committed all it planned and found no new input
+    # for 5 s; then the driver stops and exits 0 (the cluster chaos test feeds input while
+    # it kills and restarts such a driver, then writes the file once all input is there).
     stream_stop: str | None = None
     # A second streaming query in the same application, beside the sink's: a rate source
     # written as Parquet to <side_output>/out (its checkpoint <side_output>/ckpt); its
@@ -238,7 +238,8 @@ def run(
     participants: Sequence[Participant] | None = None,
     on_batch: Callable[[BatchReport], None] | None = None,
 ) -> Any:
-    """Process every input file present now (``availableNow``), then return the sink."""
+    """Process every input file present now (``availableNow``), or with ``stream_stop``
+    as a stream until that file says stop; then return the sink."""
     from twophase.driver import TransactionalSink
 
     if spark is None:
@@ -300,29 +301,44 @@ def _start_side_query(spark: SparkSession, folder: str) -> Any:
             .queryName("side").trigger(processingTime="2 seconds").start())
 
 
-def committed_batches(checkpoint: str | Path) -> list[int]:
-    """The batch ids a streaming query's checkpoint records as committed."""
+def committed_batches(checkpoint: str | Path) -> int:
+    """How many batches a streaming query's checkpoint records as committed: the last
+    committed batch id + 1 (Spark keeps only the newest ~100 commit files, so they
+    cannot be counted)."""
     commits = Path(checkpoint) / "commits"
     if not commits.is_dir():
-        return []
-    return sorted(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+        return 0
+    return max((int(p.name) + 1 for p in commits.iterdir() if p.name.isdigit()), default=0)
 
 
 def _stream_until(query: Any, side: Any, checkpoint: Path, stop: Path) -> None:
-    """Run until ``stop`` names a batch count whose last batch is committed; a query that
-    died raises its error (``awaitTermination`` re-raises it): the driver exits non-zero."""
+    """Run until ``stop`` exists and the query has read every input file and committed
+    every batch it planned (a batch may read more than one file: after a restart Spark
+    can merge what the dead driver listed into one batch, so files are not batches).
+    A query that died raises its error (``awaitTermination`` re-raises it): the driver
+    exits non-zero."""
     import time
 
+    idle_since: float | None = None
     while True:
-        if stop.exists():
-            text = stop.read_text().strip()
-            if text.isdigit() and (checkpoint / "commits" / str(int(text) - 1)).exists():
-                break
         for q in (query, side):
             if q is not None and not q.isActive:
                 q.awaitTermination()
                 raise RuntimeError(f"query {q.name or q.id} stopped before the stop file "
                                    f"{stop} was reached")
+        status = query.status
+        planned = max((int(p.name) for p in (checkpoint / "offsets").iterdir()
+                       if p.name.isdigit()), default=-1) if (checkpoint / "offsets").is_dir() \
+            else -1
+        idle = (stop.exists() and not status["isDataAvailable"]
+                and not status["isTriggerActive"]
+                and committed_batches(checkpoint) == planned + 1)
+        if not idle:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= 5.0:  # several triggers found nothing new
+            break
         time.sleep(0.5)
     query.stop()
 
