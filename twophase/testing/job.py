@@ -330,7 +330,10 @@ def _stream_until(query: Any, side: Any, checkpoint: Path, stop: Path) -> None:
         planned = max((int(p.name) for p in (checkpoint / "offsets").iterdir()
                        if p.name.isdigit()), default=-1) if (checkpoint / "offsets").is_dir() \
             else -1
-        idle = (stop.exists() and not status["isDataAvailable"]
+        # lastProgress: a trigger of this run has listed the input (a restarted driver
+        # is idle while it initialises its sources, before it has looked)
+        idle = (stop.exists() and query.lastProgress is not None
+                and not status["isDataAvailable"]
                 and not status["isTriggerActive"]
                 and committed_batches(checkpoint) == planned + 1)
         if not idle:
