@@ -111,7 +111,8 @@ class KafkaSecurity:
 
 
 class LocalKafka(LocalServer):
-    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``.
+    """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``HOST:PORT``
+    (``host`` defaults to loopback; a cluster test passes its bridge address).
 
     The same interface as :class:`~twophase.testing.localkafka.LocalTansu`: ``start``,
     ``stop`` (removes the folder), ``kill`` (SIGKILL; the folder stays), ``restart``,
@@ -126,9 +127,12 @@ class LocalKafka(LocalServer):
     def __init__(
         self, *, config: Mapping[str, str] | None = None, port: int | None = None,
         base_dir: str | None = None, jvm_opts: tuple[str, ...] = JVM_OPTS,
-        security: KafkaSecurity | None = None,
+        security: KafkaSecurity | None = None, host: str = "127.0.0.1",
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
+        # the address clients connect to and the broker advertises: another host's
+        # (a Spark worker in its own network namespace) cannot reach our loopback
+        self.host = host
         self.controller_port = free_port()
         self.security = security
         # with security, the broker's own plaintext listener (inter-broker, readiness)
@@ -142,7 +146,7 @@ class LocalKafka(LocalServer):
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def client_config(self, user: str | None = None) -> dict[str, str]:
         """What a client of this broker sets: ``bootstrap.servers`` and, on a SASL_SSL
@@ -208,9 +212,9 @@ class LocalKafka(LocalServer):
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
+            "listeners": f"PLAINTEXT://{self.host}:{self.port},"
                          f"CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -262,8 +266,9 @@ class LocalKafka(LocalServer):
                 raise KafkaBrokerUnavailable(
                     f"Apache Kafka {self.version} exited with {self.proc.returncode} at "
                     f"start (its folder {self.dir} is kept):\n{tail}")
-            if answers_kafka_metadata(self.internal_port,
-                                      f"127.0.0.1:{self.internal_port}"):
+            ready = "127.0.0.1" if self.security else self.host  # the plaintext listener's
+            if answers_kafka_metadata(self.internal_port, f"{ready}:{self.internal_port}",
+                                      host=ready):
                 self.start_seconds = time.monotonic() - began
                 return self
             time.sleep(0.1)

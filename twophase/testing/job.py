@@ -33,6 +33,7 @@ __all__ = [
     "EVENT_DDL",
     "JobConfig",
     "build_participants",
+    "committed_batches",
     "expected_counts",
     "expected_ids",
     "place_batch",
@@ -84,6 +85,15 @@ class JobConfig:
     source_topic: str | None = None
     source_bootstrap: str | None = None
     source_per_batch: int = 1000
+    # A stream instead of availableNow: the query runs on a processing-time trigger until
+    # this file exists and the query has committed all it planned and found no new input
+    # for 5 s; then the driver stops and exits 0 (the cluster chaos test feeds input while
+    # it kills and restarts such a driver, then writes the file once all input is there).
+    stream_stop: str | None = None
+    # A second streaming query in the same application, beside the sink's: a rate source
+    # written as Parquet to <side_output>/out (its checkpoint <side_output>/ckpt); its
+    # committed batches show it kept running (side_batches()).
+    side_output: str | None = None
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -228,7 +238,8 @@ def run(
     participants: Sequence[Participant] | None = None,
     on_batch: Callable[[BatchReport], None] | None = None,
 ) -> Any:
-    """Process every input file present now (``availableNow``), then return the sink."""
+    """Process every input file present now (``availableNow``), or with ``stream_stop``
+    as a stream until that file says stop; then return the sink."""
     from twophase.driver import TransactionalSink
 
     if spark is None:
@@ -264,16 +275,75 @@ def run(
             if cfg.aggregate not in ("update", "complete"):
                 raise ValueError(f"aggregate must be 'update' or 'complete', got {cfg.aggregate!r}")
             stream, output_mode = stream.groupBy("customer").count(), cfg.aggregate
-        query = (
-            stream.writeStream.outputMode(output_mode).foreachBatch(sink)
-            .option("checkpointLocation", cfg.checkpoint)
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
+        side = _start_side_query(spark, cfg.side_output) if cfg.side_output else None
+        writer = (stream.writeStream.outputMode(output_mode).foreachBatch(sink)
+                  .option("checkpointLocation", cfg.checkpoint))
+        if cfg.stream_stop is None:
+            query = writer.trigger(availableNow=True).start()
+            query.awaitTermination()
+        else:
+            query = writer.trigger(processingTime="1 second").start()
+            _stream_until(query, side, Path(cfg.checkpoint), Path(cfg.stream_stop))
+        if side is not None:
+            side.stop()
     finally:
         sink.close()
     return sink
+
+
+def _start_side_query(spark: SparkSession, folder: str) -> Any:
+    """The second query of the application: independent of the sink, sharing its
+    executors; it must go on running while the sink's tasks are killed and retried."""
+    return (spark.readStream.format("rate").option("rowsPerSecond", 20)
+            .option("numPartitions", 1).load()
+            .writeStream.format("parquet").option("path", f"{folder}/out")
+            .option("checkpointLocation", f"{folder}/ckpt")
+            .queryName("side").trigger(processingTime="2 seconds").start())
+
+
+def committed_batches(checkpoint: str | Path) -> int:
+    """How many batches a streaming query's checkpoint records as committed: the last
+    committed batch id + 1 (Spark keeps only the newest ~100 commit files, so they
+    cannot be counted)."""
+    commits = Path(checkpoint) / "commits"
+    if not commits.is_dir():
+        return 0
+    return max((int(p.name) + 1 for p in commits.iterdir() if p.name.isdigit()), default=0)
+
+
+def _stream_until(query: Any, side: Any, checkpoint: Path, stop: Path) -> None:
+    """Run until ``stop`` exists and the query has read every input file and committed
+    every batch it planned (a batch may read more than one file: after a restart Spark
+    can merge what the dead driver listed into one batch, so files are not batches).
+    A query that died raises its error (``awaitTermination`` re-raises it): the driver
+    exits non-zero."""
+    import time
+
+    idle_since: float | None = None
+    while True:
+        for q in (query, side):
+            if q is not None and not q.isActive:
+                q.awaitTermination()
+                raise RuntimeError(f"query {q.name or q.id} stopped before the stop file "
+                                   f"{stop} was reached")
+        status = query.status
+        planned = max((int(p.name) for p in (checkpoint / "offsets").iterdir()
+                       if p.name.isdigit()), default=-1) if (checkpoint / "offsets").is_dir() \
+            else -1
+        # lastProgress: a trigger of this run has listed the input (a restarted driver
+        # is idle while it initialises its sources, before it has looked)
+        idle = (stop.exists() and query.lastProgress is not None
+                and not status["isDataAvailable"]
+                and not status["isTriggerActive"]
+                and committed_batches(checkpoint) == planned + 1)
+        if not idle:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= 5.0:  # several triggers found nothing new
+            break
+        time.sleep(0.5)
+    query.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -191,6 +191,7 @@ def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
     daemon.start()
     auth = {"Authorization": f"Bearer {daemon.token}"}
     labels = f'participant="{p.name}",sink="{sink}"'
+    plabels = f'participant="{p.name}",partition="{topic}-0",sink="{sink}"'
 
     def scrape(want: str) -> str:
         deadline = time.monotonic() + 60
@@ -209,7 +210,7 @@ def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
             text = scrape(f"twophase_target_open_transactions{{{labels}}} 1.0")
             assert f"twophase_target_open_transactions{{{labels}}} 1.0" in text, text[-3000:]
             assert f"twophase_target_check_ok{{{labels}}} 1.0" in text
-            assert (f'twophase_target_unstable_records{{partition="{topic}-0",{labels}}} '
+            assert (f'twophase_target_unstable_records{{{plabels}}} '
                     f"{float(rows)}") in text, text[-3000:]  # its records, past the LSO
             page = httpx.get(f"{daemon.url}/ui/view", headers=auth, timeout=10).text
             assert "1 open transaction(s)" in page and f"{topic}-0: {rows}" in page, page
@@ -217,7 +218,7 @@ def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
             assert report.ok, report.as_dict()
             text = scrape(f"twophase_target_open_transactions{{{labels}}} 0.0")
             assert f"twophase_target_open_transactions{{{labels}}} 0.0" in text, text[-3000:]
-            assert (f'twophase_target_unstable_records{{partition="{topic}-0",{labels}}} '
+            assert (f'twophase_target_unstable_records{{{plabels}}} '
                     "0.0") in text
         finally:
             conn.close()
