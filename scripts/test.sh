@@ -2,7 +2,7 @@
 # The whole test suite, from nothing: a fresh virtual environment, the project with every
 # extra, Debian's PostgreSQL server, a Java runtime and Maven (Apache Kafka's jars) when
 # missing, then ruff, mypy, import-linter (the layers) and pytest. Extra arguments go to pytest
-# (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m cluster` runs only the
+# (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m "cluster and not slow"` runs only the
 # multi-host cluster tests, which need root for their network namespaces). Without
 # arguments it then runs the Spark 3.5 job (scripts/test-spark35.sh, tests/spark35.txt).
 set -euo pipefail

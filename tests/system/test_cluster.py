@@ -5,7 +5,7 @@ bridge, and a folder every host sees.
 
 Each run writes 200 rows per batch in 4 partitions (two barrier tasks per worker) and is
 verified row by row: every id once in every system, nothing left prepared.
-Run only these: ``bash scripts/test.sh -m cluster``.
+Run only these: ``bash scripts/test.sh -m "cluster and not slow"``.
 """
 
 from __future__ import annotations
