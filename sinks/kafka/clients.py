@@ -118,8 +118,9 @@ def healthy(producer: Any) -> bool:
     return not getattr(producer, "broker_errors", ())
 
 
-def bounded(client: Any, method: str, timeout: float, what: str, *args: Any) -> Any:
-    """``client.<method>(*args)``, given ``timeout`` + :data:`STUCK_GRACE_S` to return:
+def bounded(client: Any, method: str, timeout: float, what: str, *args: Any,
+            grace: float = STUCK_GRACE_S) -> Any:
+    """``client.<method>(*args)``, given ``timeout`` + ``grace`` to return:
     some librdkafka calls do not enforce their own timeout (``send_offsets_to_transaction``
     waiting on a group coordinator it cached before a broker restart,
     confluentinc/librdkafka#5456). A call that does not return is left running in its
@@ -136,12 +137,12 @@ def bounded(client: Any, method: str, timeout: float, what: str, *args: Any) -> 
 
     worker = threading.Thread(target=call, name=f"twophase-{method}", daemon=True)
     worker.start()
-    worker.join(timeout + STUCK_GRACE_S)
+    worker.join(timeout + grace)
     if worker.is_alive():
         client.stuck = True
         raise ParticipantError(
             f"{what}: librdkafka's {method} did not return within "
-            f"{timeout + STUCK_GRACE_S:g}s although its timeout is {timeout:g}s (it waits on "
+            f"{timeout + grace:g}s although its timeout is {timeout:g}s (it waits on "
             "a coordinator it cached before the broker went away, "
             "confluentinc/librdkafka#5456); the producer is abandoned and its "
             "transactional.id fenced, so its open transaction does not hold the marker "
