@@ -397,9 +397,9 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
         if lane.producer is not None and not healthy(lane.producer):
             # It lived through a broker error while idle (a broker restart): librdkafka's
             # cached coordinator then blocks send_offsets_to_transaction past its timeout
-            # (confluentinc/librdkafka#5456, #5511), until the broker's transaction
-            # timeout ends the copy (a 10-minute stall of the driver, issue 31). It has no
-            # transaction open: closed, and the lane starts again with a new producer.
+            # (confluentinc/librdkafka#5456, #5511) until some broker state changes (the
+            # broker closing the idle connection: 10 minutes by default, issue 31). It has
+            # no transaction open: closed, and the lane starts again with a new producer.
             log.info("%s: commit lane %s saw a broker error while idle (%s): a new "
                      "producer is initialised", p.describe(), lane.transactional_id,
                      lane.producer.broker_errors[-1])
@@ -443,7 +443,7 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
     try:
         # librdkafka does not enforce this call's timeout when the group coordinator it
         # has cached went away (confluentinc/librdkafka#5456, #5511): bounded here, else
-        # the driver waits until the broker's transaction timeout ends the copy.
+        # the driver waits until a broker state change wakes it (minutes).
         bounded(producer, "send_offsets_to_transaction", p.connect_timeout_s,
                 f"{p.describe()}: {where}: cannot add the marker offset to the copy's "
                 f"transaction at {p.bootstrap}", [TopicPartition(p.topic, 0, branch.batch_id + 1)],
