@@ -21,7 +21,11 @@ commits) and Flink's committer.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
@@ -34,8 +38,8 @@ if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
 
-__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "Committer",
-           "commit_batches", "send_acks"]
+__all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "SLOW_COMMIT_S",
+           "Committer", "commit_batches", "send_acks"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -53,6 +57,11 @@ Spark's ``spark.sql.streaming.minBatchesToRetain`` default (100), the farthest b
 checkpoint can replay; a marker below it answers a question no recovery asks."""
 
 PRUNE_EVERY: Final = 100  # batches between two prunes (one DELETE per participant)
+
+SLOW_COMMIT_S: Final = 30.0
+"""A branch's commit or abort still running after this long is logged as a warning, with
+where it waits, and again every as long: a stalled commit is never silent (issue 31, a
+10-minute wait inside librdkafka with nothing in the log)."""
 
 _Work = tuple[Participant, BranchRef, Handle]
 
@@ -81,6 +90,10 @@ class Committer:
         self._pool: ThreadPoolExecutor | None = None
         self._pruner: ThreadPoolExecutor | None = None
         self._pruning: dict[str, Participant] = {}
+        self._running: dict[int, tuple[str, float]] = {}  # thread id -> (what, since)
+        self.slow_commit_s = SLOW_COMMIT_S
+        self._watch: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def apply(
         self, client: CoordinatorClient, epoch: int, txn: Transaction
@@ -167,6 +180,10 @@ class Committer:
 
     def close(self) -> None:
         """Close every lane's participant copies and the threads."""
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(5)
+            self._watch = None
         for pool in (self._pool, self._pruner):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -181,6 +198,11 @@ class Committer:
         the branch ids applied and the first failure."""
         if not work:
             return [], ""
+        if self._watch is None or not self._watch.is_alive():
+            self._stop.clear()
+            self._watch = threading.Thread(target=self._watch_slow, daemon=True,
+                                           name="twophase-commit-watch")
+            self._watch.start()
         lanes = min(COMMIT_THREADS, len(work))
         chunks = [work[i::lanes] for i in range(lanes)]
         if lanes == 1:
@@ -204,6 +226,9 @@ class Committer:
             mine = own.get(part.name)
             if mine is None:  # a fresh copy: opens its own connection when first used
                 mine = own[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+            self._running[threading.get_ident()] = (
+                f"sink {ref.sink} batch {ref.batch_id}: {part.describe()} partition "
+                f"{ref.partition}: {decision.value.lower()}", time.monotonic())
             try:
                 failpoints.hit("before_commit", part.name, ref.partition)
                 if decision == Decision.COMMIT:
@@ -219,8 +244,40 @@ class Committer:
                             ref.batch_id, cause)
                 error = error or cause
                 continue
+            finally:
+                self._running.pop(threading.get_ident(), None)
             done.append(ref.branch_id)
         return done, error
+
+    def _watch_slow(self) -> None:
+        """Log every commit running longer than :attr:`slow_commit_s`, with where its
+        thread waits, and again each as long until it ends."""
+        every = self.slow_commit_s
+        logged: dict[tuple[int, float], float] = {}
+        while not self._stop.wait(min(5.0, every / 4)):
+            now = time.monotonic()
+            running = dict(self._running)
+            logged = {k: v for k, v in logged.items() if running.get(k[0], ("", 0))[1] == k[1]}
+            for ident, (what, since) in running.items():
+                if now - since < every or now - logged.get((ident, since), since) < every:
+                    continue
+                logged[(ident, since)] = now
+                log.warning("%s still running after %.0fs, waiting in %s", what,
+                            now - since, _where(ident))
+
+
+def _where(ident: int, depth: int = 3) -> str:
+    """Thread ``ident``'s innermost ``depth`` frames of this package's code ("function
+    (file:line)"), the stdlib's waits skipped."""
+    frame = sys._current_frames().get(ident)
+    out: list[str] = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        if f"{os.sep}twophase{os.sep}" in code.co_filename:
+            out.append(f"{code.co_name} ({os.path.basename(code.co_filename)}:"
+                       f"{frame.f_lineno})")
+        frame = frame.f_back
+    return " < ".join(out) or "(thread gone)"
 
 
 def commit_batches(

@@ -13,8 +13,14 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "IdleClients", "healthy", "parse_offsets",
-           "to_bytes", "txn_producer"]
+from twophase.errors import ParticipantError
+
+__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "STUCK_GRACE_S", "IdleClients", "bounded",
+           "healthy", "parse_offsets", "to_bytes", "txn_producer"]
+
+STUCK_GRACE_S = 5.0
+"""How long past its own timeout a librdkafka call may take before :func:`bounded` gives
+up on it (its own timers fire late by up to a request timeout's tick)."""
 
 
 class IdleClients:
@@ -111,6 +117,40 @@ def healthy(producer: Any) -> bool:
         producer.poll(0)
     return not getattr(producer, "broker_errors", ())
 
+
+def bounded(client: Any, method: str, timeout: float, what: str, *args: Any,
+            grace: float = STUCK_GRACE_S) -> Any:
+    """``client.<method>(*args)``, given ``timeout`` + ``grace`` to return:
+    some librdkafka calls do not enforce their own timeout (``send_offsets_to_transaction``
+    waiting on a group coordinator it cached before a broker restart,
+    confluentinc/librdkafka#5456). A call that does not return is left running in its
+    thread, the client is marked ``stuck`` (the caller abandons it and fences its
+    transactional.id), and a ParticipantError names the cause."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            out.append(getattr(client, method)(*args))
+        except BaseException as exc:  # handed to the caller
+            failed.append(exc)
+
+    worker = threading.Thread(target=call, name=f"twophase-{method}", daemon=True)
+    worker.start()
+    worker.join(timeout + grace)
+    if worker.is_alive():
+        client.stuck = True
+        raise ParticipantError(
+            f"{what}: librdkafka's {method} did not return within "
+            f"{timeout + grace:g}s although its timeout is {timeout:g}s (it waits on "
+            "a coordinator it cached before the broker went away, "
+            "confluentinc/librdkafka#5456); the producer is abandoned and its "
+            "transactional.id fenced, so its open transaction does not hold the marker "
+            "group until the broker's transaction timeout; if this repeats, check the "
+            "broker is up and reachable")
+    if failed:
+        raise failed[0]
+    return out[0] if out else None
 
 
 def parse_offsets(text: str) -> dict[int, int]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
+from twophase.sinks.kafka.clients import bounded, healthy, txn_producer
 from twophase.sinks.kafka.config import common_config, validate_topic
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
 from twophase.sinks.kafka.lingering import COMMIT_LANE
@@ -64,6 +66,7 @@ COMMIT_IDS: Final = 8
 """Transactional ids per (sink, participant) for the copies: as many as the driver's
 commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id."""
 _ATTEMPT: Final = "twophase.attempt"
+log = logging.getLogger("twophase.sink")
 _STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
 
 
@@ -333,7 +336,7 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
     from confluent_kafka import Consumer, Producer
 
     if lane.producer is None:
-        producer = Producer(p.producer_config(lane.transactional_id))
+        producer = txn_producer(Producer, p.producer_config(lane.transactional_id))
         try:
             producer.init_transactions(p.connect_timeout_s)
         except Exception as exc:
@@ -350,14 +353,29 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
                                 "isolation.level": "read_committed"})
 
 
+_STUCK: list[Any] = []
+"""Producers left blocked in a librdkafka call (see :func:`_copy`): kept referenced, so
+no thread ever runs their destructor, which would wait on the blocked call."""
+
+
 def _drop(lane: _Lane) -> None:
     """A lane whose producer failed: dropped, not closed (close waits on a fenced
     producer); the next use initialises a new one, which aborts what this one held."""
+    if lane.producer is not None and getattr(lane.producer, "stuck", False):
+        _STUCK.append(lane.producer)
     lane.producer = None
     if lane.reader is not None:
         with contextlib.suppress(Exception):
             lane.reader.close()
         lane.reader = None
+
+
+def _retire(lane: _Lane) -> None:
+    """An idle lane (no transaction open) that is not to be used again: closed."""
+    with contextlib.suppress(Exception):
+        lane.producer.close()
+    lane.producer = None
+    _drop(lane)
 
 
 def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None:
@@ -376,6 +394,16 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             "staged; finish the batch from the coordinator's record (twophase resolve)")
     key, lane = POOL.take(p, branch.sink)
     try:
+        if lane.producer is not None and not healthy(lane.producer):
+            # It lived through a broker error while idle (a broker restart): librdkafka's
+            # cached coordinator then blocks send_offsets_to_transaction past its timeout
+            # (confluentinc/librdkafka#5456, #5511) until some broker state changes (the
+            # broker closing the idle connection: 10 minutes by default, issue 31). It has
+            # no transaction open: closed, and the lane starts again with a new producer.
+            log.info("%s: commit lane %s saw a broker error while idle (%s): a new "
+                     "producer is initialised", p.describe(), lane.transactional_id,
+                     lane.producer.broker_errors[-1])
+            _retire(lane)
         _ready(p, lane)
         group = p.marker_group(branch)
         consumer = p._marker_consumer(group)
@@ -388,10 +416,17 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             ok = True
         finally:
             p._marker_done(group, consumer, ok)
-    except BaseException:
+    except BaseException as exc:
         _drop(lane)
-        with contextlib.suppress(Exception):  # fence now: a copy left open holds the marker
+        try:  # fence now: a copy left open holds the marker group's offsets
             _ready(p, lane)
+            fenced = "fenced (its open copy, if any, aborted)"
+        except Exception as again:
+            fenced = f"not fenced ({again}); its next use fences it"
+        log.warning("%s: copy of branch %s of batch %d failed on lane %s: %s; the lane "
+                    "is %s, and the copy is redone when the batch is finished again",
+                    p.describe(), branch.branch_id, branch.batch_id,
+                    lane.transactional_id, exc, fenced)
         raise
     finally:
         POOL.give(key, lane)
@@ -406,9 +441,13 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
     where = f"branch {branch.branch_id} of batch {branch.batch_id}"
     producer.begin_transaction()
     try:
-        producer.send_offsets_to_transaction(
-            [TopicPartition(p.topic, 0, branch.batch_id + 1)],
-            consumer.consumer_group_metadata(), p.connect_timeout_s)
+        # librdkafka does not enforce this call's timeout when the group coordinator it
+        # has cached went away (confluentinc/librdkafka#5456, #5511): bounded here, else
+        # the driver waits until a broker state change wakes it (minutes).
+        bounded(producer, "send_offsets_to_transaction", p.connect_timeout_s,
+                f"{p.describe()}: {where}: cannot add the marker offset to the copy's "
+                f"transaction at {p.bootstrap}", [TopicPartition(p.topic, 0, branch.batch_id + 1)],
+                consumer.consumer_group_metadata(), p.connect_timeout_s)
         copied = 0
         produce, poll, topic = producer.produce, producer.poll, p.topic
         for key, value, headers in _staged(p, lane.reader, branch, handle):
@@ -432,8 +471,9 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
             raise ParticipantError(f"{p.describe()}: {where}: copy failed: {left} records "
                                    f"not delivered within {p.connect_timeout_s:g}s")
     except BaseException:
-        with contextlib.suppress(Exception):
-            producer.abort_transaction(p.connect_timeout_s)
+        if not getattr(producer, "stuck", False):  # a stuck one refuses any other call
+            with contextlib.suppress(Exception):
+                producer.abort_transaction(p.connect_timeout_s)
         raise
     _end(p, producer, where)
 

@@ -463,7 +463,21 @@ class _Chaos:
         return job, once
 
     def _finish_run(self, job: _JobRun) -> int:
-        rc = job.wait(self.o.run_timeout)
+        try:
+            rc = job.wait(self.o.run_timeout)
+        except subprocess.TimeoutExpired:
+            # A job that never ends is a finding (a stuck driver), not a crash of chaos:
+            # its log tail says where it waited; the run fails with it.
+            tail = job.tail(40)
+            job.kill_tree()
+            info = self.runs[job.number - 1]
+            info["returncode"] = job.proc.returncode
+            info["seconds"] = round((job.ended or time.monotonic()) - job.started, 3)
+            info["error"] = f"did not finish within {self.o.run_timeout:.0f}s"
+            raise ChaosError(
+                f"run {job.number} did not finish within {self.o.run_timeout:.0f}s (killed): "
+                f"the job is stuck, a defect to find from its log {job.log}, which ends:\n"
+                f"{tail}") from None
         info = self.runs[job.number - 1]
         info["returncode"] = rc
         info["seconds"] = round((job.ended or time.monotonic()) - job.started, 3)
