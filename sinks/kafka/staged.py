@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.config import common_config, validate_topic
@@ -401,6 +402,7 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
         if left:
             raise ParticipantError(f"{p.describe()}: {where}: copy failed: {left} records "
                                    f"not delivered within {p.connect_timeout_s:g}s")
+        failpoints.hit("mid_commit", p.name, branch.partition)
     except BaseException:
         with contextlib.suppress(Exception):
             producer.abort_transaction(p.connect_timeout_s)

@@ -194,11 +194,11 @@ class LocalDaemon(LocalServer):
         return self.proc.wait(timeout)
 
 
-def answers_kafka_metadata(port: int, bootstrap: str) -> bool:
-    """True once a broker on ``port`` answers a Kafka Metadata request (not just a TCP
-    accept): the readiness probe of the suite's local brokers."""
+def answers_kafka_metadata(port: int, bootstrap: str, host: str = "127.0.0.1") -> bool:
+    """True once a broker on ``host:port`` answers a Kafka Metadata request (not just a
+    TCP accept): the readiness probe of the suite's local brokers."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             pass
     except OSError:
         return False
