@@ -40,6 +40,8 @@ POINTS: Final = (
     "after_decision",  # coordinator: decision written, answer not sent
     "before_commit",  # per branch, where it is applied (the driver; the task on the
     # in-task path): decision known, not applied
+    "mid_commit",  # per branch, Kafka's staged copy on the driver: its transaction
+    # open, records and marker offset sent, commit_transaction not called
     "after_commit",  # per branch, the same: applied, ack not sent
     "before_ack",  # task, per branch
     "before_batch_commit",  # driver, per batch participant: COMMIT decided, table untouched

@@ -49,6 +49,20 @@ __all__ = [
 _FETCH = 1
 _FETCH_VERSION = 4  # isolation level + record batch v2; no tagged fields
 _MAX_BYTES = 8 * 1024 * 1024
+# Fetch error codes that mean "ask the metadata again": the partition's leader moved (an
+# election after a broker died) or the answering broker does not know it yet.
+_LEADER_MOVED = frozenset({
+    3,  # UNKNOWN_TOPIC_OR_PARTITION
+    5,  # LEADER_NOT_AVAILABLE
+    6,  # NOT_LEADER_OR_FOLLOWER
+    9,  # REPLICA_NOT_AVAILABLE
+    74,  # FENCED_LEADER_EPOCH
+    75,  # UNKNOWN_LEADER_EPOCH
+})
+
+
+class _LeaderMoved(ParticipantError):
+    """The broker asked is not (or no longer) the partition's leader."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +322,10 @@ def _fetch_once(
             r.raw(max(aborted, 0) * 16)  # (producer id, first offset) pairs
             records = r.raw(max(r.num(">i"), 0))
             if name == topic and part == partition:
+                if error in _LEADER_MOVED:
+                    raise _LeaderMoved(
+                        f"verify: Fetch of {topic!r} partition {partition} at offset "
+                        f"{offset} answered error code {error} (not its leader)")
                 if error:
                     raise ParticipantError(
                         f"verify: Fetch of {topic!r} partition {partition} at offset {offset} "
@@ -399,19 +417,42 @@ def read_log(
     (``settle_s``: see :func:`fetch_partition`)."""
     from twophase.sinks.kafka.config import common_config
 
-    leaders, cluster_id = _leaders(common_config(config), topic, timeout)
+    cfg = common_config(config)
+    leaders, cluster_id = _leaders(cfg, topic, timeout)
     parts = []
     for pid in sorted(leaders):
-        host, port = leaders[pid]
-        try:
-            hwm, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
-                                           settle_s=settle_s, config=config)
-        except OSError as exc:
-            raise ParticipantError(
-                f"verify: cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc}"
-            ) from exc
+        hwm, batches = _fetch_from_leader(cfg, topic, pid, leaders, timeout,
+                                          settle_s=settle_s)
         parts.append(replay(pid, batches, hwm))
     return TopicLog(topic, parts, cluster_id)
+
+
+def _fetch_from_leader(
+    config: Mapping[str, object], topic: str, pid: int,
+    leaders: dict[int, tuple[str, int]], timeout: float, *, start: int = 0,
+    settle_s: float | None = None,
+) -> tuple[int, list[LogBatch]]:
+    """:func:`fetch_partition` from the partition's leader. On a cluster the leader can
+    die or move between the metadata and the Fetch (an election): a refused connection
+    or a not-the-leader answer asks the metadata again and reads the whole range anew
+    from the new leader (which holds every acknowledged batch: ``acks=all``), until
+    ``timeout``. ``leaders`` is updated in place."""
+    deadline = time.monotonic() + timeout
+    while True:
+        host, port = leaders[pid]
+        try:
+            return fetch_partition(host, port, topic, pid, timeout=timeout, start=start,
+                                   settle_s=settle_s, config=config)
+        except (OSError, _LeaderMoved) as exc:
+            if time.monotonic() > deadline:
+                raise ParticipantError(
+                    f"verify: cannot fetch {topic!r} partition {pid} from its leader "
+                    f"{host}:{port} within {timeout:.0f}s: {exc} (a cluster must elect a "
+                    "leader meanwhile)"
+                ) from exc
+            time.sleep(0.5)
+            fresh, _ = _leaders(config, topic, max(deadline - time.monotonic(), 1.0))
+            leaders.update(fresh)
 
 
 @dataclass(frozen=True)
@@ -475,15 +516,8 @@ def read_branch(
             consumer.close()
     total = BranchInLog()
     for pid in sorted(leaders):
-        host, port = leaders[pid]
-        try:
-            _, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
-                                         start=start.get(pid, low.get(pid, 0)),
-                                         config=config)
-        except OSError as exc:
-            raise ParticipantError(
-                f"cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc}"
-            ) from exc
+        _, batches = _fetch_from_leader(cfg, topic, pid, leaders, timeout,
+                                        start=start.get(pid, low.get(pid, 0)))
         got = count_tagged(batches, tag)
         total = BranchInLog(total.committed + got.committed, total.aborted + got.aborted,
                             total.open + got.open)

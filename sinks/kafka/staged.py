@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.clients import bounded, healthy, txn_producer
@@ -470,6 +471,7 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
         if left:
             raise ParticipantError(f"{p.describe()}: {where}: copy failed: {left} records "
                                    f"not delivered within {p.connect_timeout_s:g}s")
+        failpoints.hit("mid_commit", p.name, branch.partition)
     except BaseException:
         if not getattr(producer, "stuck", False):  # a stuck one refuses any other call
             with contextlib.suppress(Exception):

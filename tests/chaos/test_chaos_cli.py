@@ -156,6 +156,8 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--victims", "broker", "--kafka-bootstrap", "127.0.0.1:1"],
          "victim 'broker' needs --kafka-local"),
         (["--kafka-local", "--kafka-tansu"], "pass one of --kafka-bootstrap, --kafka-local"),
+        (["--kafka-local", "--kafka-cluster", "3"], "pass one of --kafka-bootstrap"),
+        (["--kafka-cluster", "2"], "--kafka-cluster needs 3 or more nodes"),
         (["--broker-down-max", "-1"], "--broker-down-max must be within 0..60 seconds"),
     ],
 )

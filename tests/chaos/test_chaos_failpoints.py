@@ -72,6 +72,7 @@ def test_once_dir_in_process_and_non_matching_hits(tmp_path: Path) -> None:
 def test_victim_points_cover_every_point() -> None:
     covered = {p for v in VICTIMS for mode in ("embedded", "daemon")
                for p in points_for(v, mode, tables=True)}
+    covered |= set(points_for("driver", "embedded", in_task=False, kafka_staged=True))
     assert covered == set(failpoints.POINTS)
     # without an in-task participant the tasks only prepare; the driver commits
     assert points_for("worker", "embedded", in_task=False) == ("before_prepare",

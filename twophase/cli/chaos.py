@@ -24,6 +24,10 @@ examples:
                                                     and a read_committed consumer)
   twophase chaos --kafka-local --victims driver,worker,broker
                                                     ... and kill/restart that broker too
+  twophase chaos --kafka-cluster 3 --victims driver,worker,broker --kills 24
+                                                    3 Kafka nodes (namespaces; root): the
+                                                    broker victim is a partition leader or
+                                                    transaction coordinator (failover)
   twophase chaos --files-s3-local                   the files go to a private S3-API server
                                                     (moto) instead of a folder
   twophase chaos --mariadb-local                    also write a private MariaDB (XA, sql extra)
@@ -41,7 +45,9 @@ Victims: driver (the Spark driver process), worker (a Spark Python worker), coor
 (the `twophase serve` daemon; needs --coordinator-mode daemon), broker (the Apache Kafka
 broker of --kafka-local, its log on disk: SIGKILL, a pause of up to --broker-down-max
 seconds, restart on the same port and log; with --kafka-tansu, tansu on S3 storage in a
-private moto server). A kill
+private moto server; with --kafka-cluster, the node leading a partition of the target or
+staging topic, or coordinating an open transaction of the sink, restarted after the
+pause and waited for until it is back in every ISR). A kill
 is a failpoint at a protocol step (before_prepare, after_vote, after_decision, ...) or a
 SIGKILL after a random delay (always, for the broker). Every victim gets a kill before
 any gets a second (when --kills allows); --seed makes the sequence reproducible. Exit
@@ -90,6 +96,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="also write to a private Apache Kafka broker (4.x, KRaft, one node; "
                    "jars resolved once through Maven, docs/kafka.md), judged from its "
                    "partition logs and a read_committed consumer")
+    p.add_argument("--kafka-cluster", type=int, default=None, metavar="N",
+                   help="also write to a private Apache Kafka cluster of N nodes (3 or more; "
+                   "KRaft, each node in its own network namespace, replication N, "
+                   "min.insync.replicas 2; needs root); victim broker then kills the node "
+                   "leading a partition of the target or staging topic, or coordinating an "
+                   "open transaction of the sink (leader failover), and restarts it")
     p.add_argument("--kafka-tansu", action="store_true",
                    help="also write to a private tansu broker instead (the stand-in used "
                    "before Apache Kafka; it shows aborted records to read_committed readers, "
@@ -175,7 +187,11 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print("twophase chaos: --participant adds to the demo job; with --job, list the "
               "descriptors in the config's \"participants\"", file=sys.stderr)
         return 2
-    local_kafka = args.kafka_local or args.kafka_tansu
+    if args.kafka_cluster is not None and args.kafka_cluster < 3:
+        print("twophase chaos: --kafka-cluster needs 3 or more nodes (replication 3 with "
+              "min.insync.replicas 2 survives one node down)", file=sys.stderr)
+        return 2
+    local_kafka = args.kafka_local or args.kafka_tansu or args.kafka_cluster is not None
     if "broker" in victims and not (local_kafka and job is None):
         print("twophase chaos: victim 'broker' needs --kafka-local (chaos kills and restarts "
               "the private Kafka broker it starts; it cannot restart a broker given by "
@@ -204,14 +220,21 @@ def _run_chaos(args: argparse.Namespace) -> int:
                     "(pass --pg-dsn, or install the 'postgresql' package)")
         kafka = args.kafka_bootstrap
         if local_kafka and job is None:
-            if kafka or (args.kafka_local and args.kafka_tansu):
+            if kafka or (args.kafka_local + args.kafka_tansu
+                         + (args.kafka_cluster is not None)) > 1:
                 print("twophase chaos: pass one of --kafka-bootstrap, --kafka-local, "
-                      "--kafka-tansu", file=sys.stderr)
+                      "--kafka-tansu, --kafka-cluster", file=sys.stderr)
                 return 2
             from twophase.testing.apachekafka import LocalKafka
             from twophase.testing.localkafka import LocalTansu
 
-            if args.kafka_local:
+            if args.kafka_cluster is not None:
+                from twophase.testing.kafkacluster import KafkaCluster
+
+                say(f"starting a private Apache Kafka cluster of {args.kafka_cluster} nodes "
+                    "...")
+                broker = KafkaCluster(args.kafka_cluster)
+            elif args.kafka_local:
                 say("starting a private Apache Kafka broker ...")
                 broker = LocalKafka()
             elif "broker" in victims:

@@ -206,15 +206,21 @@ class LocalKafka(LocalServer):
                 out.append(f"--- {name}\n" + path.read_text(errors="replace")[-chars:])
         return "\n".join(out)
 
-    def _write_config(self) -> Path:
-        assert self.dir is not None
-        props = {
+    def _node_props(self) -> dict[str, str]:
+        """Who this node is and where it listens (a cluster's node says otherwise)."""
+        return {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
             "listeners": f"PLAINTEXT://{self.host}:{self.port},"
                          f"CONTROLLER://127.0.0.1:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
+        }
+
+    def _write_config(self) -> Path:
+        assert self.dir is not None
+        props = {
+            **self._node_props(),
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -230,14 +236,32 @@ class LocalKafka(LocalServer):
 
     def _java(self, main: str, *args: str) -> list[str]:
         assert self.dir is not None
-        return [java_binary(), *self.jvm_opts,
+        return [*self._prefix(), java_binary(), *self.jvm_opts,
                 f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
                 "-cp", f"{kafka_libs()}/*", main, *args]
+
+    def _prefix(self) -> list[str]:
+        """What the JVM's command starts with (a cluster node: its namespace)."""
+        return []
+
+    def answers(self) -> bool:
+        """Whether the broker answers a Metadata request with a broker in it (on its
+        plaintext listener: with security, the internal one on loopback)."""
+        ready = "127.0.0.1" if self.security else self.host
+        return answers_kafka_metadata(self.internal_port, f"{ready}:{self.internal_port}",
+                                      host=ready)
 
     def start(self, timeout: float = 60.0) -> LocalKafka:
         """Format the log folder (the first time), start the JVM, and wait until the
         broker answers a Metadata request with itself in it."""
         began = time.monotonic()
+        self.launch(timeout)
+        self.wait_ready(timeout, began)
+        return self
+
+    def launch(self, timeout: float = 60.0) -> None:
+        """Format the log folder (the first time) and start the JVM; no wait (the nodes
+        of a cluster start together: none answers before a quorum of them is up)."""
         if self.dir is None:
             self.dir = Path(tempfile.mkdtemp(prefix="twophase-kafka-", dir=self._base_dir))
         props = self._write_config()
@@ -259,6 +283,12 @@ class LocalKafka(LocalServer):
             self.proc = subprocess.Popen(
                 self._java("kafka.Kafka", str(props)), stdout=out, stderr=subprocess.STDOUT,
                 env=clean_env(), start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0, began: float | None = None) -> None:
+        """Wait until :meth:`answers`; a JVM that exits or a timeout raises with the
+        log's tail."""
+        assert self.proc is not None, "wait_ready() after launch()"
+        began = time.monotonic() if began is None else began
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -266,11 +296,9 @@ class LocalKafka(LocalServer):
                 raise KafkaBrokerUnavailable(
                     f"Apache Kafka {self.version} exited with {self.proc.returncode} at "
                     f"start (its folder {self.dir} is kept):\n{tail}")
-            ready = "127.0.0.1" if self.security else self.host  # the plaintext listener's
-            if answers_kafka_metadata(self.internal_port, f"{ready}:{self.internal_port}",
-                                      host=ready):
+            if self.answers():
                 self.start_seconds = time.monotonic() - began
-                return self
+                return
             time.sleep(0.1)
         tail = self.log_tail()
         self.kill()

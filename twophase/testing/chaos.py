@@ -48,6 +48,7 @@ from twophase.testing.servers import LocalDaemon, clean_env
 
 if TYPE_CHECKING:
     from twophase.testing.apachekafka import LocalKafka
+    from twophase.testing.kafkacluster import KafkaCluster
     from twophase.testing.localkafka import LocalTansu
     from twophase.testing.verify import VerifyReport
 
@@ -78,9 +79,12 @@ PREPARE_POINTS = ("before_prepare", "after_prepare")
 """The task's points when no participant is in-task: tasks prepare, the driver commits."""
 DRIVER_COMMIT_POINTS = ("before_commit", "after_commit")
 """Where the driver applies a decision to each branch (no in-task participant)."""
+KAFKA_COPY_POINTS = ("mid_commit",)
+"""Inside a staged Kafka branch's commit on the driver: the copy's transaction open."""
 # Points hit once per branch (participant and partition known); the others are hit once
 # per task (partition only) or outside tasks.
-PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit"})
+PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit",
+                               "mid_commit"})
 
 
 class ChaosError(TwophaseError, RuntimeError):
@@ -88,16 +92,19 @@ class ChaosError(TwophaseError, RuntimeError):
 
 
 def points_for(
-    victim: str, mode: str, tables: bool = False, in_task: bool = True
+    victim: str, mode: str, tables: bool = False, in_task: bool = True,
+    kafka_staged: bool = False,
 ) -> tuple[str, ...]:
     """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode
     (``tables``: the job writes a participant that commits once per batch; ``in_task``:
     it writes an in-task participant (Kafka), so its tasks vote, wait, commit and
-    acknowledge; without one the tasks only prepare and the driver commits)."""
+    acknowledge; without one the tasks only prepare and the driver commits;
+    ``kafka_staged``: a staged Kafka participant, whose copy the driver commits)."""
     if victim == "driver":
         # The embedded coordinator lives in the driver: its points kill the driver.
         return (DRIVER_POINTS + (TABLE_POINTS if tables else ())
                 + (() if in_task else DRIVER_COMMIT_POINTS)
+                + (KAFKA_COPY_POINTS if kafka_staged and not in_task else ())
                 + (COORDINATOR_POINTS if mode == "embedded" else ()))
     if victim == "worker":
         return WORKER_POINTS if in_task else PREPARE_POINTS
@@ -250,7 +257,9 @@ class ChaosOptions:
     kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...)
     # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
     # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
-    broker: LocalKafka | LocalTansu | None = None
+    # A KafkaCluster (--kafka-cluster 3): a kill takes the node leading a partition of the
+    # target or staging topic, or coordinating an open transaction of the sink.
+    broker: LocalKafka | LocalTansu | KafkaCluster | None = None
     broker_down_max_s: float = 5.0  # a broker kill keeps it down uniform(0, this) seconds
     sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
     delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
@@ -343,8 +352,14 @@ class _Chaos:
         self.participant_names = [p.name for p in built]
         self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
         self.in_task = any(not p.durable_prepare for p in built)
+        from twophase.sinks.kafka import KafkaParticipant
+
+        self.kafka_staged = [p.name for p in built
+                             if isinstance(p, KafkaParticipant) and p.durable_prepare]
         self.batch_seconds: list[float] = [3.0]
         self.broker_down: list[float] = []
+        self.broker_targets: list[str] = []  # a cluster's kills: what the node led
+        self._down_node = 0
 
     # ------------------------------------------------------------------ setup
     def _config(self) -> JobConfig:
@@ -429,12 +444,14 @@ class _Chaos:
         return self.rng.choice(self.o.victims)
 
     def _choose_failpoint(self, victim: str) -> str | None:
-        points = points_for(victim, self.o.coordinator_mode, self.tables, self.in_task)
+        points = points_for(victim, self.o.coordinator_mode, self.tables, self.in_task,
+                            bool(self.kafka_staged))
         if not points:
             return None
         point = self.rng.choice(points)
         if point in PER_BRANCH_POINTS:
-            who = self.rng.choice(self.participant_names)
+            who = self.rng.choice(self.kafka_staged if point in KAFKA_COPY_POINTS
+                                  else self.participant_names)
             part = self.rng.randrange(self.cfg.partitions or 1)
             return f"{point}@{who}/{part}=kill*1"
         return f"{point}=kill*1"
@@ -544,18 +561,44 @@ class _Chaos:
         if victim == "broker":
             broker = self.o.broker
             assert broker is not None
+            from twophase.testing.kafkacluster import KafkaCluster
+
+            if isinstance(broker, KafkaCluster):  # the node leading what is written
+                return self._kill_leader(broker)
             pid = broker.proc.pid if broker.proc else 0
             return f"pid {pid}" if broker.kill() else None
         assert self.daemon is not None
         pid = self.daemon.proc.pid if self.daemon.proc else 0
         return f"pid {pid}" if self.daemon.kill() else None
 
+    def _kill_leader(self, cluster: KafkaCluster) -> str | None:
+        from twophase.sinks.kafka.staged import default_staging_topic
+
+        topics = [self.cfg.kafka_topic, default_staging_topic(self.cfg.kafka_topic)]
+        node, why = cluster.pick_leader(self.rng, topics, f"twophase.{self.cfg.sink}.")
+        proc = cluster.nodes[node].proc
+        pid = proc.pid if proc else 0
+        if not cluster.kill(node):
+            return None
+        self._down_node = node
+        self.broker_targets.append(
+            "coordinator" if why.startswith("coordinator") else
+            "leader:staging" if why.startswith(f"leader of {topics[1]}/") else
+            "leader:target" if why.startswith("leader of") else "random node")
+        return f"node {node}, {why} (pid {pid})"
+
     def _after_kill(self, victim: str) -> None:
         if victim == "broker":
             down = self.rng.uniform(0.0, self.o.broker_down_max_s)
             time.sleep(down)  # bounded outage, then the same port and storage again
-            assert self.o.broker is not None
-            self.o.broker.restart()
+            broker = self.o.broker
+            assert broker is not None
+            from twophase.testing.kafkacluster import KafkaCluster
+
+            if isinstance(broker, KafkaCluster):  # back, and in every ISR again
+                broker.restart(self._down_node)
+            else:
+                broker.restart()
             self.broker_down.append(round(down, 3))
         if victim == "coordinator":
             assert self.daemon is not None
@@ -639,6 +682,10 @@ class _Chaos:
             nxt = next((t for t in commits if t > ev.at), None)
             ev.recovery_s = None if nxt is None else round(nxt - ev.at, 3)
         rec = [ev.recovery_s for ev in self.events if ev.recovery_s is not None]
+        from twophase.testing.kafkacluster import KafkaCluster
+
+        if isinstance(self.o.broker, KafkaCluster):
+            self.o.broker.wait_in_sync()  # every replica caught up first
         participants = build_participants(self.cfg)
         report = verify(participants,
                         expected_ids(self.total_batches, self.o.rows_per_batch),
@@ -673,6 +720,7 @@ class _Chaos:
             "kafka_reuse": self.cfg.kafka_reuse,
             "kafka_prepare": self.cfg.kafka_prepare,
             "broker_down_seconds": _summary(self.broker_down),
+            "broker_kills_by_target": dict(Counter(self.broker_targets)),
             "duration_s": self.now(),
             "verify": json.loads(report.to_json()),
             "verify_lines": report.lines(),
@@ -714,6 +762,10 @@ class _Chaos:
         broker = self.o.broker
         if broker is None or "broker" not in self.o.victims:
             return
+        for i, node in getattr(broker, "nodes", {}).items():  # a cluster's nodes
+            if node.dir is not None and (node.dir / node.log_name).exists():
+                (self.work / "logs" / f"broker-node{i}.log").write_bytes(
+                    (node.dir / node.log_name).read_bytes())
         if broker.dir is not None and (broker.dir / broker.log_name).exists():
             (self.work / "logs" / broker.log_name).write_bytes(
                 (broker.dir / broker.log_name).read_bytes())
@@ -789,6 +841,9 @@ def render(report: dict[str, Any]) -> list[str]:
     if down["n"]:
         lines.append(f"broker down per kill (SIGKILL -> restart): p50 {down['p50']:.1f}s, "
                      f"max {down['max']:.1f}s (n={down['n']})")
+    if report.get("broker_kills_by_target"):
+        lines.append("broker kills by what the node led: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(report["broker_kills_by_target"].items())))
     lines.append(f"coordinator transactions left unsettled: {report['coordinator_unsettled']}")
     lines.append("verification per system:")
     lines += ["  " + x for x in report["verify_lines"]]

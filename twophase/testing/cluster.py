@@ -16,7 +16,6 @@ interpreter (same file system), so the workers see the same virtual environment.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import secrets
@@ -31,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twophase.testing.servers import ServerUnavailable, free_port
+from twophase.testing.netns import Bridge, NetnsUnavailable, ip
+from twophase.testing.servers import free_port
 
 __all__ = ["ClusterUnavailable", "SparkStandalone", "Worker", "spark_home"]
 
 
-class ClusterUnavailable(ServerUnavailable):
+class ClusterUnavailable(NetnsUnavailable):
     """The test cluster could not be built (no ``ip``, no privileges, a JVM that died)."""
 
 
@@ -48,28 +48,7 @@ def spark_home() -> Path:
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    ip = shutil.which("ip")
-    if ip is None:
-        raise ClusterUnavailable(
-            "the 'ip' command is missing; install Debian's iproute2: apt-get install -y iproute2"
-        )
-    res = subprocess.run([ip, *args], capture_output=True, text=True, check=False)
-    if check and res.returncode != 0:
-        raise ClusterUnavailable(
-            f"ip {' '.join(args)} failed: {res.stderr.strip()} (the cluster tests need root "
-            "or CAP_NET_ADMIN to create network namespaces)"
-        )
-    return res
-
-
-def _free_subnet() -> int:
-    """A third octet X such that no interface here has an address in 10.213.X.0/24."""
-    used = _ip("-4", "-o", "addr", "show").stdout
-    for _ in range(200):
-        x = secrets.randbelow(250) + 2
-        if f"10.213.{x}." not in used:
-            return x
-    raise ClusterUnavailable("no free 10.213.X.0/24 subnet found")
+    return ip(*args, check=check, error=ClusterUnavailable)
 
 
 def _java() -> str:
@@ -164,40 +143,38 @@ class SparkStandalone:
         self.cores = cores
         self.memory = memory
         self.tag = "tp" + secrets.token_hex(3)  # interface names must stay <= 15 chars
-        self.subnet = 0
-        self.bridge = f"{self.tag}br"
+        self.net = Bridge(self.tag, error=ClusterUnavailable)
+        self.bridge = self.net.name
         self.dir = Path(tempfile.mkdtemp(prefix="twophase-cluster-", dir=base_dir))
         self.master_port = 0
         self.master_ui_port = 0
         self.master: subprocess.Popen[bytes] | None = None
         self.workers: list[Worker] = []
-        self._netns: list[str] = []
-        self._links: list[str] = []
 
     # ------------------------------------------------------------------ addresses
     @property
+    def subnet(self) -> int:
+        return self.net.subnet
+
+    @property
     def host_address(self) -> str:
-        return f"10.213.{self.subnet}.1"
+        return self.net.host_address
 
     @property
     def network(self) -> str:
-        return f"10.213.{self.subnet}.0/24"
+        return self.net.network
 
     @property
     def master_url(self) -> str:
         return f"spark://{self.host_address}:{self.master_port}"
 
     def contains(self, address: str) -> bool:
-        return ipaddress.ip_address(address) in ipaddress.ip_network(self.network)
+        return self.net.contains(address)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 120.0) -> SparkStandalone:
         try:
-            self.subnet = _free_subnet()
-            _ip("link", "add", self.bridge, "type", "bridge")
-            self._links.append(self.bridge)
-            _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            self.net.up()
             self._start_master()
             for _ in range(self.n_workers):
                 self.add_worker(wait=False)
@@ -243,18 +220,8 @@ class SparkStandalone:
         the executors' Python there (its install hooks are hidden in that host's mount
         namespace and PYTHONPATH is unset), the rest of the environment is the same."""
         n = len(self.workers) + 1
-        netns, host_veth, ns_veth = f"{self.tag}w{n}", f"{self.tag}h{n}", f"{self.tag}n{n}"
-        address = f"10.213.{self.subnet}.{10 + n}"
-        _ip("netns", "add", netns)
-        self._netns.append(netns)
-        _ip("link", "add", host_veth, "type", "veth", "peer", "name", ns_veth)
-        self._links.append(host_veth)
-        _ip("link", "set", host_veth, "master", self.bridge)
-        _ip("link", "set", host_veth, "up")
-        _ip("link", "set", ns_veth, "netns", netns)
-        _ip("-n", netns, "addr", "add", f"{address}/24", "dev", ns_veth)
-        _ip("-n", netns, "link", "set", ns_veth, "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
+        host = self.net.add_host(n, "w")
+        netns, host_veth, address = host.netns, host.host_veth, host.address
         work = self.dir / f"worker{n}"
         work.mkdir()
         env = self._env(SPARK_LOCAL_IP=address)
@@ -347,11 +314,7 @@ class SparkStandalone:
             if p is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(30)
-        for link in reversed(self._links):
-            _ip("link", "del", link, check=False)
-        for ns in self._netns:
-            _ip("netns", "del", ns, check=False)
-        self._links, self._netns = [], []
+        self.net.down()
         self.master = None
         if os.environ.get("TWOPHASE_KEEP_CLUSTER_LOGS") is None:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -204,8 +204,8 @@ class LocalDaemon(LocalServer):
 
 
 def answers_kafka_metadata(port: int, bootstrap: str, host: str = "127.0.0.1") -> bool:
-    """True once a broker on ``port`` answers a Kafka Metadata request (not just a TCP
-    accept): the readiness probe of the suite's local brokers."""
+    """True once a broker on ``host:port`` answers a Kafka Metadata request (not just a
+    TCP accept): the readiness probe of the suite's local brokers."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             pass

@@ -219,3 +219,27 @@ def test_negative_control_open_transaction_is_caught(kafka_bootstrap: str, topic
     assert not s.ok and s.open_transactions >= 1 and s.unexpected == 0, s
     hanging.abort_transaction(10)  # settled: the same topic now passes
     assert _verify(kafka_bootstrap, topic, range(4)).ok
+
+
+def test_reader_asks_again_when_the_leader_it_was_told_is_gone(
+    kafka_bootstrap: str, topic: str
+) -> None:
+    """On a cluster, the metadata can still name a leader that just died (until the
+    controller fences it) or one that lost the leadership: the reader must ask the
+    metadata again and read from the new leader, not fail the verdict or a redo. Here
+    the stale leader is an address nobody listens on; the metadata then names the
+    suite's broker. (The real election: tests/chaos/test_kafka_leader_failover.py.)"""
+    from twophase.sinks.kafka.log import _fetch_from_leader, read_branch
+    from twophase.testing.servers import free_port
+
+    p = _producer(kafka_bootstrap, f"{topic}-s")
+    _txn(p, topic, range(8), commit=True)
+    cfg = {"bootstrap.servers": kafka_bootstrap}
+    dead = {0: ("127.0.0.1", free_port()), 1: ("127.0.0.1", free_port())}
+    got = [_fetch_from_leader(cfg, topic, pid, dead, 20.0) for pid in (0, 1)]
+    values = [v for _, batches in got for b in batches if not b.control for v in b.values]
+    assert sorted(ids(list(values))) == list(range(8))
+    assert all(host == "127.0.0.1" and port != 0 for host, port in dead.values())
+    assert dead == {pid: (h, int(kafka_bootstrap.rsplit(":", 1)[1]))
+                    for pid, (h, _) in dead.items()}  # updated to the real leader
+    assert read_branch(cfg, topic, {}, {0: 0, 1: 0}).committed == 8
