@@ -16,8 +16,10 @@ Per attempt, on the driver, in place of those participants' share of the prepare
 
 A driver killed during 2 or 3 leaves the attempt's write folder, named by the attempt:
 ``status`` reads it as PREPARED, so the next attempt's settle step, the give-up sweep and
-``twophase resolve`` abort it. A finish (a restart found COMMIT decided) runs the Python
-tasks as before: they only commit what is staged, by name.
+``twophase resolve`` abort it. A finish (a restart found COMMIT decided) of a sink whose
+participants are all native commits the staged branches by name from the driver
+(``finish``: the batch only runs through Spark's ``noop`` sink, for its state stores);
+one with a lost branch, or Python participants beside, runs the Python tasks' finish.
 
 Persist policy: the batch's input is computed once per consumer (each native write, and
 the Python job when other participants remain). With one consumer nothing is cached;
@@ -35,17 +37,20 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.batchplan import BatchPlan, BranchOutcome
+from twophase.finish import apply_decision
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
     Handle,
     Participant,
     SparkWritten,
+    is_empty_branch,
     native_eligible,
 )
+from twophase.plan import run_through
 from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
 from twophase.report import short_error
-from twophase.wire import VoteIn, votes_body
+from twophase.wire import VoteIn, acks_body, votes_body
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -117,10 +122,11 @@ class NativePrepare:
                     (split.write.mode("overwrite").format(fmt)
                      .options(**{**_WRITE_OPTIONS, **part.native_options()})
                      .save(part.native_location(plan.key)))
+                    # written, not adopted: a kill here leaves the write folder
+                    failpoints.hit("after_prepare", part.name)
             for part in self.participants:
                 assert isinstance(part, SparkWritten)
                 handles[part.name] = part.adopt(plan.key, plan.partitions)
-                failpoints.hit("after_prepare", part.name)
         except Exception as exc:  # the coordinator's record decides what comes next
             return [], short_error(exc)
         took = time.perf_counter() - t0
@@ -140,6 +146,43 @@ class NativePrepare:
             out.votes = json.dumps(votes_body(plan.epoch, votes)["votes"])
             outcomes.append(out.as_dict())
         return outcomes, ""
+
+    def finish(self, df: DataFrame, plan: BatchPlan, client: CoordinatorClient
+               ) -> list[dict[str, Any]] | None:
+        """COMMIT is decided (``plan.mode`` finish): commit every staged branch by name
+        and hand back the acks as one outcome, the driver relaying them. None, having
+        changed nothing but earlier attempts' leftovers, when a branch needs its rows
+        again (lost, or not voted): the Python tasks' finish then redoes it."""
+        t0 = time.perf_counter()
+        recovered = self._settle_earlier(plan, client)
+        acks: list[tuple[str, Decision]] = []
+        todo: list[tuple[Participant, BranchRef, Handle]] = []
+        rows = 0
+        for part in self.participants:
+            for p in range(plan.partitions):
+                ref, bid = plan.ref(part, p), branch_id(part.name, p)
+                voted = plan.handles.get(bid)
+                if voted is None:
+                    return None
+                if is_empty_branch(voted):
+                    acks.append((bid, Decision.COMMIT))
+                    continue
+                action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted),
+                                         part.commit_scope)
+                if action == RecoveryAction.COMMIT:
+                    todo.append((part, ref, voted))
+                elif action != RecoveryAction.NOTHING:
+                    return None
+                acks.append((bid, Decision.COMMIT))
+                rows = max(rows, int(voted.get("rows", "0")))
+        run_through(df)  # a stateful query commits its state only when the batch runs
+        for part, ref, voted in todo:
+            apply_decision(part, ref, voted, Decision.COMMIT)
+        took = time.perf_counter() - t0
+        out = BranchOutcome(partition=0, rows=rows, recovered=recovered, commit_s=took,
+                            task_s=took, decision=Decision.COMMIT.value,
+                            acks=json.dumps(acks_body(plan.epoch, acks, {})["acks"]))
+        return [out.as_dict()]
 
     def _settle_earlier(self, plan: BatchPlan, client: CoordinatorClient) -> int:
         """The recovery rule for earlier attempts (all decided ABORT, or never decided),

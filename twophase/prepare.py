@@ -150,6 +150,11 @@ class PrepareJob:
         ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
         attempt of a sink with native participants writes theirs with Spark's writer
         (``client`` settles earlier attempts) and runs the Python job for the rest."""
+        if self._native is not None and plan.mode == "finish" and not self.python \
+                and client is not None:
+            finished = self._native.finish(df, plan, client)
+            if finished is not None:
+                return finished, ""
         if self._native is None or plan.mode != PREPARE or client is None:
             return self._run_python(df, plan, direct, None)
         from pyspark import StorageLevel
