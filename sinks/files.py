@@ -109,7 +109,8 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
 
     ``native`` (Parquet in a local folder): None, the default, lets Spark's own Parquet
     writer write the branch files when every participant of the sink can take them (the
-    native data path, no row through Python); False always writes them from Python."""
+    native data path, no row through Python); True also beside Python participants (the
+    batch persisted once for both); False always writes them from Python."""
 
     kind = "files"
     durable_prepare = True
@@ -181,6 +182,9 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         if getattr(self, "native", False) is False or self.format != "parquet":
             return None  # the object-store subclass never sets ``native``: not yet native
         return "parquet"
+
+    def native_preferred(self) -> bool:
+        return getattr(self, "native", None) is True
 
     def native_name(self, key: TxnKey) -> str:
         """The folder (under the staging folder) Spark's writer fills for attempt ``key``."""

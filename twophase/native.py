@@ -21,10 +21,13 @@ participants are all native commits the staged branches by name from the driver
 (``finish``: the batch only runs through Spark's ``noop`` sink, for its state stores);
 one with a lost branch, or Python participants beside, runs the Python tasks' finish.
 
-Persist policy: the batch's input is computed once per consumer (each native write, and
-the Python job when other participants remain). With one consumer nothing is cached;
-with more, the split batch is persisted (``MEMORY_AND_DISK``) for the attempt and
-unpersisted after it, so a source is read once (docs/performance.md).
+Which path (``split_native``): automatic, native for every participant when all of them
+take Spark's files; beside Python participants only for those that ask
+(``native_preferred``). Persist policy: the batch's input is computed once per consumer
+(each native write, and the Python job when Python participants remain). With one
+consumer nothing is cached; with more, the split batch is persisted
+(``MEMORY_AND_DISK``) for the attempt and unpersisted after it, so a source is read
+once (docs/decisions.md, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -74,12 +77,18 @@ _WRITE_OPTIONS: Final = {
 
 def split_native(participants: Sequence[Participant], gang: bool
                  ) -> tuple[tuple[Participant, ...], tuple[Participant, ...]]:
-    """(native, Python) participants of a sink: every participant that takes files Spark
-    wrote goes native, unless the sink runs a barrier stage (an in-task participant:
-    the tasks then wait for the decision, and a native write has no task to wait in)."""
+    """(native, Python) participants of a sink. Automatic: every participant goes native
+    when all of them take files Spark wrote (the batch is then read by Spark's writers
+    alone); in a sink with Python participants too, only those that ask for it
+    (``native_preferred``: the batch is then persisted for both). Never under a barrier
+    stage (an in-task participant: its tasks wait for the decision, and a native write
+    has no task to wait in)."""
     if gang:
         return (), tuple(participants)
     native = tuple(p for p in participants if native_eligible(p))
+    if len(native) < len(participants):
+        native = tuple(p for p in native if isinstance(p, SparkWritten)
+                       and p.native_preferred())
     return native, tuple(p for p in participants if p not in native)
 
 

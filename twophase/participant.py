@@ -363,6 +363,12 @@ class SparkWritten(abc.ABC):
         or None when its rows must go through :meth:`Participant.prepare` (a format
         Spark does not write the same way, or the user's override)."""
 
+    def native_preferred(self) -> bool:
+        """True when the user asked for the native path even in a sink with Python
+        participants (the batch is then persisted once for both); by default such a
+        sink keeps every participant on the Python path."""
+        return False
+
     def native_options(self) -> Mapping[str, str]:
         """Writer options of the native write (compression, ...) beyond twophase's own."""
         return {}

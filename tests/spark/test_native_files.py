@@ -1,8 +1,9 @@
 """The native data path under real Spark (local[2]), in this process: a files-only sink
 has Spark's own Parquet writer write its branches (no row through Python: the
 participant's ``prepare`` is never called) and reads back the same rows, files and
-schema as the Python path; a sink mixing a native and a Python participant writes both,
-the batch computed once (persisted)."""
+schema as the Python path; beside a Python participant a files participant stays on the
+Python path unless it asks (``native=True``), and then both are written, the batch
+computed once (persisted)."""
 
 from __future__ import annotations
 
@@ -69,8 +70,12 @@ def test_native_reads_back_as_the_python_path(spark: Any, tmp_path: Path) -> Non
 
 
 def test_native_and_python_participants_in_one_sink(spark: Any, tmp_path: Path) -> None:
-    native = NoPythonRows(str(tmp_path / "native"))
+    auto = StagedFileParticipant(str(tmp_path / "auto"))
     python = StagedFileParticipant(str(tmp_path / "python"), native=False)
+    # beside a Python participant the automatic choice is the Python path for both
+    assert _write(spark, tmp_path, [auto, python], "a")[0] == ("committed", 300, 3)
+    native = NoPythonRows(str(tmp_path / "native"), native=True)  # asked for: native
+    python = StagedFileParticipant(str(tmp_path / "python2"), native=False)
     history = _write(spark, tmp_path, [native, python], "m")
     assert history == [("committed", 300, 3), ("committed", 0, 3), ("committed", 20, 3)]
     (n_names, n_rows), (p_names, p_rows) = _folder(native), _folder(python)

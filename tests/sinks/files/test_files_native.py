@@ -98,3 +98,17 @@ def test_adopt_refuses_two_files_of_one_partition(tmp_path: Path) -> None:
     pq.write_table(pa.table({"id": [9]}), where / f"part-00000-{uuid.uuid4()}-c001.snappy.parquet")
     with pytest.raises(Exception, match="one file per task expected"):
         p.adopt(KEY, 1)
+
+
+def test_which_path_each_participant_takes(tmp_path: Path) -> None:
+    from twophase.native import split_native
+    from twophase.sinks.postgres import PostgresParticipant
+
+    auto = StagedFileParticipant(str(tmp_path / "a"))
+    asked = StagedFileParticipant(str(tmp_path / "b"), native=True)
+    python = StagedFileParticipant(str(tmp_path / "c"), native=False)
+    pg = PostgresParticipant(dsn="postgresql://localhost/x", table="t")
+    assert split_native([auto, asked], gang=False) == ((auto, asked), ())  # all native
+    assert split_native([auto, pg], gang=False) == ((), (auto, pg))  # beside Python: asked only
+    assert split_native([asked, auto, python], gang=False) == ((asked,), (auto, python))
+    assert split_native([auto], gang=True) == ((), (auto,))  # a barrier stage: never
