@@ -26,10 +26,15 @@ ROWS = 40
 
 
 KILLS = (
-    # (failpoint, what the driver left behind in the staging folder)
-    ("after_prepare=kill*1", "write folder"),  # Spark wrote the attempt's folder, no vote
-    ("before_commit=kill*1", "staged"),  # COMMIT decided, no branch renamed
-    ("after_commit=kill*1", "staged"),  # one branch renamed, the other not, none acked
+    # (failpoint, what the driver may leave in the staging folder, what it must)
+    # Spark wrote the attempt's folder, no vote
+    ("after_prepare=kill*1", {"write folder"}, {"write folder"}),
+    # COMMIT decided, the killed branch not renamed (the driver's other commit lane may
+    # have renamed its branch)
+    ("before_commit=kill*1", {"staged"}, {"staged"}),
+    # a branch renamed, none acknowledged (the restart's finish of the batch before, one
+    # branch at a time, may meet the point on that batch's last branch)
+    ("after_commit=kill*1", {"staged"}, set()),
 )
 
 
@@ -52,13 +57,13 @@ def test_driver_killed_on_the_native_path(tmp_path: Path) -> None:
     cfg.dump(cfg_path)
     write_input(cfg.input_dir, 1, ROWS)
     batches = 1
-    for i, (spec, left) in enumerate(KILLS):
+    for i, (spec, may, must) in enumerate(KILLS):
         once = tmp_path / f"once{i}"
         run = run_reference_job(cfg_path, {failpoints.ENV: spec,
                                            failpoints.ONCE_DIR_ENV: str(once)}, log)
         assert len(failpoints.fired(str(once))) == 1, log.read_text()[-3000:]
         assert run.returncode == -9, log.read_text()[-3000:]
-        assert _left(tmp_path / "out" / STAGING_DIR) == {left}, spec
+        assert must <= _left(tmp_path / "out" / STAGING_DIR) <= may, spec
         write_input(cfg.input_dir, 1, ROWS, first=batches)
         batches += 1
     last = run_reference_job(cfg_path, {}, log)
