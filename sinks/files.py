@@ -178,9 +178,14 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
     # -- the native data path (SparkWritten) --------------------------------------------------
 
     def native_format(self) -> str | None:
-        """Parquet in a local (shared) folder, unless ``native=False``."""
-        if getattr(self, "native", False) is False or self.format != "parquet":
-            return None  # the object-store subclass never sets ``native``: not yet native
+        """Parquet in a local (shared) folder, unless ``native=False``; by default not for
+        a subclass with its own ``prepare`` (it writes rows its own way: only
+        ``native=True`` bypasses it)."""
+        native = getattr(self, "native", False)  # the object-store subclass never sets it
+        if native is False or self.format != "parquet":
+            return None
+        if native is None and type(self).prepare is not StagedFileParticipant.prepare:
+            return None
         return "parquet"
 
     def native_preferred(self) -> bool:

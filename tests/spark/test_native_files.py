@@ -53,7 +53,9 @@ def _folder(p: StagedFileParticipant) -> tuple[list[str], pa.Table]:
 
 
 def test_native_reads_back_as_the_python_path(spark: Any, tmp_path: Path) -> None:
-    native = NoPythonRows(str(tmp_path / "native"), name="files-out")
+    # a subclass with its own prepare stays on the Python path unless it asks
+    assert StagedFileParticipant.native_format(NoPythonRows(str(tmp_path / "a"))) is None
+    native = NoPythonRows(str(tmp_path / "native"), name="files-out", native=True)
     python = StagedFileParticipant(str(tmp_path / "python"), name="files-out", native=False)
     history = _write(spark, tmp_path, [native], "n")
     assert history == _write(spark, tmp_path, [python], "p")

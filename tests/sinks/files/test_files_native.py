@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,6 +44,13 @@ def test_eligibility_and_override(tmp_path: Path) -> None:
     assert native_eligible(StagedFileParticipant(str(tmp_path / "a"), native=True))
     assert not native_eligible(StagedFileParticipant(str(tmp_path / "a"), native=False))
     assert not native_eligible(StagedFileParticipant(str(tmp_path / "a"), "jsonl"))
+
+    class OwnPrepare(StagedFileParticipant):
+        def prepare(self, branch: Any, schema: Any, batches: Any) -> Any:  # its own way
+            return super().prepare(branch, schema, batches)
+
+    assert not native_eligible(OwnPrepare(str(tmp_path / "a")))  # writes its own way
+    assert native_eligible(OwnPrepare(str(tmp_path / "a"), native=True))
     with pytest.raises(InvalidRequest, match="native=True needs format='parquet'"):
         StagedFileParticipant(str(tmp_path / "a"), "jsonl", native=True)
     with pytest.raises(InvalidRequest, match="native must be"):
