@@ -5,26 +5,25 @@ Reproduce (from the repository root, in the README's venv, ``bash scripts/test.s
 
     .venv/bin/python bench/e2e.py                               # full: 7 pairs, 10k/100k/1M + empty
                                                                 # + Kafka section: 3 pairs, 100k
-    .venv/bin/python bench/e2e.py --no-kafka-section            # without tansu
+    .venv/bin/python bench/e2e.py --no-kafka-section            # without Kafka
     .venv/bin/python bench/e2e.py --pairs 2 --sizes 10000,100000 --batches 3   # quick look
-    .venv/bin/python bench/e2e.py --kafka --sizes 10000 --pairs 2   # + a Kafka topic on tansu
+    .venv/bin/python bench/e2e.py --kafka --sizes 10000 --pairs 2   # + a Kafka topic
     .venv/bin/python bench/e2e.py --sizes 1000000 --pairs 2 --batches 2 --no-empty \\
         --fresh-workers                                          # peak RSS per task at 1M
 
 A private PostgreSQL server (``twophase.testing.localpg``, fsync on) and one Spark session
 (local[2], 2 shuffle partitions, as the reference job) are started here and stopped at the
 end; files and checkpoints go to a temporary folder (``--dir`` to choose the disk). With
-``--kafka`` a private tansu broker (``twophase.testing.localkafka``, memory storage) too.
+``--kafka`` a private Apache Kafka broker (``twophase.testing.apachekafka``) too.
 
-The query: a file source (one Parquet file per micro-batch, ``maxFilesPerTrigger=1``,
-``availableNow``) of the reference job's events. Each run is a new query on a fresh
-checkpoint, a fresh table, a fresh output folder (and a fresh topic); its first batch
-warms up and is not measured, the next ``--batches`` are.
+The query: a file source (one Parquet file per micro-batch, ``availableNow``) of the
+reference job's events; each run a new query on fresh checkpoint, table, folder (and
+topic); its first batch warms up, the next ``--batches`` are measured.
 
 - A, at-least-once: ``foreachBatch`` runs ``mapInArrow`` over the batch as Spark gives
-  it (no repartition); each task streams its Arrow batches into psycopg ``COPY ... FROM
-  STDIN (FORMAT csv)`` (pyarrow-built CSV, the participant's own encoder) and into one
-  pyarrow Parquet file (fsync, rename, directory fsync), with ``--kafka`` also into a
+  it; each task streams its Arrow batches into psycopg ``COPY ... FROM STDIN (FORMAT
+  csv)`` (the participant's own CSV encoder) and into one pyarrow Parquet file (fsync,
+  rename, directory fsync), with ``--kafka`` also into a
   plain idempotent confluent_kafka producer (no transaction; one per worker process,
   kept for its next tasks; the row as JSON, no key, as ``KafkaParticipant`` encodes it;
   flushed, delivery reports checked), commits, reports its row count.
@@ -48,12 +47,9 @@ The empty section measures two things:
   very function Spark calls with each micro-batch) is called directly, for
   ``--empty-relations`` consecutive batch ids (on the query's lineage: this thread takes
   over the query id Spark sets on its stream thread), with
-  ``spark.createDataFrame([], schema)`` of the query's schema: local rows, none at all
-  (PySpark makes them an RDD of ``spark.default.parallelism`` empty partitions, 2 here;
-  the bench checks the sink's ``_input_partitions`` says 0). B settles such a batch with
-  two coordinator calls and no Spark job (``TransactionalSink._settle_empty``); A runs
-  its ``mapInArrow`` + ``collect`` as for any batch: a Spark job of 2 tasks over the
-  empty partitions. Each call is timed alone.
+  ``spark.createDataFrame([], schema)``: no rows (an RDD of 2 empty partitions; the
+  bench checks the sink sees 0). B settles it with two coordinator calls and no Spark
+  job; A runs its ``mapInArrow`` + ``collect``, a job of 2 tasks. Each call timed alone.
 
 Per size, B's batch is split by phase, as the sink measured it (``BatchReport.phases``,
 p50 over the measured batches): the driver's frame (the job's DataFrame), split (its
@@ -63,9 +59,10 @@ in one call), batch commit (tables), settle (an empty relation) and driver (the 
 A's job is split the same way (its slowest task and Spark's part), beside it.
 
 The Kafka section (by default; ``--no-kafka-section`` skips it, ``--kafka-sizes`` and
-``--kafka-pairs`` size it): after the others, a private tansu starts and both sides add a
-topic (A: a plain idempotent producer kept per worker; B: ``KafkaParticipant`` with its
-defaults, ``--kafka-reuse``: ``reuse_clients=True``), warm-ups counted in the log.
+``--kafka-pairs`` size it): after the others, a private Apache Kafka broker starts
+(``--kafka-tansu``: tansu) and both sides add a topic (A: a plain idempotent producer
+kept per worker; B: ``KafkaParticipant`` with its defaults, the staged prepare;
+``--kafka-in-task``, ``--kafka-reuse`` change them), warm-ups counted in the log.
 
 The last line sums it up: ``ratio@100k``, ``ratio@1M``, ``added_p50@100k``,
 ``empty_batch_p50`` (B's p50 for the empty file), ``empty_relation_p50`` (B's p50 for the
@@ -84,7 +81,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import types
 import uuid
@@ -99,6 +95,9 @@ if str(ROOT) not in sys.path:
 
 import pyarrow as pa  # noqa: E402
 
+from bench.e2e_phases import phase_line  # noqa: E402
+from bench.kafka_topics import committed_rows, drop_topic, new_topic  # noqa: E402
+from bench.rss import WorkerRss  # noqa: E402
 from twophase.testing.job import EVENT_DDL, place_batch, spark_session, write_input  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
@@ -191,126 +190,6 @@ def _at_least_once_writer(dsn: str, table: str, out_dir: str,
     return write
 
 
-# --------------------------------------------------------------------------- RSS sampler
-
-
-def _status(pid: int, key: str) -> int:
-    """A ``/proc/PID/status`` size field in bytes (0 when gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-class WorkerRss:
-    """Peak resident memory of each Python worker process of this process's Spark, per run.
-
-    The workers are the processes ``pyspark.daemon`` forks (the daemon itself, a small
-    fork server, is not counted; other users' Spark is not either). The peak of a process
-    is the kernel's own high-water mark (``VmHWM``), read every 20 ms while armed, so a
-    short spike between two reads is not missed. ``arm()`` resets it (``clear_refs``) in
-    the workers alive then, so a reused worker reports this run's peak, not its lifetime's;
-    but memory an earlier run left in pyarrow's allocator still counts. With Spark's
-    ``spark.python.worker.reuse=false`` (``--fresh-workers``) every task runs in a new
-    worker: the figure is then the peak of one task.
-    """
-
-    def __init__(self) -> None:
-        self.peaks: dict[int, int] = {}  # worker pid -> its peak RSS this run
-        self._daemons: set[int] = set()
-        self._lock = threading.Lock()
-        self._armed = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _parents() -> dict[int, int]:
-        parent: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                    parent[int(d)] = int(fields[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-        return parent
-
-    @staticmethod
-    def _is_daemon_cmd(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"pyspark.daemon" in f.read()
-        except OSError:
-            return False
-
-    def _find_daemons(self) -> set[int]:
-        """pyspark.daemon processes descending from this one whose parent is not one."""
-        parent, me = self._parents(), os.getpid()
-        out = set()
-        for pid in parent:
-            p, seen = pid, 0
-            while p in parent and p != me and seen < 50:
-                p, seen = parent[p], seen + 1
-            if p == me and pid != me and self._is_daemon_cmd(pid) \
-                    and not self._is_daemon_cmd(parent[pid]):
-                out.add(pid)
-        return out
-
-    @staticmethod
-    def _children(pid: int) -> list[int]:
-        out: list[int] = []
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    out.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            pass
-        return out
-
-    def _workers(self) -> list[int]:
-        return [c for d in self._daemons for c in self._children(d)]
-
-    def _loop(self) -> None:
-        last_scan = 0.0
-        while not self._stop.is_set():
-            if not self._armed.wait(0.2):
-                continue
-            now = time.monotonic()
-            if now - last_scan > 1.0:
-                self._daemons, last_scan = self._find_daemons(), now
-            with self._lock:
-                for pid in self._workers():
-                    hwm = _status(pid, "VmHWM:")
-                    if hwm:
-                        self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
-            time.sleep(0.02)
-
-    def arm(self) -> None:
-        self._daemons = self._find_daemons()
-        for pid in self._workers():  # a reused worker: count this run's peak only
-            try:
-                with open(f"/proc/{pid}/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
-        with self._lock:
-            self.peaks = {}
-        self._armed.set()
-
-    def disarm(self) -> list[int]:
-        """Every worker's peak RSS during the run (bytes), highest first."""
-        time.sleep(0.05)
-        self._armed.clear()
-        with self._lock:
-            return sorted(self.peaks.values(), reverse=True)
-
-
 # --------------------------------------------------------------------------- one run
 
 
@@ -342,41 +221,9 @@ class Setup:
     work: Path
     dsn: str
     rss: WorkerRss
-    kafka: str | None = None  # bootstrap servers of the private tansu
+    kafka: str | None = None  # bootstrap servers of the private broker
     kafka_reuse: bool = False
-
-
-def _new_topic(bootstrap: str, topic: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(topic, 2)]).values():
-        future.result(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        t = admin.list_topics(topic=topic, timeout=10).topics.get(topic)
-        if t is not None and t.error is None and len(t.partitions) == 2:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"kafka topic {topic} did not appear")
-
-
-def _drop_topic(bootstrap: str, topic: str) -> None:
-    try:  # frees tansu's memory; best effort
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        for future in admin.delete_topics([topic]).values():
-            future.result(timeout=10)
-    except Exception:
-        pass
-
-
-def _kafka_rows(bootstrap: str, topic: str) -> int:
-    """Records the topic's log shows committed (plain records count as committed)."""
-    from twophase.sinks.kafka.log import read_log
-
-    return len(read_log({"bootstrap.servers": bootstrap}, topic, timeout=60).committed)
+    kafka_prepare: str = "staged"  # B's KafkaParticipant(prepare=...)
 
 
 def _relation_partitions(df: Any) -> int | None:
@@ -399,7 +246,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
     topic = f"e2e-{variant.lower()}-{tag}"
     out_dir.mkdir()
     if setup.kafka:
-        _new_topic(setup.kafka, topic)
+        new_topic(setup.kafka, topic, partitions=2)
     pg = PostgresParticipant(dsn=dsn, table=table)
     result = Run()
     sink: TransactionalSink | None = None
@@ -427,7 +274,8 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
             from twophase.sinks.kafka import KafkaParticipant
 
             parts.append(KafkaParticipant(topic, {"bootstrap.servers": setup.kafka},
-                                          reuse_clients=setup.kafka_reuse, prepare="in_task"))
+                                          reuse_clients=setup.kafka_reuse,
+                                          prepare=setup.kafka_prepare))
         sink = TransactionalSink(
             f"e2e{tag}", parts, coordinator=f"sqlite:///{work / f'coord-{tag}.db'}",
             vote_timeout=120.0,
@@ -475,7 +323,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
                 sc.setLocalProperty("sql.streaming.queryId", None)
             del result.phases[len(result.times):]  # the batches' phases, not the calls'
         if check_kafka and setup.kafka:
-            result.kafka_rows = _kafka_rows(setup.kafka, topic)
+            result.kafka_rows = committed_rows(setup.kafka, topic)
     finally:
         setup.rss.disarm()
         if sink is not None:
@@ -483,7 +331,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
         if setup.kafka:
-            _drop_topic(setup.kafka, topic)
+            drop_topic(setup.kafka, topic)
         try:
             import psycopg
             from psycopg import sql
@@ -511,36 +359,6 @@ def pct(xs: list[float], q: float) -> float:
 
 def label(n: int) -> str:
     return "empty" if n == 0 else f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
-
-
-def _phase_line(title: str, runs: dict[str, list[Run]], a50: float) -> str:
-    """B's batch split by phase (p50 over the measured batches of every run, ms), measured
-    by the sink itself (``BatchReport.phases``), beside A's whole batch and A's job split
-    the same way (the job, its slowest task, the rest: Spark's part)."""
-    batches = [ph for r in runs["B"] for ph in r.phases[1:]]
-    a_jobs = [ph for r in runs["A"] for ph in r.phases[1:]]
-    if not batches or not a_jobs:
-        return ""
-
-    def p50(key: str, of: list[dict[str, float]] = batches) -> float:
-        return 1000 * statistics.median(ph.get(key, 0.0) for ph in of)
-
-    def spark_part(of: list[dict[str, float]]) -> float:
-        return 1000 * statistics.median(
-            ph.get("job_s", 0.0) - ph.get("task_s", 0.0) for ph in of)
-
-    job_spark = spark_part(batches)
-    return (f"{title}: A's job p50 (ms) {p50('job_s', a_jobs):.1f} [Spark's part "
-            f"{spark_part(a_jobs):.1f}; slowest task {p50('task_s', a_jobs):.1f}]\n"
-            f"{title}: B's phases p50 (ms): frame {p50('frame_s'):.1f}, split "
-            f"{p50('split_s'):.1f}, setup {p50('setup_s'):.1f}, begin "
-            f"{p50('begin_s'):.1f}, plan {p50('plan_s'):.1f}, job {p50('job_s'):.1f} "
-            f"[Spark's part {job_spark:.1f}; slowest task {p50('task_s'):.1f} = prepare "
-            f"{p50('prepare_s'):.1f} + vote {p50('vote_s'):.1f} + wait {p50('wait_s'):.1f} + "
-            f"commit {p50('commit_s'):.1f}], decide {p50('decide_s'):.1f}, driver's commit "
-            f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
-            f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
-            f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}")
 
 
 def _warm_up(setup: Setup, work: Path, v: str) -> None:
@@ -632,9 +450,21 @@ def measure_size(setup: Setup, work: Path, size: int, args: argparse.Namespace,
                      f" ms, p99 {1000 * pct(rb, 0.99):.1f} ms")
             summary["empty_relation_p50"] = 1000 * pct(rb, 0.5)
     print(line, flush=True)
-    phases = _phase_line(name, all_runs, a50)
+    phases = phase_line(name, all_runs, a50)
     if phases:
         print(phases, flush=True)
+
+
+def _broker(args: argparse.Namespace, work: Path) -> Any:
+    """The private broker of the Kafka runs, started: Apache Kafka (one KRaft node, jars
+    from Maven) unless ``--kafka-tansu``."""
+    if args.kafka_tansu:
+        from twophase.testing.localkafka import LocalTansu
+
+        return LocalTansu(base_dir=str(work)).start()
+    from twophase.testing.apachekafka import LocalKafka
+
+    return LocalKafka().start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -653,8 +483,12 @@ def main(argv: list[str] | None = None) -> int:
                          "job over the empty partitions")
     ap.add_argument("--no-empty", action="store_true", help="skip the empty section")
     ap.add_argument("--kafka", action="store_true",
-                    help="add a Kafka topic on a private tansu to both sides (A: a plain "
+                    help="add a Kafka topic on a private broker to both sides (A: a plain "
                          "idempotent producer; B: KafkaParticipant)")
+    ap.add_argument("--kafka-tansu", action="store_true",
+                    help="the private broker is tansu (the old stand-in), not Apache Kafka")
+    ap.add_argument("--kafka-in-task", action="store_true",
+                    help="B's KafkaParticipant(prepare='in_task') (default: staged)")
     ap.add_argument("--kafka-reuse", action="store_true",
                     help="with --kafka (implied): B's KafkaParticipant(reuse_clients=True)")
     ap.add_argument("--kafka-sizes", default="100000",
@@ -662,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kafka-pairs", type=int, default=3, help="A/B pairs per Kafka size")
     ap.add_argument("--no-kafka-section", dest="kafka_section", action="store_false",
                     help="skip the Kafka section (run by default after the others: both "
-                         "sides also write a topic on a private tansu; its ratio is the "
+                         "sides also write a topic on a private broker; its ratio is the "
                          "last line's kafka_ratio@100k)")
     ap.add_argument("--fresh-workers", action="store_true",
                     help="spark.python.worker.reuse=false: a new Python worker per task, so "
@@ -681,9 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, float] = {}
     try:
         if args.kafka:
-            from twophase.testing.localkafka import LocalTansu
-
-            broker = LocalTansu(base_dir=str(work)).start()
+            broker = _broker(args, work)
         # A is a plain foreachBatch job: like any PySpark job using pyarrow on the
         # workers, it must name an interpreter that has it (pip-installed PySpark reads
         # only PYSPARK_PYTHON and otherwise runs `python3`; TransactionalSink chooses the
@@ -691,13 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         conf = {"spark.python.worker.reuse": "false"} if args.fresh_workers else {}
         spark = spark_session(conf)
-        setup = Setup(spark, work, pg.dsn, WorkerRss(),
-                      broker.bootstrap if broker else None, args.kafka_reuse)
-        targets = "PostgreSQL + Parquet"
-        if args.kafka:
-            targets += (" + Kafka (tansu; B's producers reused: reuse_clients=True)"
-                        if args.kafka_reuse else
-                        " + Kafka (tansu; B's producers new per batch, the default)")
+        setup = Setup(spark, work, pg.dsn, WorkerRss(), broker.bootstrap if broker else None,
+                      args.kafka_reuse, "in_task" if args.kafka_in_task else "staged")
+        kafka = (f"Kafka ({'tansu' if args.kafka_tansu else 'Apache Kafka'}; B's prepare "
+                 f"{setup.kafka_prepare}{', reuse_clients=True' if args.kafka_reuse else ''})")
+        targets = "PostgreSQL + Parquet" + (f" + {kafka}" if args.kafka else "")
         workers = ("a fresh Python worker per task" if args.fresh_workers
                    else "Python workers reused")
         print(f"e2e: Spark {spark.version} local[2], {targets}, {args.pairs} pairs, "
@@ -709,13 +539,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             measure_size(setup, work, size, args, summary, restart)
         if args.kafka_section and not args.kafka:
-            from twophase.testing.localkafka import LocalTansu
-
-            broker = LocalTansu(base_dir=str(work)).start()
+            broker = _broker(args, work)
             ksetup = dataclasses.replace(setup, kafka=broker.bootstrap)
-            print(f"kafka section: + a Kafka topic on tansu on both sides (B's producers "
-                  f"{'reused' if args.kafka_reuse else 'new per batch, the default'}), "
-                  f"{args.kafka_pairs} pairs", flush=True)
+            print(f"kafka section: + a topic on both sides, {kafka}, {args.kafka_pairs} "
+                  "pairs", flush=True)
             for v in ("A", "B"):
                 _warm_up(ksetup, work, v)
             ksummary: dict[str, float] = {}

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.participants_kafka import _new_topic, make_batch  # noqa: E402
+from bench.kafka_topics import new_topic  # noqa: E402
+from bench.participants_kafka import make_batch  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
 from twophase.sinks.kafka import KafkaParticipant  # noqa: E402
 
@@ -38,7 +39,7 @@ STAGING = f"bench-staging-{uuid.uuid4().hex[:8]}"
 
 
 def run(bootstrap: str, mode: str, rows: int, branches: int) -> tuple[float, float]:
-    topic = _new_topic(bootstrap)
+    topic = new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, name="bench-kafka",
                          prepare=mode, staging_topic=STAGING)
     batch = make_batch(rows // branches)

@@ -38,9 +38,8 @@ if str(ROOT) not in sys.path:
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 from confluent_kafka import Producer  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
-from confluent_kafka.cimpl import NewTopic  # noqa: E402
 
+from bench.kafka_topics import new_topic  # noqa: E402
 from twophase.jsoncodec import json_rows  # noqa: E402
 from twophase.participant import BranchRef  # noqa: E402
 from twophase.sinks.kafka import KafkaParticipant  # noqa: E402
@@ -62,16 +61,8 @@ def make_batch(n: int) -> pa.RecordBatch:
     )
 
 
-def _new_topic(bootstrap: str) -> str:
-    topic = f"bench-{uuid.uuid4().hex[:12]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for fut in admin.create_topics([NewTopic(topic, 1)]).values():
-        fut.result(timeout=15)
-    return topic
-
-
 def _participant_run(bootstrap: str, batch: pa.RecordBatch) -> float:
-    topic = _new_topic(bootstrap)
+    topic = new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, prepare="in_task")
     b = BranchRef("bench", uuid.uuid4().hex[:16], 0, 0, p.name, 0)
     t = time.perf_counter()
@@ -93,7 +84,7 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
 
     from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
 
-    topic = _new_topic(bootstrap)
+    topic = new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse,
                          prepare="in_task")
     lineage = uuid.uuid4().hex[:16]
@@ -138,7 +129,7 @@ def bench_reuse(sizes: list[int], bootstrap: str | None, batches: int = 9) -> No
 
 def _raw_run(bootstrap: str, batch: pa.RecordBatch, warm: bool = False) -> float:
     """A plain producer; ``warm`` starts it (and its ProducerId) before the clock starts."""
-    topic = _new_topic(bootstrap)
+    topic = new_topic(bootstrap)
     errors: list[Any] = []
 
     def on_delivery(err: Any, _msg: Any) -> None:
@@ -151,7 +142,7 @@ def _raw_run(bootstrap: str, batch: pa.RecordBatch, warm: bool = False) -> float
 
     if warm:
         producer = start()
-        producer.produce(_new_topic(bootstrap), b"warm-up")
+        producer.produce(new_topic(bootstrap), b"warm-up")
         producer.flush(30)
     t = time.perf_counter()
     if not warm:

@@ -110,6 +110,8 @@ def create_app(
         poll=poll_interval if poll_interval is not None else (1.0 if st.is_sqlite else 0.1),
     )
     st.on_change = _observer(svc, st.on_change)
+    if svc.background is not None:
+        svc.metrics.watch(svc.background.targets)
 
     app = FastAPI(
         title="twophase coordinator",

@@ -1,4 +1,5 @@
-"""Periodic work of a coordinator: vote deadlines, alerts, retention.
+"""Periodic work of a coordinator: vote deadlines, alerts, retention (and, in a thread
+of its own, what the sinks' targets hold open: :mod:`.targets`).
 
 Every replica may run it: deadlines go through the same compare-and-set as any other
 change, so two replicas expiring one transaction write one ABORT.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from twophase.coordinator.store import Store
+from twophase.coordinator.targets import DEFAULT_INTERVAL, TargetWatch
 from twophase.errors import InvalidRequest
 
 log = logging.getLogger("twophase.coordinator.background")
@@ -49,6 +51,7 @@ class Settings:
     retention: float = DEFAULT_RETENTION
     alert_after: float = DEFAULT_ALERT_AFTER
     purge_every: float = 60.0
+    target_watch: float = DEFAULT_INTERVAL  # seconds between asks of the sinks' targets; 0: off
 
 
 class Background:
@@ -61,6 +64,7 @@ class Background:
         self._thread: threading.Thread | None = None
         self._last_purge = 0.0
         self._backlog = False  # the last purge hit its limit: more are due
+        self.targets = TargetWatch(store, self.settings.target_watch)
 
     def tick(self, now: float | None = None) -> dict[str, int]:
         """One round; returns what it did (tests call it directly)."""
@@ -90,8 +94,10 @@ class Background:
                 target=self._loop, name="twophase-background", daemon=True
             )
             self._thread.start()
+        self.targets.start()
 
     def stop(self) -> None:
+        self.targets.stop()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from twophase import protocol as p
 from twophase.coordinator.store import Store
+from twophase.coordinator.targets import TargetWatch
 from twophase.protocol import TxnKey, parse_branch_id
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
@@ -56,9 +57,44 @@ class _StoreCollector(Collector):
         )
 
 
+class _TargetCollector(Collector):
+    """What the sinks' targets hold open, as the target watch last saw it."""
+
+    def __init__(self, watch: TargetWatch) -> None:
+        self.watch = watch
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["sink", "participant"]
+        txns = GaugeMetricFamily(
+            "twophase_target_open_transactions",
+            "Transactions the sink's writers hold open on the target now (any process's; "
+            "a Kafka one stalls read_committed readers)", labels=labels)
+        age = GaugeMetricFamily(
+            "twophase_target_oldest_open_transaction_age_seconds",
+            "Age of the oldest of them (0 when none)", labels=labels)
+        unstable = GaugeMetricFamily(
+            "twophase_target_unstable_records",
+            "Records past the partition's last stable offset (committed readers wait)",
+            labels=[*labels, "partition"])
+        ok = GaugeMetricFamily(
+            "twophase_target_check_ok",
+            "1 when the target answered the coordinator's last ask, 0 when it could not "
+            "be asked (the console says why)", labels=labels)
+        for st in self.watch.states():
+            ok.add_metric([st.sink, st.participant], 0 if st.backlog is None else 1)
+            if st.backlog is None:
+                continue
+            txns.add_metric([st.sink, st.participant], st.backlog.open_transactions)
+            age.add_metric([st.sink, st.participant], st.backlog.oldest_open_age_s)
+            for part, n in st.backlog.unstable.items():
+                unstable.add_metric([st.sink, st.participant, part], n)
+        yield from (txns, age, unstable, ok)
+
+
 class Metrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
+        self.targets: TargetWatch | None = None
         self.decisions = Counter(
             "twophase_decisions", "Decisions written by this process", ["outcome"],
             registry=self.registry,
@@ -142,6 +178,11 @@ class Metrics:
                 self.ack_phase.labels(outcome).observe(
                     max(0.0, after.finished_at - after.decided_at)
                 )
+
+    def watch(self, targets: TargetWatch) -> None:
+        """Show what the target watch sees (the daemon's background runs it)."""
+        self.targets = targets
+        self.registry.register(_TargetCollector(targets))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

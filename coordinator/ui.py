@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse
 from twophase import protocol as p
 from twophase.coordinator.metrics import Metrics
 from twophase.coordinator.store import Store
+from twophase.coordinator.targets import TargetState
 from twophase.errors import TransactionNotFound
 from twophase.names import NAME_PATTERN
 from twophase.protocol import BranchStatus, Decision, TxnKey, recovery_action
@@ -82,6 +83,8 @@ def ui_routes(store: Store, metrics: Metrics) -> APIRouter:
         recent = [r.txn for r in store.list(sink=sink, limit=limit)]
         body = (
             _sinks_html(sinks)
+            + _targets_html([t for t in (metrics.targets.states() if metrics.targets else [])
+                             if sink is None or t.sink == sink], now)
             + _open_html(open_, now)
             + _timeline_html(recent, metrics, now)
             + f'<p class="muted">rendered {html.escape(_clock(now))} UTC</p>'
@@ -150,6 +153,31 @@ def _sinks_html(sinks: Sequence[dict[str, Any]]) -> str:
         "<th>oldest in doubt</th><th>alerts</th><th>participants</th><th></th></tr>"
         + "".join(rows) + "</table>"
     )
+
+
+def _targets_html(states: Sequence[TargetState], now: float) -> str:
+    """What the sinks' targets hold open (the target watch's last ask): a Kafka
+    transaction a crash left open stalls read_committed readers; resolve aborts it."""
+    if not states:
+        return ""
+    rows = []
+    for t in states:
+        if t.backlog is None:
+            what, cls = f"cannot ask: {_e(t.error)}", "warn"
+        else:
+            b = t.backlog
+            lag = sum(b.unstable.values())
+            cls = "bad" if b.open_transactions else "ok"
+            where = ", ".join(f"{k}: {v}" for k, v in b.unstable.items() if v)
+            what = (f"{b.open_transactions} open transaction(s), oldest "
+                    f"{_dur(b.oldest_open_age_s)}; {lag} record(s) past the last stable "
+                    "offset" + (f" ({_e(where)})" if lag else ""))
+        rows.append(f'<tr data-target="{_e(t.sink)}/{_e(t.participant)}"><td>{_e(t.sink)}</td>'
+                    f'<td>{_e(t.participant)}</td><td class="{cls}">{what}</td>'
+                    f'<td>{_dur(max(0.0, now - t.at))} ago</td></tr>')
+    return ("<h2>Open on the targets</h2><table id=targets><tr><th>sink</th>"
+            "<th>participant</th><th>held open</th><th>asked</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def _proposal(txn: p.Transaction, bid: str, b: p.BranchState) -> str:

@@ -120,7 +120,9 @@ class CoordinatorClient:
             verify = os.environ.get(CA_ENV) or True
         kwargs: dict[str, Any] = {}
         if self.url.startswith("https://"):
-            kwargs["verify"] = verify
+            # a CA bundle's path as an SSL context (httpx deprecates verify=<str>)
+            kwargs["verify"] = (ssl.create_default_context(cafile=verify)
+                                if isinstance(verify, str) else verify)
         else:
             kwargs["verify"] = False  # no TLS: skip building an SSL context (it is slow)
         self._http = httpx.Client(

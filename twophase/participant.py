@@ -59,6 +59,7 @@ __all__ = [
     "ReadBack",
     "Rebuildable",
     "SparkWritten",
+    "TargetBacklog",
     "Verifiable",
     "descriptor_of",
     "is_empty_branch",
@@ -157,6 +158,19 @@ class ReadBack:
     extra_commits: int = 0
     """Commits of a batch beyond its first (one snapshot per micro-batch is the rule of a
     once-per-batch participant): must be 0."""
+
+
+@dataclass(frozen=True)
+class TargetBacklog:
+    """What a target holds open for a sink now, that its readers wait behind (a Kafka
+    transaction left open by a crash stalls every ``read_committed`` reader of its
+    partitions): shown by the coordinator's console and ``/metrics``."""
+
+    open_transactions: int
+    oldest_open_age_s: float
+    unstable: Mapping[str, int]
+    """Per target partition (``topic-N``): records past its last stable offset, which
+    committed readers cannot read yet."""
 
 
 class Participant(abc.ABC):
@@ -270,6 +284,12 @@ class Participant(abc.ABC):
         not grow by P rows per batch forever: no recovery asks about those batches (Spark
         replays only batches its checkpoint still retains). Default: nothing to prune."""
         return 0
+
+    def open_on_target(self, sink: str) -> TargetBacklog | None:
+        """What ``sink``'s writers hold open on the target now, any process's (the
+        coordinator polls it for its console and ``/metrics``). Default None: this kind
+        of target holds nothing open that readers wait behind."""
+        return None
 
     def describe(self) -> str:
         return f"{self.kind} participant {self.name!r}"

@@ -7,6 +7,8 @@ message naming the fix, not in the middle of a batch on an executor.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,10 +16,58 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from twophase.errors import Failure, ParticipantError, TargetProblem, classify
-from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS
+from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS, common_config
 from twophase.sinks.kafka.errors import describe_error, kafka_error
 
-__all__ = ["check_columns", "check_topic", "probe_topic"]
+__all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic",
+           "probe_transactional_write", "security_refusal"]
+
+
+def _admin(config: Mapping[str, object]) -> tuple[Any, list[str]]:
+    """An AdminClient that keeps what librdkafka reports to its ``error_cb``: a failed
+    TLS handshake or SASL sign-in surfaces only there (the request itself fails with a
+    bare ``_TRANSPORT``)."""
+    from confluent_kafka.admin import AdminClient
+
+    errors: list[str] = []
+    settings: dict[str, Any] = {**config, "error_cb": lambda err: errors.append(err.str())}
+    admin = AdminClient(settings)
+    return admin, errors
+
+
+def list_metadata(admin: Any, errors: list[str], timeout: float,
+                  topic: str | None = None) -> Any:
+    """``admin.list_topics`` within ``timeout``, asked in short rounds so that a TLS or
+    SASL refusal (which librdkafka retries until the timeout) ends the wait at once."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return admin.list_topics(topic=topic, timeout=max(0.1, min(2.0, left)))
+        except Exception:
+            if time.monotonic() >= deadline or security_refusal(errors, admin) is not None:
+                raise
+
+
+def security_refusal(errors: list[str], client: Any = None) -> tuple[str, str] | None:
+    """(cause, fix) when librdkafka's errors show a TLS or SASL refusal, else None.
+    ``client``: polled first, so the errors it has queued reach ``error_cb``."""
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.poll(0)
+    for text in reversed(errors):
+        low = text.lower()
+        if "sasl authentication" in low or "authentication failed" in low:
+            return (f"SASL authentication failed ({text.strip()[:300]})",
+                    "check sasl.username and sasl.password (and sasl.mechanism) in config=: "
+                    "the broker must hold this principal's credentials for that mechanism")
+        if "certificate verify failed" in low or "ssl handshake failed" in low:
+            return (f"TLS: the broker's certificate does not verify ({text.strip()[:300]})",
+                    "set ssl.ca.location in config= to the CA that signed the broker's "
+                    "certificate, and name the brokers by a host the certificate lists")
+    return None
 
 
 def check_columns(who: str, schema: pa.Schema, key: str | None, value: str | None) -> None:
@@ -57,13 +107,15 @@ def check_topic(
 
     ``config`` holds only connection settings (:func:`~.config.common_config`).
     """
-    from confluent_kafka.admin import AdminClient
-
     bootstrap = str(config["bootstrap.servers"])
-    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    admin, errors = _admin(config)
     try:
-        md = admin.list_topics(timeout=timeout)
+        md = list_metadata(admin, errors, timeout)
     except Exception as exc:
+        refused = security_refusal(errors, admin)
+        if refused is not None:
+            raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
+                                refused[1], kind=Failure.AUTHENTICATION) from None
         raise ParticipantError(
             f"{who}: cannot reach Kafka at {bootstrap} within "
             f"{timeout:g}s: {describe_error(exc)}"
@@ -102,14 +154,16 @@ def probe_topic(who: str, config: Mapping[str, object], topic: str, *, timeout: 
     :class:`ParticipantError` for brokers that do not answer."""
     import socket
 
-    from confluent_kafka.admin import AdminClient
-
     bootstrap = str(config["bootstrap.servers"])
     host = socket.gethostname()
-    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    admin, errors = _admin(config)
     try:
-        md = admin.list_topics(topic=topic, timeout=timeout)
+        md = list_metadata(admin, errors, timeout, topic)
     except Exception as exc:
+        refused = security_refusal(errors, admin)
+        if refused is not None:
+            raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
+                                refused[1], host=host, kind=Failure.AUTHENTICATION) from None
         kind = classify(exc)
         if kind.permanent:
             raise TargetProblem(who, f"Kafka at {bootstrap} refused: {describe_error(exc)}",
@@ -134,6 +188,31 @@ def probe_topic(who: str, config: Mapping[str, object], topic: str, *, timeout: 
     if kind.permanent:
         raise TargetProblem(who, f"topic {topic!r} at {bootstrap}: {name}: {found.error.str()}",
                             _KAFKA_FIXES[kind], host=host, kind=kind)
+
+
+def unstable_records(config: Mapping[str, object], topic: str, *, timeout: float
+                     ) -> dict[str, int]:
+    """Per partition of ``topic`` (``topic-N``): records past its last stable offset (the
+    high watermark minus the offset a ``read_committed`` reader stops at). Above 0 only
+    while a transaction writing the partition is open: readers wait behind it."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka import admin as kadmin
+
+    AdminClient, OffsetSpec = kadmin.AdminClient, kadmin.OffsetSpec  # type: ignore[attr-defined]
+
+    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    md = admin.list_topics(topic=topic, timeout=timeout)
+    found = md.topics.get(topic)
+    if found is None or found.error is not None:
+        return {}
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    specs = {TopicPartition(topic, n): latest for n in found.partitions}
+    ends = {}
+    for level in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+        futures = admin.list_offsets(specs, isolation_level=level, request_timeout=timeout)
+        ends[level] = {tp.partition: f.result().offset for tp, f in futures.items()}
+    high, stable = ends[IsolationLevel.READ_UNCOMMITTED], ends[IsolationLevel.READ_COMMITTED]
+    return {f"{topic}-{n}": max(0, high[n] - stable[n]) for n in sorted(high)}
 
 
 def _configs(
@@ -189,3 +268,85 @@ def _create_topic(
             f"{who}: topic {topic!r} does not exist at {bootstrap} "
             f"and could not be created: {describe_error(exc)}"
         ) from exc
+
+
+def _missing_topic_ops(admin: Any, topic: str, needs: tuple[str, ...],
+                       timeout: float) -> list[str]:
+    """The operations of ``needs`` this principal may not do on ``topic``, from the
+    broker's own answer (DescribeTopics' authorized operations); [] when the broker does
+    not say (no authorizer, or a broker without the field)."""
+    from confluent_kafka import TopicCollection
+
+    try:
+        [future] = admin.describe_topics(TopicCollection([topic]),
+                                         include_authorized_operations=True,
+                                         request_timeout=timeout).values()
+        allowed = future.result(timeout=timeout).authorized_operations
+    except Exception:
+        return []  # a missing topic (check() creates it) or no answer: the write says
+    if not allowed:
+        return []
+    names = {getattr(op, "name", str(op)) for op in allowed}
+    if "ALL" in names:
+        return []
+    return [op for op in needs if op not in names]
+
+
+_PROBE_RACES = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH",
+                          "CONCURRENT_TRANSACTIONS"})
+"""Executors probing at once share the probe's transactional.id: one fences another."""
+
+
+def probe_transactional_write(
+    who: str, producer_config: Mapping[str, object], topics: Mapping[str, tuple[str, ...]],
+    acl_hint: str, *, timeout: float,
+) -> None:
+    """This principal may write transactionally: ``init_transactions`` on the probe's
+    transactional.id (the broker checks Write on it), and the topics allow the operations
+    named in ``topics`` (topic -> operations). Writes no record. A refusal is a
+    :class:`TargetProblem` naming the missing ACL; ``acl_hint`` is the kafka-acls
+    command line that grants it."""
+    import socket
+
+    from confluent_kafka import Producer
+
+    bootstrap = str(producer_config["bootstrap.servers"])
+    host = socket.gethostname()
+    tid = str(producer_config["transactional.id"])
+    errors: list[str] = []
+    producer = Producer({**producer_config, "error_cb": lambda e: errors.append(e.str())})
+    try:
+        producer.init_transactions(timeout)
+    except Exception as exc:
+        err = kafka_error(exc)
+        refused = security_refusal(errors, producer)
+        if refused is not None:
+            raise TargetProblem(who, f"Kafka at {bootstrap} refused: {refused[0]}",
+                                refused[1], host=host, kind=Failure.AUTHENTICATION) from None
+        if err is not None and "AUTHORIZATION" in err.name():
+            raise TargetProblem(
+                who, f"Kafka at {bootstrap} refused a transactional write: {err.name()} on "
+                f"transactional.id {tid!r}",
+                "grant the principal Write and Describe on the transactional ids by prefix "
+                f"(kafka-acls.sh --add {acl_hint})", host=host,
+                kind=Failure.AUTHORIZATION) from None
+        # another process probing the same id at once: the broker accepted it
+        if err is None or err.name() not in _PROBE_RACES:
+            raise ParticipantError(
+                f"{who}: cannot initialise the probe's transactional.id {tid!r} at "
+                f"{bootstrap} within {timeout:g}s: {describe_error(exc)}") from None
+    finally:
+        with warnings.catch_warnings():  # a refused producer's close warns of its abort
+            warnings.simplefilter("ignore", RuntimeWarning)
+            producer.close()
+    admin, _ = _admin(common_config(producer_config))
+    for topic, needs in topics.items():
+        missing = _missing_topic_ops(admin, topic, needs, timeout)
+        if missing:
+            raise TargetProblem(
+                who, f"Kafka at {bootstrap} does not allow this principal "
+                f"{', '.join(missing)} on topic {topic!r}",
+                "grant it: " + "; ".join(
+                    f"kafka-acls.sh --add --allow-principal User:<you> --operation "
+                    f"{op.title()} --topic {topic}" for op in missing),
+                host=host, kind=Failure.AUTHORIZATION)

@@ -32,7 +32,11 @@ from twophase.errors import ParticipantError
 from twophase.participant import BranchRef
 from twophase.protocol import Transaction, parse_branch_id
 
-__all__ = ["Listing", "OpenTransaction", "committing_ids", "list_open_transactions"]
+COMMIT_LANE = "commit."
+"""What follows ``twophase.<sink>.<participant>.`` in a staged copy lane's transactional
+id (its number follows)."""
+
+__all__ = ["COMMIT_LANE", "Listing", "OpenTransaction", "committing_ids", "list_open_transactions"]
 
 
 class Listing(Protocol):
@@ -82,11 +86,17 @@ class OpenTransaction:
     partitions: tuple[str, ...]  # "topic-partition", sorted
 
 
+def _numbered(rest: str) -> bool:
+    """``N`` (an in-task branch's id) or ``commit.N`` (a staged copy lane's)."""
+    return rest.isdigit() or (rest.startswith(COMMIT_LANE) and rest[len(COMMIT_LANE):].isdigit())
+
+
 def list_open_transactions(
     who: str, config: Mapping[str, object], prefix: str, timeout: float
 ) -> list[OpenTransaction]:
     """Every ``Ongoing`` transaction whose transactional.id is ``prefix`` followed by a
-    partition number, oldest first."""
+    partition number (an in-task branch's) or by ``commit.`` and a lane number (a staged
+    copy's, :mod:`~twophase.sinks.kafka.staged`), oldest first."""
     from kafka.admin import KafkaAdminClient
 
     bootstrap = str(config["bootstrap.servers"])
@@ -106,7 +116,7 @@ def list_open_transactions(
         listed = admin.list_transactions(state_filters=["Ongoing"])
         ids = sorted(t.transactional_id for per_broker in listed.values() for t in per_broker
                      if t.transactional_id.startswith(prefix)
-                     and t.transactional_id[len(prefix):].isdigit())
+                     and _numbered(t.transactional_id[len(prefix):]))
         described: dict[str, Any] = {}
         for tid in ids:  # one by one: one that ended meanwhile is not found, the rest are
             try:

@@ -14,9 +14,9 @@ and applies Kafka's own rule (see :func:`replay`):
 
 Record batches are decoded with kafka-python's maintained record module (format v2,
 control batches, every compression codec it supports). The Fetch itself is a plain
-Fetch v4 request (``read_uncommitted``, so control batches come back) on a plaintext
-connection to each partition's leader; the partition leaders come from a
-confluent-kafka metadata request.
+Fetch v4 request (``read_uncommitted``, so control batches come back) on a connection to
+each partition's leader secured as the user's settings say (TLS, SASL PLAIN or SCRAM:
+:mod:`.brokerconn`); the partition leaders come from a confluent-kafka metadata request.
 
 Two users: the verifier (:func:`read_log`, :func:`judge_log`) and the Kafka participant's
 redo (:func:`read_branch`), which asks the log whether a branch's records were committed
@@ -38,6 +38,7 @@ from typing import Any
 
 from twophase.errors import ParticipantError
 from twophase.participant import ReadBack
+from twophase.sinks.kafka.brokerconn import connect, recv_exact, request_header
 
 __all__ = [
     "BranchInLog", "LogBatch", "LostMarker", "OpenTxn", "PartitionLog", "TopicLog",
@@ -47,7 +48,6 @@ __all__ = [
 
 _FETCH = 1
 _FETCH_VERSION = 4  # isolation level + record batch v2; no tagged fields
-_CLIENT_ID = b"twophase-verify"
 _MAX_BYTES = 8 * 1024 * 1024
 
 
@@ -264,7 +264,7 @@ def _string(s: str | bytes) -> bytes:
 
 
 def _fetch_request(correlation: int, topic: str, partition: int, offset: int) -> bytes:
-    body = struct.pack(">hhi", _FETCH, _FETCH_VERSION, correlation) + _string(_CLIENT_ID)
+    body = request_header(_FETCH, _FETCH_VERSION, correlation)
     # replica_id, max_wait_ms, min_bytes, max_bytes, isolation_level (read_uncommitted)
     body += struct.pack(">iiiib", -1, 500, 1, _MAX_BYTES, 0)
     body += struct.pack(">i", 1) + _string(topic)
@@ -290,24 +290,13 @@ class _Reader:
         return out
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the broker closed the connection")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
 def _fetch_once(
     sock: socket.socket, correlation: int, topic: str, partition: int, offset: int
 ) -> tuple[int, bytes]:
     """(high watermark, records bytes) of one Fetch v4 at ``offset``."""
     sock.sendall(_fetch_request(correlation, topic, partition, offset))
-    (size,) = struct.unpack(">i", _recv(sock, 4))
-    r = _Reader(_recv(sock, size))
+    (size,) = struct.unpack(">i", recv_exact(sock, 4))
+    r = _Reader(recv_exact(sock, size))
     if r.num(">i") != correlation:
         raise ParticipantError("verify: Fetch answer out of order")
     r.take(">i")  # throttle time
@@ -330,7 +319,7 @@ def _fetch_once(
 
 def fetch_partition(
     host: str, port: int, topic: str, partition: int, *, timeout: float = 30.0,
-    start: int = 0, settle_s: float | None = None,
+    start: int = 0, settle_s: float | None = None, config: Mapping[str, object] | None = None,
 ) -> tuple[int, list[LogBatch]]:
     """Every record batch of one partition from ``start`` to the high watermark read at
     the first Fetch (later appends are left out: the verifier reads a settled topic).
@@ -338,10 +327,11 @@ def fetch_partition(
     A broker may answer a high watermark whose last batch is not written yet (tansu
     reserves the offset first): the read waits for it up to ``timeout`` and then fails,
     unless ``settle_s`` is given: then offsets that stay empty that long are a gap (a
-    write a crash cut, see :func:`settle_lost_markers`) and the read ends there."""
+    write a crash cut, see :func:`settle_lost_markers`) and the read ends there.
+    ``config``: the user's librdkafka settings, for TLS and SASL (plaintext without)."""
     batches: list[LogBatch] = []
     deadline = time.monotonic() + timeout
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with connect(host, port, config or {}, timeout) as sock:
         correlation, offset = 1, start
         end, data = _fetch_once(sock, correlation, topic, partition, offset)
         stuck_since: float | None = None
@@ -373,13 +363,14 @@ def _leaders(
 ) -> tuple[dict[int, tuple[str, int]], str | None]:
     """(partition -> (host, port) of its leader, the cluster id), from a metadata request."""
     from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient(dict(config))  # type: ignore[arg-type]
+    from twophase.sinks.kafka.admin import _admin, list_metadata, security_refusal
+
+    admin, errors = _admin(config)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            md = admin.list_topics(topic, timeout=10)
+            md = list_metadata(admin, errors, min(10.0, timeout), topic)
             found = md.topics.get(topic)
             if found is not None and found.error is None and found.partitions:
                 out: dict[int, tuple[str, int]] = {}
@@ -392,6 +383,9 @@ def _leaders(
                     return out, md.cluster_id
         except KafkaException:
             pass
+        refused = security_refusal(errors, admin)
+        if refused is not None:  # credentials or CA: waiting does not help
+            raise ParticipantError(f"Kafka log reader: {refused[0]}: {refused[1]}")
         if time.monotonic() > deadline:
             raise ParticipantError(f"verify: no metadata for Kafka topic {topic!r}")
         time.sleep(0.5)
@@ -411,11 +405,10 @@ def read_log(
         host, port = leaders[pid]
         try:
             hwm, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
-                                           settle_s=settle_s)
+                                           settle_s=settle_s, config=config)
         except OSError as exc:
             raise ParticipantError(
-                f"verify: cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc} "
-                "(the log reader speaks plaintext Kafka only)"
+                f"verify: cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc}"
             ) from exc
         parts.append(replay(pid, batches, hwm))
     return TopicLog(topic, parts, cluster_id)
@@ -472,7 +465,7 @@ def read_branch(
     low: dict[int, int] = {}
     missing = [pid for pid in leaders if pid not in start]
     if missing:  # the log may no longer begin at offset 0 (retention)
-        consumer = Consumer({**cfg, "group.id": "twophase-log-reader"})
+        consumer = Consumer({**cfg, "group.id": "twophase.log-reader"})
         try:
             for pid in missing:
                 first, _ = consumer.get_watermark_offsets(
@@ -485,7 +478,8 @@ def read_branch(
         host, port = leaders[pid]
         try:
             _, batches = fetch_partition(host, port, topic, pid, timeout=timeout,
-                                         start=start.get(pid, low.get(pid, 0)))
+                                         start=start.get(pid, low.get(pid, 0)),
+                                         config=config)
         except OSError as exc:
             raise ParticipantError(
                 f"cannot fetch {topic!r} partition {pid} from {host}:{port}: {exc}"

@@ -51,11 +51,19 @@ from twophase.participant import (
     PrepareRefused,
     ReadBack,
     Rebuildable,
+    TargetBacklog,
     Verifiable,
     required_secret,
 )
 from twophase.sinks.kafka import staged
-from twophase.sinks.kafka.admin import check_columns, check_topic, probe_topic
+from twophase.sinks.kafka.admin import (
+    check_columns,
+    check_topic,
+    probe_topic,
+    probe_transactional_write,
+    unstable_records,
+)
+from twophase.sinks.kafka.brokerconn import unsupported
 from twophase.sinks.kafka.clients import (
     MARKER_CONSUMERS,
     PRODUCERS,
@@ -79,6 +87,7 @@ from twophase.sinks.kafka.errors import (
     kafka_error,
 )
 from twophase.sinks.kafka.lingering import (
+    COMMIT_LANE,
     Listing,
     OpenTransaction,
     committing_ids,
@@ -131,6 +140,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         reuse_clients: bool = False,
         prepare: str = staged.DEFAULT_PREPARE,
         staging_topic: str | None = None,
+        probe_write: bool = True,
     ) -> None:
         self.topic = validate_topic(topic)
         if name is None:
@@ -183,6 +193,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         self.staging_topic = (validate_topic(staging_topic) if staging_topic is not None
                               else staged.default_staging_topic(self.topic))
         self.staging_partitions = 0  # learnt by check() on the driver (staged)
+        if not isinstance(probe_write, bool):
+            raise InvalidRequest(f"probe_write must be True or False, got {probe_write!r}")
+        self.probe_write = probe_write
+        """:meth:`probe` checks a transactional write too (ACLs), not only the topic."""
         """Keep producers and marker consumers for the next batch in this process (see
         the module docstring). Off by default: in the suite's tansu-restart test a reused
         producer blocked in ``send_offsets_to_transaction`` past its timeout after the
@@ -302,9 +316,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 if pending_wait_s is not None and err is not None \
                         and err.name() == "_TIMED_OUT":
                     return -1
+                hint = ("; a transaction left open on the broker by a process that died "
+                        "mid-commit holds this group's offsets until it ends: `twophase "
+                        f"resolve {branch.sink}` aborts it (the broker does after "
+                        "transaction.timeout.ms)"
+                        if err is not None and err.name() == "_TIMED_OUT" else "")
                 raise ParticipantError(
                     f"{self.describe()}: cannot read marker group "
-                    f"{self.marker_group(branch)!r} at {self.bootstrap}: {describe_error(exc)}"
+                    f"{self.marker_group(branch)!r} at {self.bootstrap}: "
+                    f"{describe_error(exc)}{hint}"
                 ) from exc
         if tp.error is not None:
             raise ParticipantError(
@@ -349,10 +369,23 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def probe(self) -> None:
         """The brokers answer this process with these settings, and the topic, when it
         exists already, is readable by this principal with at least one partition (run on
-        the driver and on every executor; :meth:`check` creates a missing topic)."""
+        the driver and on every executor; :meth:`check` creates a missing topic). With
+        ``probe_write`` (the default) also a transactional write: ``init_transactions``
+        on ``twophase.probe.<name>`` and the topics' Write/Read/Describe ACLs as the broker
+        reports them (no record is written)."""
         for topic in (self.topic, self.staging_topic) if self.durable_prepare else (self.topic,):
             probe_topic(self.describe(), self._common_config(), topic,
                         timeout=self.connect_timeout_s)
+        if self.probe_write:
+            needs = {self.topic: ("WRITE", "READ", "DESCRIBE")}
+            if self.durable_prepare:
+                needs[self.staging_topic] = ("WRITE", "READ", "DESCRIBE")
+            tid = f"twophase.probe.{self.name}"
+            probe_transactional_write(
+                self.describe(), self.producer_config(tid), needs,
+                "--allow-principal User:<you> --operation Write --operation Describe "
+                "--transactional-id twophase. --resource-pattern-type prefixed",
+                timeout=self.connect_timeout_s)
 
     def _check_columns(self, schema: pa.Schema) -> None:
         check_columns(self.describe(), schema, self.key, self.value)
@@ -519,8 +552,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 self._discard(producer)
 
     def log_readable(self) -> bool:
-        """The partition-log reader speaks plaintext Kafka only."""
-        return str(self.config.get("security.protocol", "plaintext")).lower() == "plaintext"
+        """The partition-log reader can connect with these settings: plaintext, TLS, SASL
+        PLAIN or SCRAM (not GSSAPI or OAUTHBEARER, :mod:`.brokerconn`)."""
+        return unsupported(self.config) is None
 
     def _committed_in_log(self, branch: BranchRef, voted: Handle, *, wait: bool) -> bool:
         """Whether the partition logs show this branch's records committed (by the
@@ -535,8 +569,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         the partitions the vote did not write to. Records still open after the fence
         are an older producer's ``EndTxn`` in flight: with ``wait`` (a redo, after its
         fence) wait for its marker, then refuse rather than guess; without (a status
-        read) they are not committed yet. Plaintext only: on TLS/SASL the marker alone is
-        trusted.
+        read) they are not committed yet. With settings the log reader cannot use
+        (SASL GSSAPI or OAUTHBEARER) the marker alone is trusted.
         """
         if not self.log_readable():
             return False
@@ -868,6 +902,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         return list_open_transactions(self.describe(), self._common_config(),
                                       f"twophase.{sink}.{self.name}.", self.connect_timeout_s)
 
+    def open_on_target(self, sink: str) -> TargetBacklog:
+        """The sink's open transactions on the brokers (a crash's stall every
+        ``read_committed`` reader of their partitions) and, per partition of the topic,
+        the records past its last stable offset."""
+        txns = self.open_transactions(sink)
+        return TargetBacklog(len(txns), max((t.age_s for t in txns), default=0.0),
+                             unstable_records(self._common_config(), self.topic,
+                                              timeout=self.connect_timeout_s))
+
     def abort_lingering(self, sink: str, older_than_s: float = 0.0,
                         keep: Iterable[str] = ()) -> list[OpenTransaction]:
         """Abort this participant's open transactions of ``sink`` that no branch of this
@@ -876,12 +919,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         Returns those aborted."""
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None} | set(keep)
+                    if p.producer is not None} | set(keep) | staged.POOL.busy()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         for txn in found:
-            partition = int(txn.transactional_id.rsplit(".", 1)[1])
-            ref = BranchRef(sink, "lingering", 0, 0, self.name, partition)
+            head, number = txn.transactional_id.rsplit(".", 1)
+            if head.endswith("." + COMMIT_LANE.rstrip(".")):  # a staged copy's lane
+                staged.fence_lane(self, txn.transactional_id)
+                continue
+            ref = BranchRef(sink, "lingering", 0, 0, self.name, int(number))
             PRODUCERS.drop(self._cache_key(ref))  # about to be fenced by the init below
             try:
                 self._new_producer(ref).close()  # init_transactions aborts it

@@ -35,7 +35,7 @@ def read_topic(
 
     conf = dict(config)
     conf.update({
-        "group.id": "twophase-verify",
+        "group.id": "twophase.verify",
         "enable.auto.commit": False,
         "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",

@@ -42,6 +42,7 @@ from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.config import common_config, validate_topic
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.lingering import COMMIT_LANE
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -242,6 +243,7 @@ class _CommitPool:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._free: dict[str, list[_Lane]] = {}
+        self._busy: set[str] = set()  # transactional ids of the lanes copying now
         self._pid = os.getpid()
 
     def take(self, p: KafkaParticipant, sink: str) -> tuple[str, _Lane]:
@@ -249,14 +251,15 @@ class _CommitPool:
                          sort_keys=True, default=str)
         with self._cond:
             if self._pid != os.getpid():
-                self._free, self._pid = {}, os.getpid()
+                self._free, self._busy, self._pid = {}, set(), os.getpid()
             fresh = key not in self._free
             if fresh:
-                self._free[key] = [_Lane(f"twophase.{sink}.{p.name}.commit.{i}")
+                self._free[key] = [_Lane(f"twophase.{sink}.{p.name}.{COMMIT_LANE}{i}")
                                    for i in range(COMMIT_IDS)]
             while not self._free[key]:
                 self._cond.wait()
             lane = self._free[key].pop()
+            self._busy.add(lane.transactional_id)
             fence, self._free[key] = (self._free[key], []) if fresh else ([], self._free[key])
         if fence:  # never used in this process: initialise (fence) them all, at once,
             # out of the free list (a lane initialised twice fences its own producer)
@@ -273,8 +276,23 @@ class _CommitPool:
 
     def give(self, key: str, lane: _Lane) -> None:
         with self._cond:
+            self._busy.discard(lane.transactional_id)
             self._free.setdefault(key, []).append(lane)
             self._cond.notify()
+
+    def busy(self) -> set[str]:
+        """The transactional ids copying in this process now (never fenced from here)."""
+        with self._cond:
+            return set(self._busy)
+
+    def forget(self, transactional_id: str) -> None:
+        """An idle lane of this id is about to be fenced from outside the pool: its
+        clients are dropped, so its next use initialises a new producer."""
+        with self._cond:
+            for free in self._free.values():
+                for lane in free:
+                    if lane.transactional_id == transactional_id:
+                        _drop(lane)
 
     def close_all(self) -> None:
         """Close every idle lane's clients (none has a transaction open)."""
@@ -290,6 +308,18 @@ class _CommitPool:
 
 
 POOL = _CommitPool()
+
+
+def fence_lane(p: KafkaParticipant, transactional_id: str) -> None:
+    """Abort the copy a dead process left open on a lane (``twophase resolve``, a sink
+    starting): a new producer of its id runs ``init_transactions``, so the broker writes
+    the ABORT markers and releases the marker group's pending offsets (until then every
+    stable read of the marker, a redo's first step, waits)."""
+    POOL.forget(transactional_id)
+    lane = _Lane(transactional_id)
+    _ready(p, lane, reader=False)
+    with contextlib.suppress(Exception):
+        lane.producer.close()
 
 
 def _fence(p: KafkaParticipant, lane: _Lane) -> None:
@@ -313,7 +343,7 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
         lane.producer = producer
     if lane.reader is None and reader:
         lane.reader = Consumer({**common_config(p.config),
-                                "group.id": "twophase-staged-reader",
+                                "group.id": "twophase.staged-reader",
                                 "enable.auto.commit": False, "auto.offset.reset": "error",
                                 "fetch.wait.max.ms": 10,  # the range is there: no long poll
                                 "fetch.error.backoff.ms": 50,

@@ -28,11 +28,13 @@ import pyarrow.types as pat
 from psycopg import sql
 
 from twophase.errors import InvalidRequest
+from twophase.sinks.postgres.arrow import NESTED_POLICIES
 
 __all__ = [
     "MODES",
     "SCHEMA_POLICIES",
     "batch_key_problems",
+    "check_options",
     "delete_sql",
     "normalize_key",
     "stage_name",
@@ -154,3 +156,37 @@ def batch_key_problems(
 
 def is_bool(field: pa.Field) -> bool:
     return bool(pat.is_boolean(field.type))
+
+
+def check_options(mode: str, key: str | Sequence[str] | None, delete_when: str | None,
+                  on_schema_change: str, nested: str) -> tuple[str, ...]:
+    """Refuse a combination of options that cannot work (a message naming the fix);
+    returns the key, normalised."""
+    if nested not in NESTED_POLICIES:
+        raise InvalidRequest(
+            f"nested must be one of {', '.join(NESTED_POLICIES)}; got {nested!r} ('json' "
+            "stores structs and maps as jsonb and lists as arrays, 'refuse' refuses them)"
+        )
+    if mode not in MODES:
+        raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if on_schema_change not in SCHEMA_POLICIES:
+        raise InvalidRequest(
+            f"on_schema_change must be one of {', '.join(SCHEMA_POLICIES)}; "
+            f"got {on_schema_change!r}"
+        )
+    norm = normalize_key(key)
+    if mode == "upsert" and not norm:
+        raise InvalidRequest(
+            "mode='upsert' needs key=: the column(s) that identify a row, e.g. "
+            "key='customer' for groupBy('customer').count()"
+        )
+    if delete_when is not None:
+        if mode != "upsert":
+            raise InvalidRequest(
+                f"delete_when is only used by mode='upsert' (got mode={mode!r})"
+            )
+        if not isinstance(delete_when, str) or not delete_when:
+            raise InvalidRequest(f"delete_when must be a column name, got {delete_when!r}")
+        if delete_when in norm:
+            raise InvalidRequest(f"delete_when column {delete_when!r} is also a key column")
+    return norm

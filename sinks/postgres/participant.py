@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -42,23 +40,20 @@ from twophase.participant import (
     Rebuildable,
     Verifiable,
 )
+from twophase.sinks.postgres import table as target
 from twophase.sinks.postgres.arrow import (
-    NESTED_POLICIES,
-    ExistingColumn,
     Nested,
     UnsupportedType,
     csv_chunks,
     pg_type_for,
-    table_misfits,
 )
+from twophase.sinks.postgres.errors import describe_error, identifier, refused, transient
 from twophase.sinks.postgres.gid import GID_ROOT, gid_for, gid_prefix, parse_gid
 from twophase.sinks.postgres.modes import (
-    MODES,
-    SCHEMA_POLICIES,
     batch_key_problems,
+    check_options,
     delete_sql,
     is_bool,
-    normalize_key,
     stage_name,
     stage_sql,
     upsert_sql,
@@ -66,55 +61,8 @@ from twophase.sinks.postgres.modes import (
 
 __all__ = ["PostgresParticipant"]
 
-_IDENT_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _RETRIES: Final = 3
 _T = TypeVar("_T")
-
-
-def _identifier(kind: str, value: str) -> str:
-    """Table, schema and marker-table names: a plain SQL identifier, nothing else."""
-    if not isinstance(value, str) or not _IDENT_RE.match(value):
-        raise InvalidRequest(
-            f"invalid {kind} {value!r}: use a letter or _ then up to 62 of A-Z a-z 0-9 _"
-        )
-    return value
-
-
-def _transient(exc: BaseException) -> bool:
-    """Connection-level failures, where nothing in the server changed because of us
-    (an authentication or authorization refusal is permanent: twophase.errors.classify)."""
-    if isinstance(exc, pgerr.OperationalError) and not isinstance(
-        exc, (pgerr.QueryCanceled, pgerr.LockNotAvailable)
-    ):
-        state = exc.sqlstate
-        if not (state is None or state.startswith("08") or state in ("57P01", "57P02",
-                                                                      "57P03")):
-            return False
-        return not classify(exc).permanent
-    return False
-
-
-_FIXES: Final = {
-    Failure.AUTHENTICATION: "check the user and password in dsn= (the role must exist and "
-    "pg_hba.conf must let it log in from this host)",
-    Failure.AUTHORIZATION: "grant the role what the sink needs: CONNECT on the database, "
-    "USAGE and CREATE on the schema (or INSERT, SELECT, UPDATE, DELETE on existing tables)",
-    Failure.MISSING: "create it, or fix dsn= / schema= / table=",
-    Failure.CONFIGURATION: "fix the setting named above (dsn= or the server's configuration)",
-}
-
-
-def _describe_error(exc: psycopg.Error) -> str:
-    """The server's message plus where it happened (COPY line and column)."""
-    parts = [str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__]
-    diag = exc.diag
-    if diag.column_name:
-        parts.append(f"column {diag.column_name}")
-    if diag.constraint_name:
-        parts.append(f"constraint {diag.constraint_name}")
-    if diag.context:
-        parts.append(diag.context.strip().splitlines()[0])
-    return "; ".join(parts)
 
 
 class PostgresParticipant(Participant, Rebuildable, Verifiable):
@@ -145,40 +93,14 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         on_schema_change: str = "fail",
         nested: Nested = "json",
     ) -> None:
-        self.table = _identifier("table name", table)
-        if nested not in NESTED_POLICIES:
-            raise InvalidRequest(
-                f"nested must be one of {', '.join(NESTED_POLICIES)}; got {nested!r} ('json' "
-                "stores structs and maps as jsonb and lists as arrays, 'refuse' refuses them)"
-            )
+        self.table = identifier("table name", table)
+        self.key = check_options(mode, key, delete_when, on_schema_change, nested)
         self.nested: Nested = nested
-        if mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if on_schema_change not in SCHEMA_POLICIES:
-            raise InvalidRequest(
-                f"on_schema_change must be one of {', '.join(SCHEMA_POLICIES)}; "
-                f"got {on_schema_change!r}"
-            )
         self.mode = mode
-        self.key = normalize_key(key)
         self.on_schema_change = on_schema_change
-        if mode == "upsert" and not self.key:
-            raise InvalidRequest(
-                "mode='upsert' needs key=: the column(s) that identify a row, e.g. "
-                "key='customer' for groupBy('customer').count()"
-            )
-        if delete_when is not None:
-            if mode != "upsert":
-                raise InvalidRequest(
-                    f"delete_when is only used by mode='upsert' (got mode={mode!r})"
-                )
-            if not isinstance(delete_when, str) or not delete_when:
-                raise InvalidRequest(f"delete_when must be a column name, got {delete_when!r}")
-            if delete_when in self.key:
-                raise InvalidRequest(f"delete_when column {delete_when!r} is also a key column")
         self.delete_when = delete_when
-        self.schema = _identifier("schema name", schema)
-        self.marker_table = _identifier("marker table name", marker_table)
+        self.schema = identifier("schema name", schema)
+        self.marker_table = identifier("marker table name", marker_table)
         super().__init__(name if name is not None else f"postgres-{table}")
         if not isinstance(dsn, str) or not dsn:
             raise InvalidRequest("dsn must be a non-empty PostgreSQL connection string")
@@ -289,9 +211,9 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             except psycopg.Error as exc:
                 kind = classify(exc)
                 if kind.permanent:  # a retry meets the same refusal: say so at once
-                    raise self._refused(exc, kind, what) from None
-                if not _transient(exc) or attempt == _RETRIES:
-                    if _transient(exc):
+                    raise refused(self.describe(), exc, kind, what) from None
+                if not transient(exc) or attempt == _RETRIES:
+                    if transient(exc):
                         raise ParticipantError(
                             f"{self.describe()}: cannot {what}: server unreachable after "
                             f"{_RETRIES} tries: {exc}"
@@ -302,67 +224,11 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _refused(self, exc: psycopg.Error, kind: Failure, what: str) -> TargetProblem:
-        """A permanent refusal by the server as one sentence: cause, where, fix."""
-        text = " ".join(str(exc).split())
-        cause = text.split("FATAL:", 1)[1].strip() if "FATAL:" in text else _describe_error(exc)
-        return TargetProblem(self.describe(), f"cannot {what}: {kind.value}: {cause}",
-                             _FIXES[kind], host=socket.gethostname(), kind=kind)
-
     def probe(self) -> None:
         """The server accepts the credentials, allows PREPARE TRANSACTION
         (``max_prepared_transactions > 0``) and lets the role create or write the table
         and the marker table (run on the driver and on every executor)."""
-        self._idempotent("log in", self._probe)
-
-    def _probe(self, conn: psycopg.Connection[Any]) -> None:
-        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
-        if row is None or row[0] <= 0:
-            raise self._no_prepared(row[0] if row else None)
-        missing: list[str] = []  # what the role lacks, and the GRANTs that fix it
-        grants: dict[str, None] = {}
-        schema_ok = conn.execute(
-            "SELECT has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE')"
-            " FROM pg_namespace n WHERE nspname = %s", (self.schema,)).fetchone()
-        if schema_ok is None:
-            raise TargetProblem(self.describe(), f"schema {self.schema!r} does not exist",
-                                f"create it (CREATE SCHEMA {self.schema}) or pass schema=",
-                                host=socket.gethostname(), kind=Failure.MISSING)
-        if not schema_ok[0]:
-            missing.append(f"USAGE on schema {self.schema}")
-            grants[f"USAGE ON SCHEMA {self.schema}"] = None
-        for table, needs in ((self.table, ("SELECT", "INSERT", "UPDATE", "DELETE")),
-                             (self.marker_table, ("SELECT", "INSERT"))):
-            name = f"{self.schema}.{table}"
-            regclass = f'"{self.schema}"."{table}"'
-            found = conn.execute("SELECT to_regclass(%s)", (regclass,)).fetchone()
-            if found is None or found[0] is None:
-                if not schema_ok[1]:
-                    missing.append(f"CREATE on schema {self.schema} (to create {name})")
-                    grants[f"CREATE ON SCHEMA {self.schema}"] = None
-                continue
-            lacking = [priv for priv in needs if not (conn.execute(
-                "SELECT has_table_privilege(to_regclass(%s), %s)", (regclass, priv)
-            ).fetchone() or (False,))[0]]
-            if lacking:
-                missing.append(f"{', '.join(lacking)} on {name}")
-                grants[f"{', '.join(lacking)} ON {name}"] = None
-        if missing:
-            row = conn.execute("SELECT current_user").fetchone()
-            user = str(row[0]) if row else "?"
-            raise TargetProblem(
-                self.describe(), f"role {user!r} lacks " + "; ".join(missing),
-                "; ".join(f"GRANT {g} TO {user}" for g in grants) + " (as the owner)",
-                host=socket.gethostname(), kind=Failure.AUTHORIZATION)
-
-    def _no_prepared(self, value: object) -> TargetProblem:
-        return TargetProblem(
-            self.describe(),
-            f"the server has max_prepared_transactions = {value if value is not None else '?'}"
-            ", so PREPARE TRANSACTION is refused",
-            "set max_prepared_transactions in postgresql.conf to at least the number of "
-            "concurrent branches (Spark tasks writing at once, over all sinks), then "
-            "restart the server", host=socket.gethostname(), kind=Failure.CONFIGURATION)
+        self._idempotent("log in", lambda conn: target.probe_role(self, conn))
 
     def close(self) -> None:
         self._drop_conn()
@@ -430,132 +296,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
                 pg_type_for(field, self.nested)
             except UnsupportedType as exc:
                 raise ParticipantError(f"{self.describe()}: {exc}") from None
-        self._idempotent("check the target", lambda conn: self._check(conn, schema))
-
-    def _check(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
-        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
-        if row is None or row[0] <= 0:
-            raise self._no_prepared(row[0] if row else None)
-        self._ensure_marker_table(conn)
-        columns = self._columns(conn)
-        if not columns:
-            if not self.create:
-                raise ParticipantError(
-                    f"{self.describe()}: table {self.schema}.{self.table} does not exist "
-                    "(and create=False)"
-                )
-            self._create_table(conn, schema)
-            return
-        have = {c.name for c in columns}
-        new = [f for f in schema if f.name not in have]
-        fitting = schema
-        if self.on_schema_change == "add_columns":
-            fitting = pa.schema([f for f in schema if f.name in have])
-        problems = table_misfits(fitting, columns, self.nested)
-        if new and self.on_schema_change == "fail":
-            problems.append(
-                "to add new columns to the table as they appear, pass "
-                "on_schema_change='add_columns'"
-            )
-        if self.mode == "upsert" and not self._has_unique_index(conn, self.key):
-            problems.append(
-                f"no primary key or unique index on the key ({', '.join(self.key)}), which "
-                "INSERT ... ON CONFLICT needs; create one, e.g. CREATE UNIQUE INDEX ON "
-                f"{self.schema}.{self.table} ({', '.join(self.key)})"
-            )
-        if problems:
-            raise ParticipantError(
-                f"{self.describe()}: table {self.schema}.{self.table} does not fit the data: "
-                + "; ".join(problems)
-            )
-        if new:
-            self._add_columns(conn, new)
-
-    def _has_unique_index(self, conn: psycopg.Connection[Any], key: Sequence[str]) -> bool:
-        """Is there a unique, non-partial index on exactly the key's columns?"""
-        rows = conn.execute(
-            """
-            SELECT array_agg(a.attname::text ORDER BY a.attname)
-            FROM pg_index i
-            JOIN pg_class c ON c.oid = i.indrelid
-            JOIN pg_namespace n ON n.oid = c.relnamespace
-            JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
-            WHERE n.nspname = %s AND c.relname = %s AND i.indisunique
-              AND i.indpred IS NULL AND i.indexprs IS NULL
-            GROUP BY i.indexrelid
-            """,
-            (self.schema, self.table),
-        ).fetchall()
-        want = sorted(key)
-        return any(list(r[0]) == want for r in rows)
-
-    def _add_columns(self, conn: psycopg.Connection[Any], fields: list[pa.Field]) -> None:
-        """``on_schema_change='add_columns'``: new nullable columns, in one transaction.
-
-        Run here, on the driver before the batch's branches, not inside each prepared
-        branch: ``ADD COLUMN`` takes an ACCESS EXCLUSIVE lock, which a prepared branch
-        would hold until the decision, blocking every reader and the batch's other
-        branches (see docs/decisions.md). A nullable column without a default is a
-        catalog-only change: existing rows read NULL."""
-        with conn.transaction():
-            for f in fields:
-                conn.execute(
-                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                        self._table_sql(), sql.Identifier(f.name),
-                        sql.SQL(pg_type_for(f, self.nested)),  # from a fixed vocabulary
-                    )
-                )
-
-    def _columns(self, conn: psycopg.Connection[Any]) -> list[ExistingColumn]:
-        rows = conn.execute(
-            """
-            SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
-            FROM pg_attribute a
-            JOIN pg_class c ON c.oid = a.attrelid
-            JOIN pg_namespace n ON n.oid = c.relnamespace
-            WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped
-              AND c.relkind IN ('r', 'p')
-            ORDER BY a.attnum
-            """,
-            (self.schema, self.table),
-        ).fetchall()
-        return [ExistingColumn(r[0], r[1], bool(r[2]), bool(r[3])) for r in rows]
-
-    def _create_table(self, conn: psycopg.Connection[Any], schema: pa.Schema) -> None:
-        cols = [
-            sql.SQL("{} {}{}").format(
-                sql.Identifier(f.name),
-                sql.SQL(pg_type_for(f, self.nested)),  # a fixed vocabulary, not user input
-                sql.SQL("" if f.nullable else " NOT NULL"),
-            )
-            for f in schema
-        ]
-        if self.key:
-            cols.append(sql.SQL("PRIMARY KEY ({})").format(
-                sql.SQL(", ").join(sql.Identifier(c) for c in self.key)))
-        stmt = sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-            self._table_sql(), sql.SQL(", ").join(cols)
-        )
-        with suppress(pgerr.UniqueViolation, pgerr.DuplicateTable):
-            conn.execute(stmt)  # a concurrent creator winning the race is fine
-
-    def _ensure_marker_table(self, conn: psycopg.Connection[Any]) -> None:
-        stmt = sql.SQL(
-            """
-            CREATE TABLE IF NOT EXISTS {} (
-                sink text NOT NULL,
-                lineage text NOT NULL,
-                checkpoint bigint NOT NULL,
-                participant text NOT NULL,
-                partition integer NOT NULL,
-                attempt integer NOT NULL,
-                committed_at timestamptz NOT NULL DEFAULT now(),
-                PRIMARY KEY (sink, lineage, checkpoint, participant, partition)
-            )
-            """
-        ).format(self._marker_sql())
-        with suppress(pgerr.UniqueViolation, pgerr.DuplicateTable):
-            conn.execute(stmt)
+        self._idempotent("check the target", lambda conn: target.check_table(self, conn, schema))
 
     # -- the branch -------------------------------------------------------------------------
 
@@ -622,7 +363,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         except ParticipantError as exc:
             raise PrepareRefused(str(exc)) from exc
         except psycopg.Error as exc:
-            raise PrepareRefused(f"{self.describe()}: {_describe_error(exc)}") from exc
+            raise PrepareRefused(f"{self.describe()}: {describe_error(exc)}") from exc
         if marker is not None:
             return self._handle(gid, 0, "already-committed")
         if prepared:
@@ -670,12 +411,12 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             if stage == "marker":
                 return self._handle(gid, 0, "already-committed")
             raise PrepareRefused(
-                f"{self.describe()}: rows refused: {_describe_error(exc)}"
+                f"{self.describe()}: rows refused: {describe_error(exc)}"
             ) from exc
         except pgerr.UndefinedTable as exc:
             self._rollback(conn)
             raise PrepareRefused(
-                f"{self.describe()}: {_describe_error(exc)} (run check(schema) on the driver "
+                f"{self.describe()}: {describe_error(exc)} (run check(schema) on the driver "
                 "first: it creates the table and the marker table)"
             ) from exc
         except psycopg.Error as exc:
@@ -683,15 +424,15 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             # A lost connection during PREPARE is ambiguous: it may have reached the server.
             if (
                 stage == "prepare"
-                and _transient(exc)
+                and transient(exc)
                 and self._idempotent("read the branch state", lambda c: self._is_prepared(c, gid))
             ):
                 return self._handle(gid, rows, "prepared")
             kind = classify(exc)
             if kind in (Failure.AUTHENTICATION, Failure.AUTHORIZATION):
-                raise self._refused(exc, kind, stage) from None
+                raise refused(self.describe(), exc, kind, stage) from None
             raise PrepareRefused(
-                f"{self.describe()}: rows refused during {stage}: {_describe_error(exc)}"
+                f"{self.describe()}: rows refused during {stage}: {describe_error(exc)}"
             ) from exc
         except BaseException:
             self._rollback(conn)

@@ -45,6 +45,7 @@ from twophase.participant import (
     Rebuildable,
     Verifiable,
 )
+from twophase.sinks.sql.rights import check_rights
 from twophase.sinks.sql.schema import UnsupportedType, misfits, sql_type_for
 from twophase.sinks.sql.xid import HASHED_ROOT, is_ours, parse_readable, xid_for
 
@@ -336,8 +337,10 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         return self.key if self.mode == "upsert" else None
 
     def probe(self) -> None:
-        """The server answers and accepts these credentials (run on the driver and on
-        every executor before the first batch); a refusal is permanent and named."""
+        """The server answers and accepts these credentials, allows two-phase commit
+        (XA, ``XA RECOVER``; PostgreSQL: ``max_prepared_transactions``) and, when a table
+        is missing, lets the user create it (run on the driver and on every executor
+        before the first batch); a refusal is permanent and named with its grant."""
         try:
             with self._engine_ok().connect() as conn:
                 conn.execute(sa.text("SELECT 1"))
@@ -350,6 +353,9 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 "server accepts connections from this host",
                 host=socket.gethostname(), kind=kind,
             ) from None
+        tables = [self.table, self.marker_table, self._xids().name]
+        self._retry("check the user's rights", lambda conn: check_rights(
+            self.describe(), conn, self._backend, tables, self.create))
 
     def check(self, schema: pa.Schema) -> None:
         """Create the marker tables and the data table, or compare an existing one."""

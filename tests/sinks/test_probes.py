@@ -5,6 +5,7 @@ and fix in the first line, classified permanent, and nothing is written."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,4 +49,78 @@ def test_sql_probe_says_authentication_at_once(pg_dsn: str) -> None:
     assert "cannot connect: authentication: " in first and 'role "nobody"' in first, first
     assert "Fix: check the URL's host, port, database, user and password" in first
     assert err.value.kind is Failure.AUTHENTICATION
+    p.close()
+
+
+def _role_without_create(pg_dsn: str) -> tuple[str, str]:
+    """A login role whose schema (its search_path) it may use but not create in."""
+    import uuid
+
+    import psycopg
+
+    role = f"nocreate_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"CREATE SCHEMA s_{role}")
+        conn.execute(f"GRANT USAGE ON SCHEMA s_{role} TO {role}")
+        conn.execute(f"ALTER ROLE {role} SET search_path = s_{role}")
+    host_port = pg_dsn.split("@", 1)[1].split("/", 1)[0]
+    return role, f"postgresql+psycopg://{role}@{host_port}/postgres"
+
+
+def test_sql_probe_names_a_missing_create_right(pg_dsn: str) -> None:
+    role, url = _role_without_create(pg_dsn)
+    p = SqlAlchemyParticipant(url, "orders")
+    with pytest.raises(TargetProblem) as err:
+        p.probe()
+    text = str(err.value)
+    assert "may not create tables in the current schema" in text, text
+    assert "orders, twophase_markers, twophase_markers_xids do not exist yet" in text, text
+    assert f"Fix: GRANT CREATE ON SCHEMA <schema> TO {role}, or create the tables" in text
+    assert err.value.kind is Failure.AUTHORIZATION
+    p.close()
+    p = SqlAlchemyParticipant(url, "orders", create=False)
+    with pytest.raises(TargetProblem, match=r"do not exist and create=False"):
+        p.probe()
+    p.close()
+
+
+def test_sql_probe_names_a_server_without_two_phase_commit(tmp_path: Path) -> None:
+    from twophase.testing.localpg import LocalPostgres
+
+    with LocalPostgres(max_prepared_transactions=0, fsync=False) as server:
+        p = SqlAlchemyParticipant(server.dsn.replace("postgresql://", "postgresql+psycopg://"),
+                                  "orders")
+        with pytest.raises(TargetProblem, match=r"refuses PREPARE TRANSACTION "
+                           r"\(max_prepared_transactions=0\).*Fix: set "
+                           r"max_prepared_transactions in postgresql.conf"):
+            p.probe()
+        p.close()
+
+
+def test_sql_probe_passes_mariadb_xa_and_names_a_missing_create_right(
+    mariadb_server: Any,
+) -> None:
+    import uuid
+
+    import pymysql
+
+    user = f"nc{uuid.uuid4().hex[:8]}"
+    root = pymysql.connect(unix_socket=str(mariadb_server.socket_path), user="root",
+                           autocommit=True)
+    try:
+        with root.cursor() as cur:
+            cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
+            cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON "
+                        f"{mariadb_server.database}.* TO '{user}'@'%'")
+    finally:
+        root.close()
+    ok = SqlAlchemyParticipant(mariadb_server.url, f"probe_{user}")
+    ok.probe()  # root: XA START/END/ROLLBACK and XA RECOVER work, CREATE allowed
+    ok.close()
+    url = mariadb_server.url.replace("://root@", f"://{user}:pw@")
+    p = SqlAlchemyParticipant(url, f"probe_{user}")
+    with pytest.raises(TargetProblem, match=rf"may not create tables in this database.*Fix: "
+                       rf"GRANT CREATE ON <database>.\* TO {user}"):
+        p.probe()
     p.close()

@@ -6,6 +6,10 @@
   broker start their own.
 - ``kafka_bootstrap`` (session): its ``bootstrap.servers``; ``$KAFKA_BOOTSTRAP_SERVERS``
   points the same tests at an outside broker instead (then no local broker starts).
+- ``secure_kafka`` (session): a second broker whose clients' listener is SASL_SSL (TLS
+  with a throw-away CA, SCRAM-SHA-512 or PLAIN) with ACLs enforced; users ``admin``
+  (superuser), ``app`` (granted exactly the ACLs docs/user/security.md lists, by
+  :func:`grant_app`) and ``nobody`` (no ACLs). Started by the tests that use it (~4 s).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from twophase.testing.apachekafka import LocalKafka
+from twophase.testing.apachekafka import KafkaSecurity, LocalKafka
 
 OUTSIDE_KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 
@@ -38,6 +42,42 @@ def kafka_broker() -> Iterator[LocalKafka]:
         broker.stop()
 
 
+SECURE_USERS = {"admin": "admin-secret", "app": "app-secret", "nobody": "nobody-secret"}
+
+
+@pytest.fixture(scope="session")
+def secure_kafka() -> Iterator[LocalKafka]:
+    broker = LocalKafka(security=KafkaSecurity(users=SECURE_USERS))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def grant(broker: LocalKafka, user: str, acls: list[tuple[str, str, str, str]]) -> None:
+    """Create ALLOW bindings for ``user`` as the superuser: (resource type, name,
+    pattern LITERAL/PREFIXED, operation), Kafka's names (CLUSTER, not librdkafka's BROKER)."""
+    from confluent_kafka.admin import AclBinding, AdminClient
+
+    admin = AdminClient(broker.client_config())
+    bindings = [AclBinding(rtype.replace("CLUSTER", "BROKER"), name, pattern,
+                           f"User:{user}", "*", op, "ALLOW")
+                for rtype, name, pattern, op in acls]
+    for future in admin.create_acls(bindings, request_timeout=15).values():
+        future.result(timeout=15)
+
+
+def grant_app(broker: LocalKafka, topic: str, user: str = "app") -> None:
+    """Give ``user`` the ACLs a deployment's principal needs to write ``topic`` (and its
+    staging topic) through the Kafka participant: the list
+    :func:`twophase.sinks.kafka.acls.required_acls` returns, no more."""
+    from twophase.sinks.kafka.acls import required_acls
+
+    grant(broker, user, [(a.resource_type, a.name, a.pattern, a.operation)
+                         for a in required_acls(topic)])
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
     outside = outside_kafka_servers()
@@ -51,11 +91,13 @@ def unique_topic(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+def create_topic(bootstrap: str | dict[str, str], topic: str, partitions: int = 1) -> None:
+    """``bootstrap``: the servers, or a whole client config (a secured broker's)."""
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else dict(bootstrap))
     for future in admin.create_topics([NewTopic(topic, partitions)]).values():
         future.result(timeout=15)
     deadline = time.monotonic() + 15

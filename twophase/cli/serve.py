@@ -74,6 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--alert-after", default="10m",
                    help="flag decided transactions not fully acknowledged after this long "
                    "(default 10m)")
+    p.add_argument("--target-watch", default="30s", metavar="DURATION",
+                   help="every DURATION, ask each sink's targets what they hold open (Kafka "
+                   "transactions a crash left open, records past the last stable offset), "
+                   "with participants rebuilt from the sinks' descriptors and secrets from "
+                   "this environment, for /metrics and the console; 0 = off (default 30s)")
     p.add_argument("--store-wait", default=os.environ.get("TWOPHASE_STORE_WAIT", "120s"),
                    metavar="DURATION",
                    help="at start, wait this long for an unreachable store (e.g. a database "
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
             "gets an 'operator <token>' line", extra={"roles": counts, "file": args.token_file})
     try:
         settings = Settings(retention=parse_duration(args.retention),
-                            alert_after=parse_duration(args.alert_after))
+                            alert_after=parse_duration(args.alert_after),
+                            target_watch=parse_duration(args.target_watch))
         wait = parse_duration(args.store_wait)
         new = _new_sqlite(args.store)
         lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits

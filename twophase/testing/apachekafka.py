@@ -21,6 +21,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,10 @@ from twophase.testing.servers import (
     clean_env,
     free_port,
 )
+from twophase.testing.tlscerts import CertificateAuthority
 
-__all__ = ["BROKER_DEFAULTS", "JVM_OPTS", "KafkaBrokerUnavailable", "LocalKafka"]
+__all__ = ["BROKER_DEFAULTS", "JVM_OPTS", "KafkaBrokerUnavailable", "KafkaSecurity",
+           "LocalKafka"]
 
 BROKER_DEFAULTS: dict[str, str] = {
     "num.partitions": "1",
@@ -91,6 +94,22 @@ class KafkaBrokerUnavailable(ServerUnavailable):
     """The Kafka broker could not be formatted or did not start."""
 
 
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """A SASL_SSL listener for :class:`LocalKafka`, as a secured cluster has one.
+
+    Clients connect with TLS (a certificate signed by a throw-away CA, for ``127.0.0.1``
+    and ``localhost``, so host-name verification is on as librdkafka has it by default)
+    and sign in with SASL ``SCRAM-SHA-512`` or ``PLAIN``; each of ``users`` may use either.
+    With ``acls`` the broker runs Kafka's ``StandardAuthorizer`` and refuses what no ACL
+    allows: only ``superusers`` may do everything. The broker's own listeners (inter-broker,
+    controller) stay plaintext on loopback."""
+
+    users: Mapping[str, str] = field(default_factory=lambda: {"admin": "admin-secret"})
+    superusers: tuple[str, ...] = ("admin",)
+    acls: bool = True
+
+
 class LocalKafka(LocalServer):
     """Start with :meth:`start` (or ``with``); :attr:`bootstrap` is ``127.0.0.1:PORT``.
 
@@ -107,9 +126,14 @@ class LocalKafka(LocalServer):
     def __init__(
         self, *, config: Mapping[str, str] | None = None, port: int | None = None,
         base_dir: str | None = None, jvm_opts: tuple[str, ...] = JVM_OPTS,
+        security: KafkaSecurity | None = None,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
         self.controller_port = free_port()
+        self.security = security
+        # with security, the broker's own plaintext listener (inter-broker, readiness)
+        self.internal_port = free_port() if security else self.port
+        self.ca_cert: Path | None = None  # with security: the CA clients trust
         self.config = {**BROKER_DEFAULTS, **(config or {})}
         self.jvm_opts = jvm_opts
         self.cluster_id = _cluster_id()
@@ -119,6 +143,53 @@ class LocalKafka(LocalServer):
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def client_config(self, user: str | None = None) -> dict[str, str]:
+        """What a client of this broker sets: ``bootstrap.servers`` and, on a SASL_SSL
+        broker, the security settings for ``user`` (the first superuser by default)
+        signing in with SCRAM-SHA-512."""
+        if self.security is None:
+            return {"bootstrap.servers": self.bootstrap}
+        assert self.ca_cert is not None, "client_config() needs a started broker"
+        name = user or self.security.superusers[0]
+        return {"bootstrap.servers": self.bootstrap, "security.protocol": "SASL_SSL",
+                "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": name,
+                "sasl.password": self.security.users[name],
+                "ssl.ca.location": str(self.ca_cert)}
+
+    def _security_props(self) -> dict[str, str]:
+        assert self.dir is not None and self.security is not None
+        ca = CertificateAuthority(self.dir / "tls", "twophase Kafka test CA")
+        self.ca_cert = ca.cert
+        keystore = self.dir / "tls" / "broker-keystore.pem"
+        if not keystore.exists():
+            keystore = ca.issue("broker").combined
+        plain_users = " ".join(f'user_{u}="{p}"' for u, p in self.security.users.items())
+        props = {
+            "listeners": f"SASL_SSL://127.0.0.1:{self.port},"
+                         f"INTERNAL://127.0.0.1:{self.internal_port},"
+                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{self.port},"
+                                    f"INTERNAL://127.0.0.1:{self.internal_port}",
+            "inter.broker.listener.name": "INTERNAL",
+            "listener.security.protocol.map":
+                "SASL_SSL:SASL_SSL,INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_ssl.plain.sasl.jaas.config":
+                f"org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f"{plain_users};",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(keystore),
+        }
+        if self.security.acls:
+            # the broker's own plaintext listeners authenticate as ANONYMOUS
+            props["authorizer.class.name"] = (
+                "org.apache.kafka.metadata.authorizer.StandardAuthorizer")
+            props["super.users"] = ";".join(
+                f"User:{u}" for u in (*self.security.superusers, "ANONYMOUS"))
+        return props
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the broker's log and of its console output (JVM errors)."""
@@ -144,6 +215,7 @@ class LocalKafka(LocalServer):
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(self.dir / "data"),
+            **(self._security_props() if self.security else {}),
             **self.config,
         }
         path = self.dir / "server.properties"
@@ -166,9 +238,13 @@ class LocalKafka(LocalServer):
             self.dir = Path(tempfile.mkdtemp(prefix="twophase-kafka-", dir=self._base_dir))
         props = self._write_config()
         if not (self.dir / "data" / "meta.properties").exists():
+            scram = [arg for user, password in (self.security.users.items()
+                                                if self.security else ())
+                     for arg in ("--add-scram",
+                                 f"SCRAM-SHA-512=[name={user},password={password}]")]
             fmt = subprocess.run(
                 self._java("kafka.tools.StorageTool", "format", "-t", self.cluster_id,
-                           "-c", str(props)),
+                           "-c", str(props), *scram),
                 capture_output=True, text=True, timeout=timeout, env=clean_env(),
                 check=False)
             if fmt.returncode != 0:
@@ -186,7 +262,8 @@ class LocalKafka(LocalServer):
                 raise KafkaBrokerUnavailable(
                     f"Apache Kafka {self.version} exited with {self.proc.returncode} at "
                     f"start (its folder {self.dir} is kept):\n{tail}")
-            if answers_kafka_metadata(self.port, self.bootstrap):
+            if answers_kafka_metadata(self.internal_port,
+                                      f"127.0.0.1:{self.internal_port}"):
                 self.start_seconds = time.monotonic() - began
                 return self
             time.sleep(0.1)

@@ -65,15 +65,41 @@ class LocalMariaDB(LocalServer):
         host: str = "127.0.0.1",
         database: str = "twophase",
         binlog: bool = False,
+        tls: bool = False,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
         self.host = host
         self.database = database
         self.binlog = binlog
+        # TLS: a certificate for 127.0.0.1/localhost from a throw-away CA (:attr:`ca_cert`)
+        # and require_secure_transport (TCP clients without TLS are refused)
+        self.tls = tls
+        self.ca_cert: Path | None = None
 
     @property
     def url(self) -> str:
         return f"mysql+pymysql://root@{self.host}:{self.port}/{self.database}"
+
+    def tls_url(self, user: str = "root", password: str | None = None) -> str:
+        """A URL a deployment would use on a TLS server: PyMySQL verifies the server's
+        certificate against the CA and checks the host name."""
+        assert self.ca_cert is not None, "tls_url() needs a started server with tls=True"
+        auth = f"{user}:{password}" if password else user
+        return (f"mysql+pymysql://{auth}@{self.host}:{self.port}/{self.database}"
+                f"?ssl_ca={self.ca_cert}&ssl_check_hostname=true")
+
+    def _tls_args(self, user: str | None) -> list[str]:
+        from twophase.testing.tlscerts import CertificateAuthority
+
+        assert self.dir is not None
+        ca = CertificateAuthority(self.dir / "tls", "twophase MariaDB test CA")
+        cert = ca.issue("server", (self.host, "localhost"))
+        self.ca_cert = ca.cert
+        if user:
+            for path in (self.dir / "tls", cert.cert, cert.key, ca.cert):
+                shutil.chown(path, user)
+        return [f"--ssl-ca={ca.cert}", f"--ssl-cert={cert.cert}", f"--ssl-key={cert.key}",
+                "--require-secure-transport=ON"]
 
     @property
     def socket_path(self) -> Path:
@@ -153,6 +179,8 @@ class LocalMariaDB(LocalServer):
             "--collation-server=utf8mb4_bin",
             "--default-time-zone=+00:00",
         ]
+        if self.tls:
+            args += self._tls_args(user)
         if self.binlog:
             args += [f"--log-bin={self.dir / 'data' / 'binlog'}", "--server-id=1",
                      "--sync-binlog=0"]

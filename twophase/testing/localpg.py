@@ -54,6 +54,7 @@ class LocalPostgres(LocalServer):
         netns: str | None = None,
         also_listen: str | None = None,
         trust_network: str | None = None,
+        tls: bool = False,
     ) -> None:
         super().__init__(port=port, base_dir=base_dir)
         self.host = host
@@ -64,6 +65,10 @@ class LocalPostgres(LocalServer):
         # whose clients are trusted there (pg_hba.conf)
         self.also_listen = also_listen
         self.trust_network = trust_network
+        # TLS: ssl=on with a certificate for 127.0.0.1/localhost signed by a throw-away CA
+        # (:attr:`ca_cert`), and TCP clients must use it (pg_hba ``hostssl`` only)
+        self.tls = tls
+        self.ca_cert: Path | None = None
 
     def dsn_at(self, host: str) -> str:
         """The DSN through another listening address (``also_listen``)."""
@@ -72,6 +77,14 @@ class LocalPostgres(LocalServer):
     @property
     def dsn(self) -> str:
         return f"postgresql://postgres@{self.host}:{self.port}/postgres"
+
+    def tls_dsn(self, user: str = "postgres", password: str | None = None) -> str:
+        """A DSN a deployment would use on a TLS server: the CA verified and the host
+        name checked (``sslmode=verify-full``)."""
+        assert self.ca_cert is not None, "tls_dsn() needs a started server with tls=True"
+        auth = f"{user}:{password}" if password else user
+        return (f"postgresql://{auth}@{self.host}:{self.port}/postgres"
+                f"?sslmode=verify-full&sslrootcert={self.ca_cert}")
 
     def _user(self) -> str | None:
         return "postgres" if os.geteuid() == 0 else None
@@ -103,12 +116,34 @@ class LocalPostgres(LocalServer):
         if self.trust_network:
             with open(data / "pg_hba.conf", "a") as hba:
                 hba.write(f"host all all {self.trust_network} trust\n")
+        if self.tls:
+            self._tls_setup(data, user)
         try:
             self._launch(bindir, user, timeout)
         except PostgresUnavailable:
             self.stop()
             raise
         return self
+
+    def _tls_setup(self, data: Path, user: str | None) -> None:
+        """The CA and server certificate, ``ssl=on``, and a pg_hba.conf that refuses
+        plaintext TCP (hostnossl reject) so a client that does not use TLS is turned away."""
+        from twophase.testing.tlscerts import CertificateAuthority
+
+        assert self.dir is not None
+        ca = CertificateAuthority(self.dir / "tls", "twophase PostgreSQL test CA")
+        cert = ca.issue("server", (self.host, "localhost"))
+        self.ca_cert = ca.cert
+        for src, name in ((cert.cert, "server.crt"), (cert.key, "server.key")):
+            shutil.copy(src, data / name)
+            (data / name).chmod(0o600)
+            if user:
+                shutil.chown(data / name, user)
+        hba = (data / "pg_hba.conf").read_text()
+        (data / "pg_hba.conf").write_text(
+            "hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n" + hba)
+        with open(data / "postgresql.conf", "a") as conf:
+            conf.write("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n")
 
     def restart(self, timeout: float = 60.0) -> LocalPostgres:
         """Start the server again on the same data folder and port, after :meth:`kill`

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -133,16 +134,20 @@ class LocalDaemon(LocalServer):
     def __init__(
         self, store: str, token: str | None, log: Path | None = None, *,
         port: int | None = None, host: str = "127.0.0.1", netns: str | None = None,
-        token_file: str | None = None,
+        token_file: str | None = None, tls: tuple[str, str, str] | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         super().__init__(port=port)
+        # (certificate, key, CA that signed it): serve HTTPS, and trust the CA for /healthz
+        self.tls = tls
+        self.args = args  # more `twophase serve` flags
         self.store = store
         self.token = token  # an operator token (--token); None: token_file only
         self.token_file = token_file  # the daemon's --token-file (roles, rotatable)
         self.log = log
         self.host = host
         self.netns = netns  # run inside this network namespace (`ip netns exec`; root)
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
 
     def start(
         self, failpoint_spec: str = "", once_dir: str = "", timeout: float = 60
@@ -166,7 +171,9 @@ class LocalDaemon(LocalServer):
             self.proc = subprocess.Popen(
                 [*netns_prefix(self.netns), sys.executable, "-m", "twophase.cli", "serve",
                  "--store", self.store, "--host", self.host, "--port", str(self.port),
-                 "--log-level", "warning"],
+                 "--log-level", "warning",
+                 *(["--ssl-certfile", self.tls[0], "--ssl-keyfile", self.tls[1]]
+                   if self.tls else []), *self.args],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:
@@ -179,7 +186,9 @@ class LocalDaemon(LocalServer):
                 raise DaemonUnavailable(f"coordinator daemon exited with "
                                         f"{self.proc.returncode} at start{where}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1, verify=(
+                        ssl.create_default_context(cafile=self.tls[2]) if self.tls
+                        else True)).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

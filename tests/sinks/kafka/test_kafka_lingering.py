@@ -164,3 +164,63 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
         q.transactional_id(in_flight)]
     q.abort_lingering(sink)  # leave nothing open on the session's broker
     q.close()
+
+
+def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """Issue 31 item 3: `twophase serve` (a real process, `--target-watch 1s`) asks the
+    registered sink's Kafka participant, rebuilt from its descriptor, what it holds open:
+    /metrics shows the open transaction, its age and the records past the last stable
+    offset, the console names them; after `resolve` both show nothing held open."""
+    import httpx
+
+    from twophase.participant import descriptor_of
+    from twophase.testing.servers import LocalDaemon
+
+    topic = unique_topic("lwatch")
+    create_topic(kafka_bootstrap, topic)
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
+                         prepare="in_task")
+    sink = f"lwatch_{uuid.uuid4().hex[:8]}"
+    dead = make_branch(p, sink=sink, lineage=uuid.uuid4().hex[:12], partition=0)
+    _prepare_in_child_and_kill(p, dead)
+    rows = batch_for(dead).num_rows
+    daemon = LocalDaemon(f"sqlite:///{tmp_path / 'c.db'}", "op-" + uuid.uuid4().hex,
+                         tmp_path / "daemon.log", args=("--target-watch", "1s"))
+    daemon.start()
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    labels = f'participant="{p.name}",sink="{sink}"'
+
+    def scrape(want: str) -> str:
+        deadline = time.monotonic() + 60
+        while True:
+            text = httpx.get(f"{daemon.url}/metrics", timeout=10).text
+            if want in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
+    try:
+        conn = connect(daemon.url, token=daemon.token)
+        try:
+            desc = descriptor_of(p)
+            assert desc is not None
+            conn.client().register(sink, [desc])
+            text = scrape(f"twophase_target_open_transactions{{{labels}}} 1.0")
+            assert f"twophase_target_open_transactions{{{labels}}} 1.0" in text, text[-3000:]
+            assert f"twophase_target_check_ok{{{labels}}} 1.0" in text
+            assert (f'twophase_target_unstable_records{{partition="{topic}-0",{labels}}} '
+                    f"{float(rows + 1)}") in text  # its records and its marker offset
+            page = httpx.get(f"{daemon.url}/ui/view", headers=auth, timeout=10).text
+            assert "1 open transaction(s)" in page and f"{topic}-0: {rows + 1}" in page, page
+            report = resolve_sink(conn.client(operator=True), sink, [p])
+            assert report.ok, report.as_dict()
+            text = scrape(f"twophase_target_open_transactions{{{labels}}} 0.0")
+            assert f"twophase_target_open_transactions{{{labels}}} 0.0" in text, text[-3000:]
+            assert (f'twophase_target_unstable_records{{partition="{topic}-0",{labels}}} '
+                    "0.0") in text
+        finally:
+            conn.close()
+    finally:
+        daemon.stop()
+        p.close()

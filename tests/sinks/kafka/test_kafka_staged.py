@@ -117,3 +117,38 @@ def test_staged_commit_killed_mid_transaction_is_redone_once(kafka_bootstrap: st
     assert back.aborted == 1000, back  # the killed copy's records, aborted by the fence
     redo.commit(b, handle)
     assert visible(p) == list(range(1000))
+
+
+class _NothingDecided:
+    def committing(self, sink: str) -> list[object]:
+        return []
+
+
+def test_a_starting_sink_aborts_a_dead_drivers_open_copy(kafka_bootstrap: str) -> None:
+    """A driver killed mid-copy leaves its pool lane's transaction open, holding the
+    marker group's offsets: every stable read of the marker (a redo's first step, in a
+    task) waits until the broker's transaction timeout. The restarted sink's start-up
+    cleanup finds the lane's id (``...commit.N``) and fences it: the marker reads at
+    once and the branch is copied exactly once."""
+    p = staged(kafka_bootstrap)
+    sink = "deadcopy"
+    b = branch(p, batch_id=2, sink=sink)
+    handle = fresh(p).prepare(b, SCHEMA, [batch(0, 50)])
+    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        job.write_bytes(pickle.dumps((p, b, dict(handle))))
+        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
+                               str(job)], capture_output=True, text=True, timeout=120,
+                              check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    [lane] = p.open_transactions(sink)
+    assert ".commit." in lane.transactional_id, lane
+    restarted = fresh(p)
+    assert [t.transactional_id for t in restarted.abort_lingering_at_start(
+        sink, _NothingDecided())] == [lane.transactional_id]
+    assert p.open_transactions(sink) == []
+    assert restarted.status(b) is BranchStatus.ABSENT  # the marker reads, no wait
+    restarted.commit(b, handle)
+    back = p.read_back("id")
+    assert back.aborted == 50 and back.open == 0, back
+    assert visible(p) == list(range(50))

@@ -1,0 +1,37 @@
+"""``bench/e2e.py``'s phase line: where B's batch time goes, beside A's job."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str:
+    """B's batch split by phase (p50 over the measured batches of every run, ms), measured
+    by the sink itself (``BatchReport.phases``), beside A's whole batch and A's job split
+    the same way (the job, its slowest task, the rest: Spark's part)."""
+    batches = [ph for r in runs["B"] for ph in r.phases[1:]]
+    a_jobs = [ph for r in runs["A"] for ph in r.phases[1:]]
+    if not batches or not a_jobs:
+        return ""
+
+    def p50(key: str, of: list[dict[str, float]] = batches) -> float:
+        return 1000 * statistics.median(ph.get(key, 0.0) for ph in of)
+
+    def spark_part(of: list[dict[str, float]]) -> float:
+        return 1000 * statistics.median(
+            ph.get("job_s", 0.0) - ph.get("task_s", 0.0) for ph in of)
+
+    job_spark = spark_part(batches)
+    return (f"{title}: A's job p50 (ms) {p50('job_s', a_jobs):.1f} [Spark's part "
+            f"{spark_part(a_jobs):.1f}; slowest task {p50('task_s', a_jobs):.1f}]\n"
+            f"{title}: B's phases p50 (ms): frame {p50('frame_s'):.1f}, split "
+            f"{p50('split_s'):.1f}, setup {p50('setup_s'):.1f}, begin "
+            f"{p50('begin_s'):.1f}, plan {p50('plan_s'):.1f}, job {p50('job_s'):.1f} "
+            f"[Spark's part {job_spark:.1f}; slowest task {p50('task_s'):.1f} = prepare "
+            f"{p50('prepare_s'):.1f} + vote {p50('vote_s'):.1f} + wait {p50('wait_s'):.1f} + "
+            f"commit {p50('commit_s'):.1f}], decide {p50('decide_s'):.1f}, driver's commit "
+            f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
+            f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
+            f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}")
