@@ -48,6 +48,14 @@ def held_schema(files: Iterable[Path], fmt: str) -> dict[str, pa.DataType | None
     return held
 
 
+def _same_type(was: pa.DataType, now: pa.DataType) -> bool:
+    """Equal types; a timestamp with a zone is an instant whatever zone labels it (Spark's
+    own Parquet writer, the native data path, records none and reads back as UTC)."""
+    if pa.types.is_timestamp(was) and pa.types.is_timestamp(now):
+        return bool(was.unit == now.unit and (was.tz is None) == (now.tz is None))
+    return bool(was.equals(now))
+
+
 def folder_misfits(
     held: dict[str, pa.DataType | None], schema: pa.Schema, policy: str
 ) -> list[str]:
@@ -59,7 +67,7 @@ def folder_misfits(
     for field in schema:
         if field.name in held:
             was = held[field.name]
-            if was is not None and not was.equals(field.type):
+            if was is not None and not _same_type(was, field.type):
                 problems.append(
                     f"column {field.name!r} is {was} in the folder's files but {field.type} "
                     "in the batch (a type change is never allowed: write to a new folder)"

@@ -44,11 +44,13 @@ from twophase.participant import (
     PrepareRefused,
     ReadBack,
     Rebuildable,
+    SparkWritten,
     Verifiable,
 )
+from twophase.protocol import TxnKey
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
-__all__ = ["STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
+__all__ = ["NATIVE_NAME", "STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
 
 STAGING_DIR: Final = "_twophase_staging"
 _FORMATS: Final = {"parquet": "parquet", "jsonl": "jsonl"}
@@ -57,6 +59,12 @@ STAGED_NAME: Final = re.compile(  # a staged file's (or object's) name: its bran
     r"(?P<checkpoint>\d{20})-"
     r"(?P<participant>[A-Za-z0-9_.-]+)-(?P<partition>\d{5,})\.attempt-(?P<attempt>\d+)\.(?P<ext>\w+)$"
 )
+
+NATIVE_NAME: Final = re.compile(  # the folder Spark's writer fills for one attempt
+    r"^(?P<sink>[A-Za-z0-9_.-]+)~spark-(?P=sink)~(?P<lineage>[A-Za-z0-9-]+)-"
+    r"(?P<checkpoint>\d{20})-(?P<participant>[A-Za-z0-9_.-]+)\.attempt-(?P<attempt>\d+)$"
+)
+_SPARK_PART: Final = re.compile(r"^part-(?P<partition>\d{5,})-.*\.parquet$")  # Spark's file
 
 
 def _sanitize(name: str) -> str:
@@ -96,8 +104,13 @@ def _check_mode(mode: str, on_schema_change: str) -> None:
         )
 
 
-class StagedFileParticipant(Participant, Rebuildable, Verifiable):
-    """Rows of each branch become one Parquet or JSON-lines file in ``path``."""
+class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
+    """Rows of each branch become one Parquet or JSON-lines file in ``path``.
+
+    ``native`` (Parquet in a local folder): None, the default, lets Spark's own Parquet
+    writer write the branch files when every participant of the sink can take them (the
+    native data path, no row through Python); True also beside Python participants (the
+    batch persisted once for both); False always writes them from Python."""
 
     kind = "files"
     durable_prepare = True
@@ -120,7 +133,15 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
         storage_options: Mapping[str, Any] | None = None,
         mode: str = "append",
         on_schema_change: str = "fail",
+        native: bool | None = None,
     ) -> None:
+        if native not in (None, False, True):
+            raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                                 f"{native!r}")
+        if native and format != "parquet":
+            raise InvalidRequest(f"native=True needs format='parquet' (Spark's JSON writer "
+                                 f"encodes values differently), got format={format!r}")
+        self.native = native
         if storage_options is not None:
             raise InvalidRequest("storage_options apply to s3:// paths only; a local path "
                                  "takes none (drop storage_options or use s3://bucket/prefix)")
@@ -154,6 +175,68 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
                 "options": {"path": str(self.path), "format": self.format,
                             "on_schema_change": self.on_schema_change}}
 
+    # -- the native data path (SparkWritten) --------------------------------------------------
+
+    def native_format(self) -> str | None:
+        """Parquet in a local (shared) folder, unless ``native=False``; by default not for
+        a subclass with its own ``prepare`` (it writes rows its own way: only
+        ``native=True`` bypasses it)."""
+        native = getattr(self, "native", False)  # the object-store subclass never sets it
+        if native is False or self.format != "parquet":
+            return None
+        if native is None and type(self).prepare is not StagedFileParticipant.prepare:
+            return None
+        return "parquet"
+
+    def native_preferred(self) -> bool:
+        return getattr(self, "native", None) is True
+
+    def native_name(self, key: TxnKey) -> str:
+        """The folder (under the staging folder) Spark's writer fills for attempt ``key``."""
+        return (f"{key.sink}~spark-{key.sink}~{key.lineage}-{key.batch_id:020d}-"
+                f"{self.name}.attempt-{key.attempt}")
+
+    def native_location(self, key: TxnKey) -> str:
+        return str(self.staging / self.native_name(key))
+
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        """Spark's ``part-NNNNN-...parquet`` files (one per task, NNNNN its partition)
+        renamed to the staged names; zero-row files and Spark's ``_SUCCESS``/``.crc``
+        litter dropped with the folder, which goes last (after the staging folder's
+        fsync: until then ``status`` reads the attempt as PREPARED and an abort sweeps it)."""
+        import shutil
+
+        where = Path(self.native_location(key))
+        handles: dict[int, Handle] = {}
+        try:
+            names = sorted(os.listdir(where))
+        except OSError as exc:
+            raise ParticipantError(f"{self.describe()}: Spark's write left no folder "
+                                   f"{where.name}: {exc}") from exc
+        for n in names:
+            m = _SPARK_PART.match(n)
+            if not m:
+                continue
+            partition = int(m["partition"])
+            if partition >= partitions or partition in handles:
+                raise ParticipantError(
+                    f"{self.describe()}: Spark wrote {n} for partition {partition} of "
+                    f"{partitions} (one file per task expected: maxRecordsPerFile and "
+                    "partitionBy are not used by the native path; a twophase bug)")
+            ref = BranchRef(*key, participant=self.name, partition=partition)
+            src = where / n
+            rows = pq.read_metadata(src).num_rows
+            if not rows:
+                continue
+            if self.final_path(ref).exists():  # the marker: committed by an earlier run
+                handles[partition] = self._handle(ref, 0, "already-committed")
+                continue
+            os.replace(src, self.staged_path(ref))
+            handles[partition] = self._handle(ref, rows, "prepared")
+        _fsync_dir(self.staging)
+        shutil.rmtree(where)
+        return handles
+
     @classmethod
     def from_descriptor(
         cls, descriptor: Descriptor, secrets: Mapping[str, str]
@@ -164,7 +247,8 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
 
             return S3StagedFileParticipant.from_descriptor(descriptor, secrets)
         return cls(str(o["path"]), str(o.get("format", "parquet")), name=descriptor["name"],
-                   on_schema_change=str(o.get("on_schema_change", "fail")))
+                   on_schema_change=str(o.get("on_schema_change", "fail")),
+                   native=False)  # a rebuilt participant only commits, aborts and reads
 
     # -- names ------------------------------------------------------------------------------
 
@@ -365,6 +449,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         staged = self.staged_path(branch)
         self._remove_torn(branch, every_attempt=False)
+        self._remove_native(branch)
         try:
             staged.unlink()
         except FileNotFoundError:
@@ -373,11 +458,23 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
             raise ParticipantError(f"{self.describe()}: cannot abort {staged.name}: {exc}") from exc
         _fsync_dir(self.staging)
 
+    def _remove_native(self, branch: BranchRef) -> None:
+        """Delete the folder a native write of ``branch``'s attempt left (a write or an
+        adopt killed midway): nothing in it was ever voted on."""
+        import shutil
+
+        where = self.staging / self.native_name(branch.key)
+        if where.is_dir():
+            shutil.rmtree(where, ignore_errors=True)
+            _fsync_dir(self.staging)
+
     def status(self, branch: BranchRef) -> BranchStatus:
         if self.final_path(branch).exists():
             return BranchStatus.COMMITTED
         if self.staged_path(branch).exists():
             return BranchStatus.PREPARED
+        if (self.staging / self.native_name(branch.key)).is_dir():
+            return BranchStatus.PREPARED  # a native write of its attempt, not yet adopted
         return BranchStatus.ABSENT
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
@@ -387,6 +484,14 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
             return []
         found: list[BranchRef] = []
         for n in names:
+            w = NATIVE_NAME.match(n)
+            if w and w["sink"] == sink and w["participant"] == self.name:
+                with suppress(ValueError):  # a native write's folder: its first branch
+                    ref = BranchRef(sink, w["lineage"], int(w["checkpoint"]),
+                                    int(w["attempt"]), self.name, 0)
+                    if self.native_name(ref.key) == n:
+                        found.append(ref)
+                continue
             m = STAGED_NAME.match(n)
             if not m or m["sink"] != sink or m["participant"] != self.name or m["ext"] != self.ext:
                 continue
@@ -423,7 +528,9 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable):
         staged = [f for f in self.staging.iterdir() if f.is_file()] \
             if self.staging.exists() else []
         temp = sum(1 for f in staged if _is_temp(f.name))
-        return ReadBack(tuple(values), prepared=len(staged) - temp, temp=temp)
+        writes = [d for d in self.staging.iterdir() if d.is_dir() and NATIVE_NAME.match(d.name)] \
+            if self.staging.exists() else []  # a native write not adopted: prepared
+        return ReadBack(tuple(values), prepared=len(staged) - temp + len(writes), temp=temp)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()

@@ -336,7 +336,7 @@ class TransactionalSink:
                 plan = self._job.plan(res.kind, txn, res.recover, n_in)
                 split = plan.split
                 laps.lap("plan_s")
-                outcomes, job_error = self._job.run(df, plan, direct)
+                outcomes, job_error = self._job.run(df, plan, direct, client)
                 laps.lap("job_s")
                 if plan.mode == PREPARE:
                     # No task waited for the decision: the driver sends every task's

@@ -58,11 +58,13 @@ __all__ = [
     "PrepareRefused",
     "ReadBack",
     "Rebuildable",
+    "SparkWritten",
     "TargetBacklog",
     "Verifiable",
     "descriptor_of",
     "is_empty_branch",
     "known_kinds",
+    "native_eligible",
     "read_back_of",
     "rebuild",
     "register_kind",
@@ -361,6 +363,53 @@ class Verifiable(abc.ABC):
     def read_back(self, column: str) -> ReadBack:
         """Read ``column`` of everything committed, as a consumer would, plus the prepared
         leftovers."""
+
+
+class SparkWritten(abc.ABC):
+    """Optional: a participant whose prepared branch is data files can take files that
+    Spark's own writer wrote (the native data path, docs/decisions.md 2026-11-26): no row
+    crosses into Python. The driver writes the attempt's rows with ``df.write`` in
+    :meth:`native_format` into :meth:`native_location`, one Spark task per branch
+    partition, then :meth:`adopt` turns those files into the attempt's prepared branches
+    under the names ``prepare`` would have given them, so ``commit``, ``abort``,
+    ``status`` and ``in_doubt`` stay as they are. While Spark writes, the location is
+    this attempt's own and named by it: ``status`` reads a branch of an attempt whose
+    location still exists as PREPARED and ``abort`` deletes the location, so the sweeps
+    find a write killed midway by name."""
+
+    @abc.abstractmethod
+    def native_format(self) -> str | None:
+        """Spark's data source name for this participant as configured (``"parquet"``),
+        or None when its rows must go through :meth:`Participant.prepare` (a format
+        Spark does not write the same way, or the user's override)."""
+
+    def native_preferred(self) -> bool:
+        """True when the user asked for the native path even in a sink with Python
+        participants (the batch is then persisted once for both); by default such a
+        sink keeps every participant on the Python path."""
+        return False
+
+    def native_options(self) -> Mapping[str, str]:
+        """Writer options of the native write (compression, ...) beyond twophase's own."""
+        return {}
+
+    @abc.abstractmethod
+    def native_location(self, key: TxnKey) -> str:
+        """Where Spark writes attempt ``key``'s files (a path or URI Spark can write)."""
+
+    @abc.abstractmethod
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        """Make what Spark wrote into :meth:`native_location` the prepared branches of
+        ``key`` (durably, as ``prepare`` would have left them) and remove the location.
+        Returns partition -> the handle to vote YES with, for every partition of
+        ``range(partitions)`` that has rows; the others are empty branches. A branch whose
+        marker shows it committed already keeps nothing and gets a handle all the same."""
+
+
+def native_eligible(participant: Participant) -> bool:
+    """True when ``participant`` takes files Spark wrote (:class:`SparkWritten`, and its
+    configuration allows it)."""
+    return isinstance(participant, SparkWritten) and participant.native_format() is not None
 
 
 def descriptor_of(participant: Participant) -> Descriptor | None:

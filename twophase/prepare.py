@@ -6,7 +6,11 @@ durably; one barrier stage when a participant's prepared branch lives only in it
 The job's DataFrame is planned once per batch before the attempt is known
 (``frame``): the batch's part of the plan reaches the tasks as a job property
 (``PLAN_PROPERTY``), the fixed part (participants, coordinator, token: never in a
-property, which Spark's event log records) inside the task's function."""
+property, which Spark's event log records) inside the task's function.
+
+Participants that take files Spark wrote prepare on the native data path instead
+(``twophase.native``): Spark's own writer, no row through Python; the Python job then
+runs only for the others, over the same split batch (persisted when both read it)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from twophase.batchplan import (
     plan_property,
     split_of,
 )
+from twophase.native import NativePrepare, split_native
 from twophase.plan import arrow_schema, jvm_context
 from twophase.protocol import BeginKind, TxnKey
 from twophase.report import REPORT_SCHEMA, report_struct, short_error
@@ -33,6 +38,7 @@ from twophase.task import run_partition
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from twophase.client import CoordinatorClient
     from twophase.participant import Participant
     from twophase.protocol import Transaction
 
@@ -50,6 +56,10 @@ class PrepareJob:
         self.one_branch = one_branch
         self.gang = gang
         self.template: BatchPlan | None = None
+        # the native data path's participants, and the Python job's of a new attempt
+        self.native, self.python = split_native(self.participants, gang)
+        self._native = NativePrepare(self.native) if self.native else None
+        self._python: BatchPlan | None = None  # the template of the Python job beside it
         self._checked_schema: Any = None
         self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
 
@@ -63,11 +73,13 @@ class PrepareJob:
             decision_timeout=vote_timeout + 60.0, ca_pem=ca_pem,
             retry_budget=retry_budget, driver_acks=True, token_file=token_file,
         )
+        self._python = dataclasses.replace(self.template, participants=self.python)
 
     def renew_token(self, token: str | None) -> None:
         """The driver's client re-read a rotated token: the next batches' tasks carry it."""
         if self.template is not None and self.template.token != token:
             self.template = dataclasses.replace(self.template, token=token)
+            self._python = dataclasses.replace(self.template, participants=self.python)
 
     def check(self, df: DataFrame) -> None:
         """Each participant checks its target against the schema once, before writing."""
@@ -118,29 +130,70 @@ class PrepareJob:
         batch may run on Spark's own split; None before the first batch connected, under
         Spark Connect (no local properties) and when the sink always shuffles."""
         if (self.template is None or self.split_columns or self.one_branch
-                or jvm_context(df) is None):
-            return None
+                or jvm_context(df) is None or self.native):
+            return None  # the native path splits the batch itself (``run``)
         return df.mapInArrow(self._task(None, self.schema(df)), report_struct(),
                              barrier=self.gang)
 
-    def run(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None
-            ) -> tuple[list[dict[str, Any]], str]:
+    def _split(self, df: DataFrame, plan: BatchPlan) -> DataFrame:
+        """The batch in the plan's partitions."""
+        cols = list(self.split_columns or df.columns)
+        if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
+            return df  # Spark's split is the same on replay: no shuffle
+        if cols:
+            return df.repartition(plan.partitions, *cols)
+        return df.repartition(plan.partitions)
+
+    def run(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None,
+            client: CoordinatorClient | None = None) -> tuple[list[dict[str, Any]], str]:
         """One task per partition; returns the tasks' outcomes and the job's error.
-        ``direct`` (``frame``) is run as planned when the plan keeps Spark's split."""
+        ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
+        attempt of a sink with native participants writes theirs with Spark's writer
+        (``client`` settles earlier attempts) and runs the Python job for the rest."""
+        if self._native is not None and plan.mode == "finish" and not self.python \
+                and client is not None:
+            finished = self._native.finish(df, plan, client)
+            if finished is not None:
+                return finished, ""
+        if self._native is None or plan.mode != PREPARE or client is None:
+            return self._run_python(df, plan, direct, None)
+        from pyspark import StorageLevel
+
+        split = self._split(df, plan)
+        persisted = len(self.native) + bool(self.python) > 1  # the persist policy
+        if persisted:
+            split = split.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            outcomes: list[dict[str, Any]] = []
+            error = ""
+            if self.python:
+                assert self._python is not None
+                outcomes, error = self._run_python(split, plan, None, self._python)
+            if not error:
+                native, error = self._native.run(split, plan, client,
+                                                 count_rows=not self.python)
+                outcomes += native
+            return outcomes, error
+        finally:
+            if persisted:
+                split.unpersist()
+
+    def _run_python(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None,
+                    template: BatchPlan | None) -> tuple[list[dict[str, Any]], str]:
+        """The Python job (``template``: its participants, default the sink's)."""
         sc = jvm_context(df)
         batch_schema = self.schema(df)
-        cols = list(self.split_columns or df.columns)
-        if plan.split == INPUT_SPLIT and direct is not None:
+        if template is not None:  # the Python participants beside native ones, split
+            job = df.mapInArrow(self._task(None if sc is not None else
+                                           dataclasses.replace(plan, participants=self.python),
+                                           batch_schema, template),
+                                report_struct(), barrier=self.gang)
+        elif plan.split == INPUT_SPLIT and direct is not None:
             job = direct
         else:
-            if plan.split == INPUT_SPLIT and not self.split_columns and not self.one_branch:
-                split = df  # Spark's split is the same on replay: no shuffle
-            elif cols:
-                split = df.repartition(plan.partitions, *cols)
-            else:
-                split = df.repartition(plan.partitions)
-            job = split.mapInArrow(self._task(None if sc is not None else plan, batch_schema),
-                                   report_struct(), barrier=self.gang)
+            job = self._split(df, plan).mapInArrow(
+                self._task(None if sc is not None else plan, batch_schema),
+                report_struct(), barrier=self.gang)
         if sc is not None:
             sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
         try:
@@ -152,12 +205,13 @@ class PrepareJob:
                 sc.setLocalProperty(PLAN_PROPERTY, None)
         return [r.asDict() for r in rows], ""
 
-    def _task(self, fixed: BatchPlan | None, batch_schema: Any) -> Callable[[Any], Any]:
+    def _task(self, fixed: BatchPlan | None, batch_schema: Any,
+              base: BatchPlan | None = None) -> Callable[[Any], Any]:
         """The task's function. With ``fixed`` it runs that plan; without, it reads the
-        batch's plan from the job property over the template."""
+        batch's plan from the job property over ``base`` (default: the template)."""
         import pyarrow as pa
 
-        template = fixed or self.template
+        template = fixed or base or self.template
         assert template is not None
         report_schema = pa.schema(
             [(name, pa.string() if kind == "string" else pa.float64() if kind == "double"

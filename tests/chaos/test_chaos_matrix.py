@@ -110,6 +110,9 @@ def run_case(
         files_path=str(tmp / "out") if kind == "files" else None,
         kafka_bootstrap=kafka if kind.startswith("kafka") else None, kafka_topic=f"mx-{tag}",
         kafka_prepare="in_task" if kind == "kafka_in_task" else "staged",
+        # a files-only job writes natively (Spark's writer, from the driver): a worker
+        # victim needs the files written in the tasks, the Python path
+        files_native=False if kind == "files" and victim == "worker" else None,
     )
     if reuse is not None:
         cfg.kafka_reuse = reuse

@@ -60,6 +60,7 @@ class JobConfig:
     files_path: str | None = None
     files_format: str = "parquet"
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
+    files_native: bool | None = None  # StagedFileParticipant(native=...); None: automatic
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
@@ -174,8 +175,12 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
     if cfg.files_path:
         from twophase.sinks.files import StagedFileParticipant
 
-        parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
-                                           storage_options=cfg.files_options))
+        if cfg.files_native is None:  # the object-store backend takes no ``native``
+            parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
+                                               storage_options=cfg.files_options))
+        else:
+            parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
+                                               native=cfg.files_native))
     if cfg.kafka_bootstrap:
         from twophase.sinks.kafka import KafkaParticipant
 

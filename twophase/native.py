@@ -1,0 +1,213 @@
+"""The native data path: Spark's own writer prepares the branches of participants that
+take files Spark wrote (``twophase.participant.SparkWritten``), so none of their rows
+crosses into Python; twophase only commits them (docs/decisions.md, 2026-11-26).
+
+Per attempt, on the driver, in place of those participants' share of the prepare job:
+
+1. settle what earlier attempts left (the tasks' recovery rule, here: abort by name,
+   acknowledge the attempts waiting for it);
+2. ``df.write.format(fmt).save(participant.native_location(key))``: one Spark task per
+   branch partition (the batch split as the Python path splits it), timestamps as
+   Parquet ``TIMESTAMP_MICROS`` (what pyarrow writes, not Spark's default INT96), one
+   file per task;
+3. ``participant.adopt(key, P)``: the files become the staged branches, by name;
+4. the votes go back as the Python tasks' do (one outcome per partition), and the driver
+   decides and commits as for any other batch.
+
+A driver killed during 2 or 3 leaves the attempt's write folder, named by the attempt:
+``status`` reads it as PREPARED, so the next attempt's settle step, the give-up sweep and
+``twophase resolve`` abort it. A finish (a restart found COMMIT decided) of a sink whose
+participants are all native commits the staged branches by name from the driver
+(``finish``: the batch only runs through Spark's ``noop`` sink, for its state stores);
+one with a lost branch, or Python participants beside, runs the Python tasks' finish.
+
+Which path (``split_native``): automatic, native for every participant when all of them
+take Spark's files; beside Python participants only for those that ask
+(``native_preferred``). Persist policy: the batch's input is computed once per consumer
+(each native write, and the Python job when Python participants remain). With one
+consumer nothing is cached; with more, the split batch is persisted
+(``MEMORY_AND_DISK``) for the attempt and unpersisted after it, so a source is read
+once (docs/decisions.md, 2026-11-26).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Final
+
+from twophase import failpoints
+from twophase.batchplan import BatchPlan, BranchOutcome
+from twophase.finish import apply_decision
+from twophase.participant import (
+    EMPTY_BRANCH,
+    BranchRef,
+    Handle,
+    Participant,
+    SparkWritten,
+    is_empty_branch,
+    native_eligible,
+)
+from twophase.plan import run_through
+from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
+from twophase.report import short_error
+from twophase.wire import VoteIn, acks_body, votes_body
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from twophase.client import CoordinatorClient
+
+__all__ = ["TIMESTAMP_CONF", "NativePrepare", "split_native"]
+
+TIMESTAMP_CONF: Final = "spark.sql.parquet.outputTimestampType"
+"""Set to ``TIMESTAMP_MICROS`` during a native write (restored after): Spark's default,
+INT96, is deprecated in Parquet and read by pyarrow as nanoseconds; pyarrow's files, the
+Python path's, hold microseconds with the UTC flag, and so do these."""
+
+_WRITE_OPTIONS: Final = {
+    "compression": "snappy",  # pyarrow's default, the Python path's
+    "maxRecordsPerFile": "0",  # one file per task: a branch is one file
+    # no _SUCCESS file in the write folder (a Hadoop option passed through the writer)
+    "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
+}
+
+
+def split_native(participants: Sequence[Participant], gang: bool
+                 ) -> tuple[tuple[Participant, ...], tuple[Participant, ...]]:
+    """(native, Python) participants of a sink. Automatic: every participant goes native
+    when all of them take files Spark wrote (the batch is then read by Spark's writers
+    alone); in a sink with Python participants too, only those that ask for it
+    (``native_preferred``: the batch is then persisted for both). Never under a barrier
+    stage (an in-task participant: its tasks wait for the decision, and a native write
+    has no task to wait in)."""
+    if gang:
+        return (), tuple(participants)
+    native = tuple(p for p in participants if native_eligible(p))
+    if len(native) < len(participants):
+        native = tuple(p for p in native if isinstance(p, SparkWritten)
+                       and p.native_preferred())
+    return native, tuple(p for p in participants if p not in native)
+
+
+@contextmanager
+def _micros(spark: Any) -> Iterator[None]:
+    conf = spark.conf
+    before = conf.get(TIMESTAMP_CONF, None)
+    conf.set(TIMESTAMP_CONF, "TIMESTAMP_MICROS")
+    try:
+        yield
+    finally:
+        if before is None:
+            conf.unset(TIMESTAMP_CONF)
+        else:
+            conf.set(TIMESTAMP_CONF, before)
+
+
+class NativePrepare:
+    """The native participants' prepare of one attempt, from the driver."""
+
+    def __init__(self, participants: Sequence[Participant]) -> None:
+        self.participants = tuple(participants)
+
+    def run(self, split: DataFrame, plan: BatchPlan, client: CoordinatorClient,
+            *, count_rows: bool = True) -> tuple[list[dict[str, Any]], str]:
+        """Write, adopt and hand back the votes as one outcome per partition (rows
+        counted when ``count_rows``: no Python job counts them). Returns the outcomes and
+        the write's error ("" when none; the votes are then missing and the driver
+        abandons the attempt)."""
+        t0 = time.perf_counter()
+        recovered = self._settle_earlier(plan, client)
+        handles: dict[str, dict[int, Handle]] = {}
+        try:
+            with _micros(split.sparkSession):
+                for part in self.participants:
+                    assert isinstance(part, SparkWritten)
+                    fmt = part.native_format()
+                    assert fmt is not None
+                    failpoints.hit("before_prepare", part.name)
+                    (split.write.mode("overwrite").format(fmt)
+                     .options(**{**_WRITE_OPTIONS, **part.native_options()})
+                     .save(part.native_location(plan.key)))
+                    # written, not adopted: a kill here leaves the write folder
+                    failpoints.hit("after_prepare", part.name)
+            for part in self.participants:
+                assert isinstance(part, SparkWritten)
+                handles[part.name] = part.adopt(plan.key, plan.partitions)
+        except Exception as exc:  # the coordinator's record decides what comes next
+            return [], short_error(exc)
+        took = time.perf_counter() - t0
+        outcomes = []
+        for p in range(plan.partitions):
+            out = BranchOutcome(partition=p, prepare_s=took, task_s=took,
+                                recovered=recovered if p == 0 else 0)
+            votes = []
+            for part in self.participants:
+                handle = handles[part.name].get(p, EMPTY_BRANCH)
+                rows = int(handle.get("rows", "0"))
+                if count_rows:
+                    out.rows = max(out.rows, rows)
+                votes.append(VoteIn(branch=branch_id(part.name, p), yes=True,
+                                    handle={**handle, "split": plan.split},
+                                    metrics={"prepare_s": took, "rows": rows}))
+            out.votes = json.dumps(votes_body(plan.epoch, votes)["votes"])
+            outcomes.append(out.as_dict())
+        return outcomes, ""
+
+    def finish(self, df: DataFrame, plan: BatchPlan, client: CoordinatorClient
+               ) -> list[dict[str, Any]] | None:
+        """COMMIT is decided (``plan.mode`` finish): commit every staged branch by name
+        and hand back the acks as one outcome, the driver relaying them. None, having
+        changed nothing but earlier attempts' leftovers, when a branch needs its rows
+        again (lost, or not voted): the Python tasks' finish then redoes it."""
+        t0 = time.perf_counter()
+        recovered = self._settle_earlier(plan, client)
+        acks: list[tuple[str, Decision]] = []
+        todo: list[tuple[Participant, BranchRef, Handle]] = []
+        rows = 0
+        for part in self.participants:
+            for p in range(plan.partitions):
+                ref, bid = plan.ref(part, p), branch_id(part.name, p)
+                voted = plan.handles.get(bid)
+                if voted is None:
+                    return None
+                if is_empty_branch(voted):
+                    acks.append((bid, Decision.COMMIT))
+                    continue
+                action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted),
+                                         part.commit_scope)
+                if action == RecoveryAction.COMMIT:
+                    todo.append((part, ref, voted))
+                elif action != RecoveryAction.NOTHING:
+                    return None
+                acks.append((bid, Decision.COMMIT))
+                rows = max(rows, int(voted.get("rows", "0")))
+        run_through(df)  # a stateful query commits its state only when the batch runs
+        for part, ref, voted in todo:
+            apply_decision(part, ref, voted, Decision.COMMIT)
+        took = time.perf_counter() - t0
+        out = BranchOutcome(partition=0, rows=rows, recovered=recovered, commit_s=took,
+                            task_s=took, decision=Decision.COMMIT.value,
+                            acks=json.dumps(acks_body(plan.epoch, acks, {})["acks"]))
+        return [out.as_dict()]
+
+    def _settle_earlier(self, plan: BatchPlan, client: CoordinatorClient) -> int:
+        """The recovery rule for earlier attempts (all decided ABORT, or never decided),
+        as ``twophase.task`` applies it: abort what they left PREPARED, found by name
+        (a write folder included), and acknowledge the attempts still waiting."""
+        recovered = 0
+        for attempt in range(1, plan.key.attempt):
+            acks: list[tuple[str, Decision]] = []
+            for part in self.participants:
+                for p in range(plan.partitions):
+                    ref = BranchRef(*plan.key._replace(attempt=attempt),
+                                    participant=part.name, partition=p)
+                    if recovery_action(Decision.ABORT, part.status(ref)) == RecoveryAction.ABORT:
+                        part.abort(ref, None)
+                        recovered += 1
+                    acks.append((ref.branch_id, Decision.ABORT))
+            if attempt in plan.ack_earlier:
+                client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
+        return recovered
