@@ -24,14 +24,14 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pyarrow as pa
 import pytest
 
-from tests.support.kafka import kafka_branches_committed
+from tests.support.kafka import kafka_branches_committed, private_broker
 from twophase import failpoints
 from twophase.errors import ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
@@ -47,15 +47,13 @@ DOWN_S = 8.0  # how long the broker stays down (the held task wakes up meanwhile
 HOLD_S = 3.0  # how long the failpoint holds the Kafka task at its step
 
 
+__all__ = ["private_broker"]  # the fixture, imported for pytest
+
+
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalKafka]:
-    """An Apache Kafka broker of its own (this test kills it), its log in ``tmp_path``."""
-    broker = LocalKafka(base_dir=str(tmp_path))
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
+def broker(private_broker: LocalKafka) -> LocalKafka:
+    """An Apache Kafka broker of its own (this test kills it)."""
+    return private_broker
 
 
 def _config(tmp: Path, pg_dsn: str, bootstrap: str) -> JobConfig:

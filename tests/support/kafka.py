@@ -45,6 +45,18 @@ def kafka_broker() -> Iterator[LocalKafka]:
 SECURE_USERS = {"admin": "admin-secret", "app": "app-secret", "nobody": "nobody-secret"}
 
 
+@pytest.fixture
+def private_broker(tmp_path: Any) -> Iterator[LocalKafka]:
+    """An Apache Kafka broker of the test's own (a test that kills or restarts it), its
+    folder and log in ``tmp_path``."""
+    broker = LocalKafka(base_dir=str(tmp_path))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
 @pytest.fixture(scope="session")
 def secure_kafka() -> Iterator[LocalKafka]:
     broker = LocalKafka(security=KafkaSecurity(users=SECURE_USERS))

@@ -13,13 +13,11 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.sinks.kafka.test_kafka_participant import SCHEMA, batch, branch
-from tests.support.kafka import committed_offset, create_topic, unique_topic
+from tests.support.kafka import committed_offset, create_topic, private_broker, unique_topic
 from twophase.participant import BranchRef, Handle
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.apachekafka import LocalKafka
@@ -28,14 +26,13 @@ CONNECT_S = 5.0
 TXN_TIMEOUT_MS = 120_000  # the stall this test catches lasts this long
 
 
+__all__ = ["private_broker"]  # the fixture, imported for pytest
+
+
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalKafka]:
-    broker = LocalKafka(base_dir=str(tmp_path))
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
+def broker(private_broker: LocalKafka) -> LocalKafka:
+    """An Apache Kafka broker of its own (this test kills it)."""
+    return private_broker
 
 
 def _commit_all(driver: list[KafkaParticipant], refs: list[BranchRef],
