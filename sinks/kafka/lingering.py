@@ -87,8 +87,10 @@ class OpenTransaction:
 
 
 def _numbered(rest: str) -> bool:
-    """``N`` (an in-task branch's id) or ``commit.N`` (a staged copy lane's)."""
-    return rest.isdigit() or (rest.startswith(COMMIT_LANE) and rest[len(COMMIT_LANE):].isdigit())
+    """``N`` (an in-task branch's id), ``commit.N`` (a staged copy lane's, the driver's
+    pool) or ``commit.pN`` (a staged copy made by partition N's task)."""
+    lane = rest[len(COMMIT_LANE):] if rest.startswith(COMMIT_LANE) else None
+    return rest.isdigit() or (lane is not None and lane.removeprefix("p").isdigit())
 
 
 def list_open_transactions(

@@ -21,7 +21,9 @@ prepare does not open one in the task:
   is an error. Transactional ids come from a pool of :data:`COMMIT_IDS` per (sink,
   participant), all initialised when a process first commits: a copy cut by a crash is
   aborted by the next process's ``init_transactions`` and copied again, and a branch
-  whose marker is committed is skipped.
+  whose marker is committed is skipped. A batch finished by Spark tasks after a restart
+  copies from each task on a lane of the branch's own (``commit.p<partition>``,
+  :func:`_commit_in_task`): the workers' pools would fence each other.
 - **abort**: nothing is visible and nothing is held (no transaction, no lock): the staged
   records are never copied and leave with the staging topic's retention.
 """
@@ -393,6 +395,8 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             f"{p.describe()}: branch {branch.branch_id} of batch {branch.batch_id} cannot be "
             "committed without its vote's handle: the handle says where its records are "
             "staged; finish the batch from the coordinator's record (twophase resolve)")
+    if _in_spark_task():
+        return _commit_in_task(p, branch, handle)
     key, lane = POOL.take(p, branch.sink)
     try:
         if lane.producer is not None and not healthy(lane.producer):
@@ -431,6 +435,42 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
         raise
     finally:
         POOL.give(key, lane)
+
+
+def _in_spark_task() -> bool:
+    """True in a Spark task (a batch finished by tasks after a restart), False on the
+    driver and in `twophase resolve` (no pyspark there, or no task)."""
+    try:
+        from pyspark import TaskContext
+    except ImportError:
+        return False
+    return TaskContext.get() is not None
+
+
+def _commit_in_task(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
+    """The copy from a Spark task: on a lane of the branch's own, ``...commit.p<N>``, not
+    the driver's pool. Each Python worker has its own pool, and two workers initialising
+    the same eight ids fence each other's copies, again and again (a 100-kill chaos run,
+    issue 31); an id per partition lets the partitions' tasks copy side by side, while a
+    second attempt of one partition (a retry, a speculative copy) still fences the first,
+    so only one of them commits the branch and the marker check after ``init`` sees
+    whether it already did."""
+    lane = _Lane(f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}")
+    try:
+        _ready(p, lane)
+        group = p.marker_group(branch)
+        consumer = p._marker_consumer(group)
+        ok = False
+        try:
+            if p._committed_marker(consumer, branch) < branch.batch_id + 1:
+                _copy(p, lane, consumer, branch, handle)
+            ok = True
+        finally:
+            p._marker_done(group, consumer, ok)
+    except BaseException:
+        _drop(lane)
+        raise
+    _retire(lane)
 
 
 def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
