@@ -56,7 +56,8 @@ def _all_cases() -> list[tuple[str, str, str]]:
     # an in-task Kafka job's tasks vote, wait and commit; the others (staged Kafka too)
     # prepare in tasks and commit from the driver
     return [(v, p, k) for k in KINDS for v in VICTIMS
-            for p in points_for(v, _mode(v), in_task=k == "kafka_in_task")]
+            for p in points_for(v, _mode(v), in_task=k == "kafka_in_task",
+                                kafka_staged=k == "kafka")]
 
 
 # Bounded subset for every run: all victims, all kinds, the decision on both sides.
