@@ -93,7 +93,9 @@ class Committer:
         self._running: dict[int, tuple[str, float]] = {}  # thread id -> (what, since)
         self.slow_commit_s = SLOW_COMMIT_S
         self._watch: threading.Thread | None = None
-        self._stop = threading.Event()
+        # made with the watch, not here: the sink is pickled before its first batch
+        # under Spark Connect, and an Event holds a lock
+        self._stop: threading.Event | None = None
 
     def apply(
         self, client: CoordinatorClient, epoch: int, txn: Transaction
@@ -180,7 +182,8 @@ class Committer:
 
     def close(self) -> None:
         """Close every lane's participant copies and the threads."""
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._watch is not None:
             self._watch.join(5)
             self._watch = None
@@ -199,8 +202,9 @@ class Committer:
         if not work:
             return [], ""
         if self._watch is None or not self._watch.is_alive():
-            self._stop.clear()
-            self._watch = threading.Thread(target=self._watch_slow, daemon=True,
+            self._stop = threading.Event()
+            self._watch = threading.Thread(target=self._watch_slow, args=(self._stop,),
+                                           daemon=True,
                                            name="twophase-commit-watch")
             self._watch.start()
         lanes = min(COMMIT_THREADS, len(work))
@@ -249,12 +253,12 @@ class Committer:
             done.append(ref.branch_id)
         return done, error
 
-    def _watch_slow(self) -> None:
+    def _watch_slow(self, stop: threading.Event) -> None:
         """Log every commit running longer than :attr:`slow_commit_s`, with where its
-        thread waits, and again each as long until it ends."""
+        thread waits, and again each as long until it ends (until ``stop``)."""
         every = self.slow_commit_s
         logged: dict[tuple[int, float], float] = {}
-        while not self._stop.wait(min(5.0, every / 4)):
+        while not stop.wait(min(5.0, every / 4)):
             now = time.monotonic()
             running = dict(self._running)
             logged = {k: v for k, v in logged.items() if running.get(k[0], ("", 0))[1] == k[1]}
