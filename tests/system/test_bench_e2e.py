@@ -58,7 +58,7 @@ def test_the_e2e_bench_runs_from_the_venv_as_a_user_runs_it(tmp_path: Path) -> N
                      text, re.M), text
     assert re.search(rf"^empty file: {phase}", text, re.M), text
     # the Kafka section (by default), its warm-up counted in the topic's log
-    assert re.search(r"^kafka section: .*new per batch, the default", text, re.M), text
+    assert re.search(r"^kafka section: .*Apache Kafka; B's prepare staged", text, re.M), text
     assert re.search(r"^  warm-up B: 2000 rows written, 2000 committed records", text,
                      re.M), text
     assert re.search(rf"^kafka 2k: B/A rows/s per pair \[{NUM}\] median {NUM}$", text,
