@@ -90,6 +90,7 @@ def test_spark_kill_then_restart_is_exactly_once(
     assert mariadb_server.sql("XA RECOVER") == []
 
 
+@pytest.mark.slow  # CI time (45 s alone): the SQL kill tests above run MariaDB under kills
 def test_chaos_cli_mariadb(tmp_path: Path) -> None:
     """``twophase chaos --mariadb-local``: random driver and worker kills, then verified."""
     out = tmp_path / "report.json"
