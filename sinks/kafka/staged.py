@@ -410,17 +410,7 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
                      lane.producer.broker_errors[-1])
             _retire(lane)
         _ready(p, lane)
-        group = p.marker_group(branch)
-        consumer = p._marker_consumer(group)
-        ok = False
-        try:
-            if p._committed_marker(consumer, branch) >= branch.batch_id + 1:
-                ok = True
-                return
-            _copy(p, lane, consumer, branch, handle)
-            ok = True
-        finally:
-            p._marker_done(group, consumer, ok)
+        _copy_unless_committed(p, lane, branch, handle)
     except BaseException as exc:
         _drop(lane)
         try:  # fence now: a copy left open holds the marker group's offsets
@@ -458,19 +448,26 @@ def _commit_in_task(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> N
     lane = _Lane(f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}")
     try:
         _ready(p, lane)
-        group = p.marker_group(branch)
-        consumer = p._marker_consumer(group)
-        ok = False
-        try:
-            if p._committed_marker(consumer, branch) < branch.batch_id + 1:
-                _copy(p, lane, consumer, branch, handle)
-            ok = True
-        finally:
-            p._marker_done(group, consumer, ok)
+        _copy_unless_committed(p, lane, branch, handle)
     except BaseException:
         _drop(lane)
         raise
     _retire(lane)
+
+
+def _copy_unless_committed(p: KafkaParticipant, lane: _Lane, branch: BranchRef,
+                           handle: Handle) -> None:
+    """Read the branch's marker on an initialised lane; copy only if it is not committed
+    (the driver's pool and a task's own lane alike)."""
+    group = p.marker_group(branch)
+    consumer = p._marker_consumer(group)
+    ok = False
+    try:
+        if p._committed_marker(consumer, branch) < branch.batch_id + 1:
+            _copy(p, lane, consumer, branch, handle)
+        ok = True
+    finally:
+        p._marker_done(group, consumer, ok)
 
 
 def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
