@@ -48,7 +48,7 @@ from tests.support.kafka import create_topic, grant_app, secure_kafka
 from tests.support.user import INTERNAL
 from twophase.sinks.delta import DeltaParticipant
 from twophase.sinks.kafka import KafkaParticipant
-from twophase.sinks.postgres import PostgresParticipant, gid_prefix
+from twophase.sinks.postgres import PostgresParticipant, gid_prefix, parse_gid
 from twophase.testing.apachekafka import LocalKafka
 from twophase.testing.servers import clean_env
 from twophase.testing.verify import verify
@@ -150,8 +150,11 @@ def _run_and_kill(command: list[str], work: Path, env: dict[str, str], log: Path
                     f"the job ended before the kill:\n{log.read_text()[-3000:]}"
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 done = len(COMMITTED.findall(log.read_text(errors="replace")))
-                if done >= 1 and _prepared_on(conn):
-                    when = f"with a branch prepared, after {done} batch(es) committed"
+                prepared = _prepared_on(conn) if done >= 1 else []
+                if prepared:
+                    ref = parse_gid(prepared[0])
+                    when = (f"with a branch of batch {ref.batch_id if ref else '?'} prepared, "
+                            f"after {done} batch(es) committed")
                 elif done >= 2:
                     when = f"between batches, after {done} batch(es) committed"
                 else:
