@@ -48,6 +48,8 @@ from twophase.sinks.kafka.clients import bounded, healthy, txn_producer
 from twophase.sinks.kafka.config import common_config, validate_topic
 from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
 from twophase.sinks.kafka.lingering import COMMIT_LANE
+from twophase.sinks.kafka.marker import committed_marker, held_consumer, read_marker
+from twophase.sinks.kafka.records import produce_all
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -176,7 +178,7 @@ def prepare(
     """Stage the branch's records (see the module docstring); the handle says where.
     A branch whose marker is committed writes nothing."""
     p._check_branch(branch)
-    if _marker(p, branch) >= branch.batch_id + 1:
+    if read_marker(p, branch) >= branch.batch_id + 1:
         return {**p._handle(branch, 0, already=True), "prepare": "staged"}
     cfg = dict(p.config)
     cfg.update({"enable.idempotence": True, "acks": "all"})
@@ -200,7 +202,7 @@ def prepare(
             offsets.append(msg.offset())
 
     try:
-        rows = p._produce_all(producer, schema, batches, on_delivery, errors, headers,
+        rows = produce_all(p, producer, schema, batches, on_delivery, errors, headers,
                               topic=p.staging_topic, partition=partition)
         left = producer.flush(p.connect_timeout_s)
     except Exception as exc:
@@ -218,18 +220,6 @@ def prepare(
                    "first_offset": str(min(offsets, default=-1)),
                    "last_offset": str(max(offsets, default=-1))})
     return handle
-
-
-def _marker(p: KafkaParticipant, branch: BranchRef) -> int:
-    group = p.marker_group(branch)
-    consumer = p._marker_consumer(group)
-    ok = False
-    try:
-        found = p._committed_marker(consumer, branch)
-        ok = True
-        return found
-    finally:
-        p._marker_done(group, consumer, ok)
 
 
 # -- commit (the driver) -------------------------------------------------------------------
@@ -459,15 +449,9 @@ def _copy_unless_committed(p: KafkaParticipant, lane: _Lane, branch: BranchRef,
                            handle: Handle) -> None:
     """Read the branch's marker on an initialised lane; copy only if it is not committed
     (the driver's pool and a task's own lane alike)."""
-    group = p.marker_group(branch)
-    consumer = p._marker_consumer(group)
-    ok = False
-    try:
-        if p._committed_marker(consumer, branch) < branch.batch_id + 1:
+    with held_consumer(p, branch) as consumer:
+        if committed_marker(p, consumer, branch) < branch.batch_id + 1:
             _copy(p, lane, consumer, branch, handle)
-        ok = True
-    finally:
-        p._marker_done(group, consumer, ok)
 
 
 def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
