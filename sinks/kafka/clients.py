@@ -15,7 +15,7 @@ from typing import Any
 
 from twophase.errors import ParticipantError
 
-__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "STUCK_GRACE_S", "IdleClients", "bounded",
+__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "STUCK_GRACE_S", "IdleClients", "abandon", "bounded",
            "healthy", "parse_offsets", "to_bytes", "txn_producer"]
 
 STUCK_GRACE_S = 5.0
@@ -151,6 +151,18 @@ def bounded(client: Any, method: str, timeout: float, what: str, *args: Any,
     if failed:
         raise failed[0]
     return out[0] if out else None
+
+
+_STUCK: list[Any] = []
+"""Clients left blocked in a librdkafka call (:func:`bounded`): kept referenced, so no
+thread ever runs their destructor, which would wait on the blocked call."""
+
+
+def abandon(client: Any) -> None:
+    """Give up on a ``stuck`` client for good: never closed, never dropped (see
+    :data:`_STUCK`); the caller fences its transactional.id."""
+    if not any(c is client for c in _STUCK):
+        _STUCK.append(client)
 
 
 def parse_offsets(text: str) -> dict[int, int]:

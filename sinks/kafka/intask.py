@@ -30,10 +30,10 @@ import pyarrow as pa
 
 from twophase.errors import TwophaseError
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
-from twophase.sinks.kafka.clients import PRODUCERS, healthy, parse_offsets
-from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.clients import PRODUCERS, abandon, healthy, parse_offsets
+from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe_error, kafka_error
 from twophase.sinks.kafka.log import read_branch
-from twophase.sinks.kafka.marker import committed_marker, marker_consumer, marker_done
+from twophase.sinks.kafka.marker import add_marker, committed_marker, marker_consumer, marker_done
 from twophase.sinks.kafka.producers import cache_key, discard, new_producer, release
 from twophase.sinks.kafka.records import Refusal, headers, produce_all
 
@@ -183,8 +183,6 @@ def write(
     marker offset first (the transaction's first broker call, so a fenced cached
     producer fails before any row is read: raises :class:`Stale` when ``reused``), then
     the rows, then flush."""
-    from confluent_kafka import TopicPartition
-
     errors: list[Any] = []
     first: dict[int, int] = {}
 
@@ -201,12 +199,13 @@ def write(
     try:
         producer.begin_transaction()
         step = "send the marker offset"
-        producer.send_offsets_to_transaction(
-            [TopicPartition(p.topic, 0, branch.batch_id + 1)],
-            consumer.consumer_group_metadata(),
-            p.connect_timeout_s,
-        )
+        add_marker(p, producer, consumer, branch,
+                   f"branch {branch.branch_id} of batch {branch.batch_id}")
     except Exception as exc:
+        if getattr(producer, "stuck", False):  # the bound gave up on it (librdkafka#5456)
+            abandon(producer)
+            if not reused:  # (a reused one: the new producer of the retry fences it)
+                raise PrepareRefused(f"{exc}; {_fence_stuck(p, branch)}") from exc
         if reused:  # no abort: a fenced producer's abort waits out connect_timeout_s
             raise Stale(f"cannot {step}: {describe_error(exc)}") from exc
         abort_own(p, producer)
@@ -261,35 +260,23 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             "redone (prepare again and commit under the existing COMMIT decision)"
         )
     producer = prepared.producer
-    deadline = time.monotonic() + p.commit_retry_s
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            producer.commit_transaction(p.connect_timeout_s)
-            break
-        except Exception as exc:
-            err = kafka_error(exc)
-            if err is None:
-                raise
-            action = classify_commit_error(err)
-            if action == "retry" and time.monotonic() < deadline:
-                time.sleep(min(0.1 * attempts, 2.0))
-                continue
-            if action == "retry":
-                # Still in doubt: keep the producer so a later commit() resumes it.
-                raise ParticipantError(
-                    f"{p.describe()}: commit of branch {branch.branch_id} batch "
-                    f"{branch.batch_id} still in doubt after {attempts} attempts: "
-                    f"{describe_error(exc)}; call commit again"
-                ) from exc
-            with p._lock:
-                p._prepared.pop(branch, None)
+    try:
+        commit_retrying(producer, p.connect_timeout_s, p.commit_retry_s)
+    except CommitNotDone as exc:
+        if exc.in_doubt:
+            # Still in doubt: keep the producer so a later commit() resumes it.
             raise ParticipantError(
                 f"{p.describe()}: commit of branch {branch.branch_id} batch "
-                f"{branch.batch_id} failed and was not aborted: {describe_error(exc)}; "
-                "the branch must be redone under the COMMIT decision"
-            ) from exc
+                f"{branch.batch_id} still in doubt after {exc.attempts} attempts: "
+                f"{exc.cause}; call commit again"
+            ) from exc.__cause__
+        with p._lock:
+            p._prepared.pop(branch, None)
+        raise ParticipantError(
+            f"{p.describe()}: commit of branch {branch.branch_id} batch "
+            f"{branch.batch_id} failed and was not aborted: {exc.cause}; "
+            "the branch must be redone under the COMMIT decision"
+        ) from exc.__cause__
     with p._lock:
         p._prepared.pop(branch, None)
     release(p, branch, producer)  # committed: healthy, serves the next batch
@@ -332,3 +319,13 @@ def fence(p: KafkaParticipant, branch: BranchRef) -> None:
     except PrepareRefused as exc:
         raise ParticipantError(str(exc)) from exc
     release(p, branch, producer)  # freshly initialised: serves the next batch
+
+
+def _fence_stuck(p: KafkaParticipant, branch: BranchRef) -> str:
+    """Fence the id of a producer left blocked with its transaction open (it holds the
+    marker group's offsets, so every stable read of the marker would wait on it)."""
+    try:
+        fence(p, branch)
+        return "its transactional.id is fenced (the open transaction aborted)"
+    except ParticipantError as again:
+        return f"its transactional.id is not fenced ({again}); the next prepare fences it"

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from twophase.participant import BranchRef, ParticipantError
-from twophase.sinks.kafka.clients import MARKER_CONSUMERS
+from twophase.sinks.kafka.clients import MARKER_CONSUMERS, bounded
 from twophase.sinks.kafka.config import common_config
 from twophase.sinks.kafka.errors import COORDINATOR_MOVES, describe_error, kafka_error
 
 if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["committed_marker", "held_consumer", "marker_config",
+__all__ = ["add_marker", "committed_marker", "held_consumer", "marker_config",
            "marker_consumer", "marker_done", "marker_key", "read_marker"]
 
 
@@ -126,3 +126,17 @@ def committed_marker(
         )
     return int(tp.offset) if tp.offset is not None and tp.offset >= 0 else -1
 
+
+def add_marker(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef,
+               what: str) -> None:
+    """Send the marker offset into ``producer``'s open transaction, bounded: librdkafka
+    does not enforce this call's timeout when the group coordinator it has cached went
+    away (confluentinc/librdkafka#5456, #5511), so it is given ``connect_timeout_s`` plus
+    a grace, then the producer is marked ``stuck`` and a ParticipantError raised
+    (:func:`~.clients.bounded`); the caller abandons it and fences its transactional.id."""
+    from confluent_kafka import TopicPartition
+
+    bounded(producer, "send_offsets_to_transaction", p.connect_timeout_s,
+            f"{p.describe()}: {what}: cannot add the marker offset to the transaction at "
+            f"{p.bootstrap}", [TopicPartition(p.topic, 0, branch.batch_id + 1)],
+            consumer.consumer_group_metadata(), p.connect_timeout_s)

@@ -14,7 +14,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from twophase.participant import BranchRef, PrepareRefused
-from twophase.sinks.kafka.clients import PRODUCERS, healthy, txn_producer
+from twophase.sinks.kafka.clients import PRODUCERS, abandon, healthy, txn_producer
 from twophase.sinks.kafka.errors import describe_error, kafka_error
 
 if TYPE_CHECKING:
@@ -69,9 +69,13 @@ def discard(p: KafkaParticipant, producer: Any) -> None:
     that drops a fenced producer's requests (tansu). So abort within
     ``connect_timeout_s`` first; only a producer left with no transaction is closed,
     any other is just dropped (librdkafka's destructor does not wait; the broker, or
-    the next ``init_transactions`` of the transactional.id, aborts what it held)."""
+    the next ``init_transactions`` of the transactional.id, aborts what it held). A
+    producer left ``stuck`` in a call (:func:`~.clients.bounded`) is abandoned."""
     from confluent_kafka import KafkaError
 
+    if getattr(producer, "stuck", False):  # blocked in a call: any other call is refused
+        abandon(producer)
+        return
     try:
         producer.abort_transaction(p.connect_timeout_s)
     except Exception as exc:
