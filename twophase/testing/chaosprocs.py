@@ -11,10 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobRun", "descendants", "kill", "python_workers", "zombie"]
+__all__ = ["JobRun", "descendants", "kill", "python_workers", "read_json_lines", "zombie"]
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:
@@ -69,6 +70,18 @@ def kill(pid: int) -> bool:
         return False
 
 
+def read_json_lines(stream: Iterable[str], add: Callable[[dict[str, Any]], None]) -> None:
+    """Each line of a job's stdout that is a JSON object goes to ``add`` (its report
+    lines); anything else is chatter (Spark's, a library's)."""
+    for raw in stream:
+        raw = raw.strip()
+        if raw.startswith("{"):
+            try:
+                add(json.loads(raw))
+            except ValueError:
+                continue
+
+
 class JobRun:
     """One driver process; its stdout lines are timestamped into the shared ``lines``."""
 
@@ -89,13 +102,8 @@ class JobRun:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            raw = raw.strip()
-            if raw.startswith("{"):
-                try:
-                    self._lines.append((time.monotonic(), self.number, json.loads(raw)))
-                except ValueError:
-                    continue
+        read_json_lines(self.proc.stdout,
+                        lambda x: self._lines.append((time.monotonic(), self.number, x)))
 
     @property
     def alive(self) -> bool:
