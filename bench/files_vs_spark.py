@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import uuid
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.vs_spark import Batches, check_ids, label, measured, run_pairs  # noqa: E402
 from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def _ids(out: Path) -> tuple[int, int]:
     return table.num_rows, len(pc.unique(table["id"]))
 
 
-def run_query(spark: Any, work: Path, input_dir: Path, variant: str) -> list[tuple[int, float]]:
+def run_query(spark: Any, work: Path, input_dir: Path, variant: str) -> Batches:
     """One query; (rows, seconds) per batch from Spark's progress, warm-up first."""
     from twophase.driver import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
@@ -72,22 +72,14 @@ def run_query(spark: Any, work: Path, input_dir: Path, variant: str) -> list[tup
         q = (writer.option("checkpointLocation", str(ckpt)).trigger(availableNow=True)
              .start())
         q.awaitTermination()
-        batches = [(int(p["numInputRows"]), p["durationMs"]["triggerExecution"] / 1000)
-                   for p in q.recentProgress if p["numInputRows"]]
-        rows, distinct = _ids(out)
-        expected = sum(n for n, _ in batches)
-        if rows != expected or distinct != expected:
-            raise SystemExit(f"{variant}: {rows} rows, {distinct} ids for {expected} read")
+        batches = measured(q)
+        check_ids(variant, batches, *_ids(out))
         return batches
     finally:
         if sink is not None:
             sink.close()
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
-
-
-def _label(n: int) -> str:
-    return f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,21 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             input_dir = work / f"in-{size}"
             write_input(input_dir, batches=args.batches + 1, rows_per_batch=size)
-            ratios, times = [], {"A": list[float](), "B": list[float]()}
-            for i in range(args.pairs):
-                rates = {}
-                for v in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                    batches = run_query(spark, work, input_dir, v)[1:]
-                    rates[v] = sum(n for n, _ in batches) / sum(s for _, s in batches)
-                    times[v] += [s for _, s in batches]
-                ratios.append(rates["B"] / rates["A"])
-                print(f"  {_label(size)} pair {i + 1}: A {rates['A']:,.0f} rows/s, "
-                      f"B {rates['B']:,.0f} rows/s, B/A {ratios[-1]:.2f}", flush=True)
-            summary[_label(size)] = statistics.median(ratios)
-            print(f"{_label(size)}: B/A rows/s per pair [{', '.join(f'{r:.2f}' for r in ratios)}]"
-                  f" median {summary[_label(size)]:.2f}; batch p50 A "
-                  f"{statistics.median(times['A']) * 1000:.0f} ms, B "
-                  f"{statistics.median(times['B']) * 1000:.0f} ms", flush=True)
+            summary[label(size)] = run_pairs(
+                label(size), args.pairs, lambda v, d=input_dir: run_query(spark, work, d, v))
             shutil.rmtree(input_dir, ignore_errors=True)
     finally:
         spark.stop()

@@ -82,7 +82,9 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
     seconds of each batch after the first."""
     import pickle
 
+    from twophase.sinks.kafka.marker import marker_key
     from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
+    from twophase.sinks.kafka.producers import cache_key
 
     topic = new_topic(bootstrap)
     p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse,
@@ -93,14 +95,14 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
         own: KafkaParticipant = pickle.loads(pickle.dumps(p))
         b = BranchRef("bench", lineage, i, 1, own.name, 0)
         if not reuse:
-            PRODUCERS.drop(own._cache_key(b))
-            MARKER_CONSUMERS.drop(own._marker_key(own.marker_group(b)))
+            PRODUCERS.drop(cache_key(own, b))
+            MARKER_CONSUMERS.drop(marker_key(own, own.marker_group(b)))
         t = time.perf_counter()
         own.commit(b, own.prepare(b, batch.schema, [batch]))
         own.close()
         if i:
             out.append(time.perf_counter() - t)
-    PRODUCERS.drop(p._cache_key(BranchRef("bench", lineage, 0, 1, p.name, 0)))
+    PRODUCERS.drop(cache_key(p, BranchRef("bench", lineage, 0, 1, p.name, 0)))
     return out
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import uuid
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.vs_spark import Batches, check_ids, label, measured, run_pairs  # noqa: E402
 from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
 
 CATALOG, NAMESPACE = "lake", "bench"
@@ -104,7 +104,7 @@ class Tables:
 
 
 def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
-              variant: str) -> list[tuple[int, float]]:
+              variant: str) -> Batches:
     """One query into a new table; (rows, seconds) per batch from Spark's progress."""
     from twophase.driver import TransactionalSink
     from twophase.sinks.delta import DeltaParticipant
@@ -136,23 +136,14 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
         q.awaitTermination()
         if q.exception() is not None:
             raise SystemExit(f"{kind} {variant}: the query failed: {q.exception()}")
-        batches = [(int(p["numInputRows"]), p["durationMs"]["triggerExecution"] / 1000)
-                   for p in q.recentProgress if p["numInputRows"]]
-        rows, distinct = tables.ids(kind, where)
-        expected = sum(n for n, _ in batches)
-        if rows != expected or distinct != expected:
-            raise SystemExit(f"{kind} {variant}: {rows} rows, {distinct} ids for "
-                             f"{expected} read")
+        batches = measured(q)
+        check_ids(f"{kind} {variant}", batches, *tables.ids(kind, where))
         return batches
     finally:
         if sink is not None:
             sink.close()
         tables.drop(kind, where)
         shutil.rmtree(ckpt, ignore_errors=True)
-
-
-def _label(n: int) -> str:
-    return f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
 
 
 def _jars() -> list[str]:
@@ -203,22 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             input_dir = work / f"in-{size}"
             write_input(input_dir, batches=args.batches + 1, rows_per_batch=size)
             for kind in kinds:
-                ratios, times = [], {"A": list[float](), "B": list[float]()}
-                for i in range(args.pairs):
-                    rates = {}
-                    for v in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                        batches = run_query(spark, tables, input_dir, kind, v)[1:]
-                        rates[v] = sum(n for n, _ in batches) / sum(s for _, s in batches)
-                        times[v] += [s for _, s in batches]
-                    ratios.append(rates["B"] / rates["A"])
-                    print(f"  {kind} {_label(size)} pair {i + 1}: A {rates['A']:,.0f} rows/s, "
-                          f"B {rates['B']:,.0f} rows/s, B/A {ratios[-1]:.2f}", flush=True)
-                key = f"{kind}@{_label(size)}"
-                summary[key] = statistics.median(ratios)
-                print(f"{key}: B/A rows/s per pair [{', '.join(f'{r:.2f}' for r in ratios)}]"
-                      f" median {summary[key]:.2f}; batch p50 A "
-                      f"{statistics.median(times['A']) * 1000:.0f} ms, B "
-                      f"{statistics.median(times['B']) * 1000:.0f} ms", flush=True)
+                key = f"{kind}@{label(size)}"
+                summary[key] = run_pairs(key, args.pairs, lambda v, d=input_dir, k=kind:
+                                         run_query(spark, tables, d, k, v))
             shutil.rmtree(input_dir, ignore_errors=True)
     finally:
         spark.stop()

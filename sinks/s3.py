@@ -21,12 +21,10 @@ The data crosses the network once (parts are never copied). See docs/participant
 
 from __future__ import annotations
 
-import io
 import re
 import socket
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from typing import Any, Final
 
@@ -44,6 +42,7 @@ from twophase.participant import (
     required_secret,
 )
 from twophase.sinks.files import STAGED_NAME, STAGING_DIR, StagedFileParticipant
+from twophase.sinks.s3parts import PART_SIZE, PartWriter
 
 __all__ = ["BRANCH_META", "PART_SIZE", "S3StagedFileParticipant", "parse_s3_url"]
 
@@ -51,8 +50,6 @@ BRANCH_META: Final = "twophase-branch"
 """User metadata of a final object: ``sink/lineage/checkpoint/attempt/participant/partition``."""
 UPLOAD_META: Final = "twophase-upload"
 ROWS_META: Final = "twophase-rows"
-PART_SIZE: Final = 8 * 1024 * 1024
-_IN_FLIGHT: Final = 4  # parts uploading at once while the encoder goes on
 _HANDLE_PARTS: Final = 32  # up to this many ETags ride in the vote; more: ListParts
 _BUCKET_RE: Final = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SEGMENT_RE: Final = re.compile(r"^[A-Za-z0-9_.=-]{1,255}$")
@@ -111,70 +108,6 @@ def _error_code(exc: BaseException) -> str:
         return str(err.get("Code") or exc.response.get("ResponseMetadata", {})
                    .get("HTTPStatusCode", ""))
     return ""
-
-
-class _PartWriter(io.RawIOBase):
-    """A file the encoder writes to; every ``part_size`` bytes become one part, uploaded
-    by a few threads while encoding goes on (at most ``_IN_FLIGHT`` parts held), so memory
-    stays bounded and each byte is sent once."""
-
-    def __init__(self, client: Any, bucket: str, key: str, upload_id: str,
-                 part_size: int) -> None:
-        super().__init__()
-        self._client, self._bucket, self._key, self._upload = client, bucket, key, upload_id
-        self._part_size = part_size
-        self._buf = bytearray()
-        self._pos = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future[str]] = []
-        self.parts = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = memoryview(b).cast("B")
-        self._buf += data
-        self._pos += len(data)
-        if len(self._buf) >= self._part_size:
-            self._send()
-        return len(data)
-
-    def tell(self) -> int:
-        return self._pos
-
-    def _upload_part(self, number: int, body: bytes) -> str:
-        out = self._client.upload_part(Bucket=self._bucket, Key=self._key,
-                                       UploadId=self._upload, PartNumber=number, Body=body)
-        return str(out["ETag"])
-
-    def _send(self) -> None:
-        self.parts += 1
-        body = bytes(self._buf)
-        self._buf.clear()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="twophase-s3")
-        in_flight = [f for f in self._pending if not f.done()]
-        if len(in_flight) >= _IN_FLIGHT:
-            wait(in_flight, return_when=FIRST_COMPLETED)
-        for f in self._pending:
-            if f.done():
-                f.result()  # a failed part fails the prepare now
-        self._pending.append(self._pool.submit(self._upload_part, self.parts, body))
-
-    def finish(self) -> list[str]:
-        """Send what is left (an empty object is one empty part); the parts' ETags."""
-        if self._buf or self.parts == 0:
-            self._send()
-        try:
-            return [f.result() for f in self._pending]
-        finally:
-            self.shutdown()
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
 
 class S3StagedFileParticipant(StagedFileParticipant):
@@ -399,7 +332,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
             raise PrepareRefused(str(exc)) from exc
         except Exception as exc:
             raise PrepareRefused(self._explain(exc, f"cannot start upload {key}")) from exc
-        writer = _PartWriter(self.client, self.bucket, key, upload, self.part_size)
+        writer = PartWriter(self.client, self.bucket, key, upload, self.part_size)
         try:
             rows = self._encode(writer, schema, batches)
             etags = writer.finish()

@@ -5,8 +5,13 @@ Modules, one concern each:
 - ``config``: which librdkafka settings a user may pass, and the defaults;
 - ``errors``: what a librdkafka error means for a branch (retry or report);
 - ``admin``: driver-side checks of columns, brokers and topic;
-- ``participant``: the transactional branch (prepare, commit, abort, status, in_doubt);
+- ``participant``: the participant contract, each hook sent to its prepare mode's path;
 - ``staged``: the default prepare, staged in the task and copied by the driver;
+- ``intask``: the in-task prepare, a transaction opened and committed in the task;
+- ``marker``: the branch's marker (its marker group's committed offset), read;
+- ``records``: rows as Kafka records (key, value, headers, size limit), produced;
+- ``producers``: a branch's transactional producer, made, kept or closed;
+- ``options``: the participant's options, checked and written to its descriptor;
 - ``clients``: this process's idle producers and marker consumers;
 - ``readback``: the topic read as a ``read_committed`` consumer (for the verifier).
 """

@@ -15,8 +15,8 @@ from typing import Any
 
 from twophase.errors import ParticipantError
 
-__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "STUCK_GRACE_S", "IdleClients", "bounded",
-           "healthy", "parse_offsets", "to_bytes", "txn_producer"]
+__all__ = ["MARKER_CONSUMERS", "PRODUCERS", "STUCK_GRACE_S", "IdleClients", "abandon", "bounded",
+           "close_process_clients", "healthy", "parse_offsets", "to_bytes", "txn_producer"]
 
 STUCK_GRACE_S = 5.0
 """How long past its own timeout a librdkafka call may take before :func:`bounded` gives
@@ -83,6 +83,17 @@ MARKER_CONSUMERS = IdleClients()
 """This process's idle marker-group consumers: ``committed()`` asks the group coordinator
 every time, so a cached consumer reads fresh offsets without reconnecting."""
 
+
+def close_process_clients() -> None:
+    """Close every Kafka client this process keeps between batches (idle producers and
+    marker consumers, the staged path's producers and commit lanes): for a test or tool
+    stopping a broker it started, so they do not go on reconnecting to it and logging it
+    until the process exits."""
+    from twophase.sinks.kafka import staged  # staged builds on this module
+
+    PRODUCERS.close_all()
+    MARKER_CONSUMERS.close_all()
+    staged.close_all()
 
 
 _PRODUCER_TYPES: dict[type, type] = {}
@@ -151,6 +162,18 @@ def bounded(client: Any, method: str, timeout: float, what: str, *args: Any,
     if failed:
         raise failed[0]
     return out[0] if out else None
+
+
+_STUCK: list[Any] = []
+"""Clients left blocked in a librdkafka call (:func:`bounded`): kept referenced, so no
+thread ever runs their destructor, which would wait on the blocked call."""
+
+
+def abandon(client: Any) -> None:
+    """Give up on a ``stuck`` client for good: never closed, never dropped (see
+    :data:`_STUCK`); the caller fences its transactional.id."""
+    if not any(c is client for c in _STUCK):
+        _STUCK.append(client)
 
 
 def parse_offsets(text: str) -> dict[int, int]:

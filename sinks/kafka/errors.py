@@ -1,15 +1,16 @@
 """What a librdkafka error means for a branch: retry an ambiguous commit, or report it.
 
-Shared by the admin checks and the transactional branch, which both turn client errors
-into messages naming the Kafka error code.
+Shared by the admin checks and both prepares' transactions, which turn client errors into
+messages naming the Kafka error code and end their transactions with :func:`commit_retrying`.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Final, Literal
 
-__all__ = ["COORDINATOR_MOVES", "CommitAction", "classify_commit_error", "describe_error",
-           "kafka_error"]
+__all__ = ["COORDINATOR_MOVES", "CommitAction", "CommitNotDone", "classify_commit_error",
+           "commit_retrying", "describe_error", "kafka_error"]
 
 CommitAction = Literal["retry", "fatal"]
 
@@ -55,3 +56,37 @@ def describe_error(exc: BaseException) -> str:
     if err is not None:
         return f"{err.name()}: {err.str()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+class CommitNotDone(Exception):
+    """:func:`commit_retrying` gave up after ``attempts``: ``in_doubt`` when the last error
+    was ambiguous (the commit may yet complete; calling again resumes it), else it failed
+    (fatal, fenced, abort-required, or not a Kafka error). The error is the ``__cause__``."""
+
+    def __init__(self, cause: str, attempts: int, in_doubt: bool) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.attempts = attempts
+        self.in_doubt = in_doubt
+
+
+def commit_retrying(producer: Any, timeout_s: float, retry_s: float) -> int:
+    """``producer.commit_transaction``, errors that :func:`classify_commit_error` calls
+    ambiguous retried (with a growing pause) until ``retry_s``: calling again is how
+    librdkafka resumes a commit that may have happened. The attempts it took; raises
+    :class:`CommitNotDone`. Both prepares end their transactions here (:mod:`.intask`,
+    :mod:`.staged`), so they retry alike."""
+    deadline = time.monotonic() + retry_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            producer.commit_transaction(timeout_s)
+            return attempts
+        except Exception as exc:
+            err = kafka_error(exc)
+            in_doubt = err is not None and classify_commit_error(err) == "retry"
+            if in_doubt and time.monotonic() < deadline:
+                time.sleep(min(0.1 * attempts, 2.0))
+                continue
+            raise CommitNotDone(describe_error(exc), attempts, in_doubt) from exc

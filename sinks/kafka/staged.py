@@ -44,10 +44,12 @@ from typing import TYPE_CHECKING, Any, Final
 from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
-from twophase.sinks.kafka.clients import bounded, healthy, txn_producer
+from twophase.sinks.kafka.clients import abandon, healthy, txn_producer
 from twophase.sinks.kafka.config import common_config, validate_topic
-from twophase.sinks.kafka.errors import classify_commit_error, describe_error, kafka_error
+from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe_error, kafka_error
 from twophase.sinks.kafka.lingering import COMMIT_LANE
+from twophase.sinks.kafka.marker import add_marker, committed_marker, held_consumer, read_marker
+from twophase.sinks.kafka.records import produce_all
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -176,7 +178,7 @@ def prepare(
     """Stage the branch's records (see the module docstring); the handle says where.
     A branch whose marker is committed writes nothing."""
     p._check_branch(branch)
-    if _marker(p, branch) >= branch.batch_id + 1:
+    if read_marker(p, branch) >= branch.batch_id + 1:
         return {**p._handle(branch, 0, already=True), "prepare": "staged"}
     cfg = dict(p.config)
     cfg.update({"enable.idempotence": True, "acks": "all"})
@@ -200,7 +202,7 @@ def prepare(
             offsets.append(msg.offset())
 
     try:
-        rows = p._produce_all(producer, schema, batches, on_delivery, errors, headers,
+        rows = produce_all(p, producer, schema, batches, on_delivery, errors, headers,
                               topic=p.staging_topic, partition=partition)
         left = producer.flush(p.connect_timeout_s)
     except Exception as exc:
@@ -218,18 +220,6 @@ def prepare(
                    "first_offset": str(min(offsets, default=-1)),
                    "last_offset": str(max(offsets, default=-1))})
     return handle
-
-
-def _marker(p: KafkaParticipant, branch: BranchRef) -> int:
-    group = p.marker_group(branch)
-    consumer = p._marker_consumer(group)
-    ok = False
-    try:
-        found = p._committed_marker(consumer, branch)
-        ok = True
-        return found
-    finally:
-        p._marker_done(group, consumer, ok)
 
 
 # -- commit (the driver) -------------------------------------------------------------------
@@ -356,16 +346,11 @@ def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
                                 "isolation.level": "read_committed"})
 
 
-_STUCK: list[Any] = []
-"""Producers left blocked in a librdkafka call (see :func:`_copy`): kept referenced, so
-no thread ever runs their destructor, which would wait on the blocked call."""
-
-
 def _drop(lane: _Lane) -> None:
     """A lane whose producer failed: dropped, not closed (close waits on a fenced
     producer); the next use initialises a new one, which aborts what this one held."""
     if lane.producer is not None and getattr(lane.producer, "stuck", False):
-        _STUCK.append(lane.producer)
+        abandon(lane.producer)
     lane.producer = None
     if lane.reader is not None:
         with contextlib.suppress(Exception):
@@ -459,33 +444,21 @@ def _copy_unless_committed(p: KafkaParticipant, lane: _Lane, branch: BranchRef,
                            handle: Handle) -> None:
     """Read the branch's marker on an initialised lane; copy only if it is not committed
     (the driver's pool and a task's own lane alike)."""
-    group = p.marker_group(branch)
-    consumer = p._marker_consumer(group)
-    ok = False
-    try:
-        if p._committed_marker(consumer, branch) < branch.batch_id + 1:
+    with held_consumer(p, branch) as consumer:
+        if committed_marker(p, consumer, branch) < branch.batch_id + 1:
             _copy(p, lane, consumer, branch, handle)
-        ok = True
-    finally:
-        p._marker_done(group, consumer, ok)
 
 
 def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
           handle: Handle) -> None:
-    from confluent_kafka import TopicPartition
 
     producer = lane.producer
     expected = int(handle["rows"])
     where = f"branch {branch.branch_id} of batch {branch.batch_id}"
     producer.begin_transaction()
     try:
-        # librdkafka does not enforce this call's timeout when the group coordinator it
-        # has cached went away (confluentinc/librdkafka#5456, #5511): bounded here, else
-        # the driver waits until a broker state change wakes it (minutes).
-        bounded(producer, "send_offsets_to_transaction", p.connect_timeout_s,
-                f"{p.describe()}: {where}: cannot add the marker offset to the copy's "
-                f"transaction at {p.bootstrap}", [TopicPartition(p.topic, 0, branch.batch_id + 1)],
-                consumer.consumer_group_metadata(), p.connect_timeout_s)
+        # bounded (librdkafka#5456): else the driver waits until a broker state change
+        add_marker(p, producer, consumer, branch, where)
         copied = 0
         produce, poll, topic = producer.produce, producer.poll, p.topic
         for key, value, headers in _staged(p, lane.reader, branch, handle):
@@ -518,25 +491,15 @@ def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
 
 
 def _end(p: KafkaParticipant, producer: Any, where: str) -> None:
-    """``commit_transaction``, ambiguous errors retried until ``commit_retry_s``; any
-    other failure is raised (the lane is dropped; the next init aborts the copy)."""
-    deadline = time.monotonic() + p.commit_retry_s
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            producer.commit_transaction(p.connect_timeout_s)
-            return
-        except Exception as exc:
-            err = kafka_error(exc)
-            if err is not None and classify_commit_error(err) == "retry" \
-                    and time.monotonic() < deadline:
-                time.sleep(min(0.1 * attempts, 2.0))
-                continue
-            raise ParticipantError(
-                f"{p.describe()}: {where}: commit of the copy failed after {attempts} "
-                f"attempts: {describe_error(exc)}; the batch is finished again (the copy "
-                "is redone from the staged records)") from exc
+    """``commit_transaction``, retried as in the in-task path (:func:`.errors.commit_retrying`);
+    a failure is raised (the lane is dropped; the next init aborts the copy)."""
+    try:
+        commit_retrying(producer, p.connect_timeout_s, p.commit_retry_s)
+    except CommitNotDone as exc:
+        raise ParticipantError(
+            f"{p.describe()}: {where}: commit of the copy failed after {exc.attempts} "
+            f"attempts: {exc.cause}; the batch is finished again (the copy "
+            "is redone from the staged records)") from exc.__cause__
 
 
 def _staged(p: KafkaParticipant, reader: Any, branch: BranchRef, handle: Handle

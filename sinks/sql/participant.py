@@ -24,13 +24,12 @@ import json
 import re
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, Final, TypeVar
 
 import pyarrow as pa
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql
 
 from twophase.errors import InvalidRequest, TargetProblem, classify
 from twophase.participant import (
@@ -45,9 +44,22 @@ from twophase.participant import (
     Rebuildable,
     Verifiable,
 )
+from twophase.sinks.sql import dberrors
+from twophase.sinks.sql.engine import make_engine
 from twophase.sinks.sql.rights import check_rights
-from twophase.sinks.sql.schema import UnsupportedType, misfits, sql_type_for
-from twophase.sinks.sql.xid import HASHED_ROOT, is_ours, parse_readable, xid_for
+from twophase.sinks.sql.schema import misfits
+from twophase.sinks.sql.state import branches_of, marker_attempt, prepared_xids
+from twophase.sinks.sql.tables import (
+    chunks,
+    data_table,
+    duplicate_key,
+    field_problems,
+    has_key,
+    insert_statement,
+    marker_table,
+    xid_table,
+)
+from twophase.sinks.sql.xid import xid_for
 
 __all__ = ["SqlAlchemyParticipant"]
 
@@ -64,47 +76,12 @@ _DRIVER_MODULES: Final = {
     "mysqldb": "MySQLdb", "mysqlconnector": "mysql.connector", "mariadbconnector": "mariadb",
 }
 
-# "this transaction id is not prepared here": MySQL ER_XAER_NOTA, PostgreSQL undefined_object
-_UNKNOWN_XID: Final = {1397, "42704"}
-# the connection (not the statement) failed: MySQL client errors, PostgreSQL class 08
-_CONNECTION_CODES: Final = {2002, 2003, 2006, 2013, 2055, 1053, 1927}
-_DUPLICATE: Final = {1062, "23505"}
-
-
 def _identifier(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _IDENT_RE.match(value):
         raise InvalidRequest(
             f"invalid {kind} {value!r}: use a letter or _ then up to 59 of A-Z a-z 0-9 _"
         )
     return value
-
-
-def _code(exc: BaseException) -> int | str | None:
-    """The server's error: MySQL's number or PostgreSQL's SQLSTATE."""
-    orig = getattr(exc, "orig", exc)
-    args = getattr(orig, "args", ())
-    if args and isinstance(args[0], int):
-        return int(args[0])
-    state = getattr(orig, "sqlstate", None)
-    return state if isinstance(state, str) else None
-
-
-def _transient(exc: BaseException) -> bool:
-    if not isinstance(exc, sa.exc.DBAPIError):
-        return False
-    if exc.connection_invalidated:
-        return True
-    code = _code(exc)
-    return code in _CONNECTION_CODES or (isinstance(code, str) and code.startswith("08"))
-
-
-def _message(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", exc)
-    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
-    if len(args) >= 2 and isinstance(args[0], int):
-        return f"({args[0]}) {args[1]}"
-    text = str(orig).strip()
-    return text.splitlines()[0] if text else type(orig).__name__
 
 
 class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
@@ -120,8 +97,6 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
 
     kind = "sql"
     durable_prepare = True
-    LOCK_WAIT_SECONDS: Final = 30
-    """A row held by another attempt's prepared branch would otherwise block for long."""
 
     def __init__(
         self,
@@ -226,29 +201,8 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
 
     def _engine_ok(self) -> sa.Engine:
         if self._engine is None:
-            engine = sa.create_engine(
-                self.url, pool_size=2, max_overflow=8, pool_pre_ping=True,
-                connect_args={"connect_timeout": 10},
-            )
-            sa.event.listen(engine, "connect", self._on_connect)
-            self._engine = engine
+            self._engine = make_engine(self.url, self._backend)
         return self._engine
-
-    def _on_connect(self, dbapi_conn: Any, _record: Any) -> None:
-        """Session settings: strict (a too-long value is an error, never truncated),
-        UTC, and a bounded lock wait."""
-        cur = dbapi_conn.cursor()
-        if self._backend == "mysql":
-            cur.execute(
-                "SET SESSION sql_mode = CONCAT_WS(',', @@sql_mode, 'STRICT_ALL_TABLES'), "
-                "time_zone = '+00:00', "
-                f"innodb_lock_wait_timeout = {int(self.LOCK_WAIT_SECONDS)}"
-            )
-        else:
-            cur.execute(f"SET lock_timeout = '{int(self.LOCK_WAIT_SECONDS)}s'")
-            cur.execute("SET TIME ZONE 'UTC'")
-        cur.close()
-        dbapi_conn.commit()
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
@@ -264,70 +218,32 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 with self._engine_ok().connect() as conn:
                     return fn(conn.execution_options(isolation_level="AUTOCOMMIT"))
             except sa.exc.DBAPIError as exc:
-                if not _transient(exc):
+                if not dberrors.transient(exc):
                     raise ParticipantError(f"{self.describe()}: cannot {what}: "
-                                           f"{_message(exc)}") from exc
+                                           f"{dberrors.message(exc)}") from exc
                 if attempt == _RETRIES:
                     raise ParticipantError(
                         f"{self.describe()}: cannot {what}: server unreachable after "
-                        f"{_RETRIES} tries: {_message(exc)}"
+                        f"{_RETRIES} tries: {dberrors.message(exc)}"
                     ) from exc
                 time.sleep(delay)
                 delay *= 2
             except ParticipantError:
                 raise
             except Exception as exc:
-                if _code(exc) is None:
+                if dberrors.code(exc) is None:
                     raise
                 raise ParticipantError(f"{self.describe()}: cannot {what}: "
-                                       f"{_message(exc)}") from exc
+                                       f"{dberrors.message(exc)}") from exc
         raise AssertionError("unreachable")
 
     # -- tables -----------------------------------------------------------------------------
 
     def _markers(self, md: sa.MetaData | None = None) -> sa.Table:
-        return sa.Table(
-            self.marker_table, md or sa.MetaData(),
-            sa.Column("sink", sa.String(64), primary_key=True),
-            sa.Column("lineage", sa.String(64), primary_key=True),
-            sa.Column("checkpoint", sa.BigInteger, primary_key=True, autoincrement=False),
-            sa.Column("participant", sa.String(64), primary_key=True),
-            sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
-            sa.Column("attempt", sa.Integer, nullable=False),
-            sa.Column("committed_at", sa.DateTime(timezone=True), nullable=False,
-                      server_default=sa.func.current_timestamp()),
-        )
+        return marker_table(self.marker_table, md)
 
     def _xids(self, md: sa.MetaData | None = None) -> sa.Table:
-        """Hashed xid -> branch (written outside the XA transaction, before it starts)."""
-        return sa.Table(
-            f"{self.marker_table}_xids", md or sa.MetaData(),
-            sa.Column("xid", sa.String(64), primary_key=True),
-            sa.Column("sink", sa.String(64), nullable=False),
-            sa.Column("lineage", sa.String(64), nullable=False),
-            sa.Column("checkpoint", sa.BigInteger, nullable=False),
-            sa.Column("attempt", sa.Integer, nullable=False),
-            sa.Column("participant", sa.String(64), nullable=False),
-            sa.Column("partition", sa.Integer, nullable=False),
-        )
-
-    def _data(self, schema: pa.Schema) -> sa.Table:
-        cols = [sa.Column(f.name, sql_type_for(f, key=f.name in self.key),
-                          nullable=f.nullable and f.name not in self.key,
-                          primary_key=f.name in self.key, autoincrement=False)
-                for f in schema]
-        return sa.Table(self.table, sa.MetaData(), *cols)
-
-    def _fields(self, schema: pa.Schema) -> None:
-        problems = [f"key column {k!r} is not in the data (columns: {schema.names})"
-                    for k in self.key if k not in schema.names]
-        for f in schema:
-            try:
-                sql_type_for(f, key=f.name in self.key)
-            except UnsupportedType as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ParticipantError(f"{self.describe()}: " + "; ".join(problems))
+        return xid_table(self.marker_table, md)
 
     # -- driver-side check ------------------------------------------------------------------
 
@@ -359,7 +275,9 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
 
     def check(self, schema: pa.Schema) -> None:
         """Create the marker tables and the data table, or compare an existing one."""
-        self._fields(schema)
+        problems = field_problems(schema, self.key)
+        if problems:
+            raise ParticipantError(f"{self.describe()}: " + "; ".join(problems))
         self._retry("check the target", lambda conn: self._check(conn, schema))
 
     def _check(self, conn: sa.Connection, schema: pa.Schema) -> None:
@@ -374,11 +292,11 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                     f"{self.describe()}: table {self.table} does not exist (and create=False)"
                 )
             data = sa.MetaData()
-            self._data(schema).to_metadata(data)
+            data_table(self.table, schema, self.key).to_metadata(data)
             self._create(conn, data)
             inspector = sa.inspect(conn)
         problems = misfits(schema, [dict(c) for c in inspector.get_columns(self.table)])
-        if self.mode == "upsert" and not self._has_key(inspector):
+        if self.mode == "upsert" and not has_key(inspector, self.table, self.key):
             problems.append(
                 f"mode='upsert' needs a primary key or unique key on {list(self.key)} "
                 f"(ALTER TABLE {self.table} ADD UNIQUE ({', '.join(self.key)}))"
@@ -400,17 +318,9 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
             if missing:
                 raise ParticipantError(
                     f"{self.describe()}: cannot create table {', '.join(missing)}: "
-                    f"{_message(exc)} (grant CREATE on the database, or create the tables "
+                    f"{dberrors.message(exc)} (grant CREATE on the database, or create the tables "
                     "beforehand)"
                 ) from exc
-
-    def _has_key(self, inspector: sa.Inspector) -> bool:
-        want = set(self.key)
-        sets = [set(inspector.get_pk_constraint(self.table).get("constrained_columns") or [])]
-        sets += [set(u["column_names"]) for u in inspector.get_unique_constraints(self.table)]
-        sets += [set(c for c in i["column_names"] if c) for i in inspector.get_indexes(self.table)
-                 if i.get("unique")]
-        return want in sets
 
     # -- names and system state -------------------------------------------------------------
 
@@ -423,46 +333,13 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         return xid_for(branch, _XID_LIMIT[self._backend])
 
     def _recover(self, conn: sa.Connection) -> list[str]:
-        """twophase's prepared transactions in this server (PostgreSQL: this database,
-        whose gids alone it can commit)."""
-        if self._backend == "postgresql":
-            rows = conn.execute(sa.text(
-                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-            )).scalars().all()
-        else:
-            rows = conn.recover_twophase()
-        xids = [x.decode() if isinstance(x, (bytes, bytearray)) else str(x) for x in rows]
-        return [x for x in xids if is_ours(x)]
+        return prepared_xids(conn, self._backend)
 
     def _marker_attempt(self, conn: sa.Connection, branch: BranchRef) -> int | None:
-        m = self._markers()
-        try:
-            row = conn.execute(sa.select(m.c.attempt).where(
-                m.c.sink == branch.sink, m.c.lineage == branch.lineage,
-                m.c.checkpoint == branch.batch_id, m.c.participant == branch.participant,
-                m.c.partition == branch.partition)).first()
-        except sa.exc.ProgrammingError:
-            return None  # no marker table yet: nothing committed
-        return None if row is None else int(row[0])
+        return marker_attempt(conn, self._markers(), branch)
 
     def _branches(self, conn: sa.Connection, xids: list[str]) -> dict[str, BranchRef]:
-        """Which branch each of ``xids`` is (readable, or hashed and recorded)."""
-        out: dict[str, BranchRef] = {}
-        hashed = []
-        for x in xids:
-            b = parse_readable(x)
-            if b is not None:
-                out[x] = b
-            elif x.startswith(HASHED_ROOT):
-                hashed.append(x)
-        if hashed:
-            t = self._xids()
-            for r in conn.execute(sa.select(t).where(t.c.xid.in_(hashed))).mappings():
-                with suppress(InvalidRequest):
-                    out[r["xid"]] = BranchRef(r["sink"], r["lineage"], int(r["checkpoint"]),
-                                              int(r["attempt"]), r["participant"],
-                                              int(r["partition"]))
-        return out
+        return branches_of(conn, self._xids(), xids)
 
     # -- the branch -------------------------------------------------------------------------
 
@@ -511,16 +388,11 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         return self._write(branch, xid, schema, batches)
 
     def _refuse_duplicate_keys(self, branch: BranchRef, batches: list[pa.RecordBatch]) -> None:
-        if not batches:
-            return
-        keys = pa.Table.from_batches(batches).select(list(self.key))
-        dup = keys.group_by(list(self.key)).aggregate([([], "count_all")])
-        dup = dup.filter(pa.compute.greater(dup["count_all"], 1))
-        if dup.num_rows:
+        found = duplicate_key(batches, self.key)
+        if found is not None:
             raise PrepareRefused(
                 f"{self.describe()}: batch {branch.batch_id} refused before writing: key "
-                f"{dup.slice(0, 1).drop_columns(['count_all']).to_pylist()[0]} appears "
-                f"{dup['count_all'][0].as_py()} times. In mode='upsert' each key must "
+                f"{found[0]} appears {found[1]} times. In mode='upsert' each key must "
                 "appear once per batch; deduplicate before the sink (dropDuplicates(key) "
                 "or a groupBy(key) aggregation)"
             )
@@ -528,19 +400,20 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
     def _write(
         self, branch: BranchRef, xid: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
     ) -> Handle:
-        table = self._data(schema)
-        stmt = self._insert(table)
+        table = data_table(self.table, schema, self.key)
+        stmt = insert_statement(table, self.key, self.mode, self._backend)
         markers = self._markers()
         rows = 0
         stage = "begin"
         try:
             conn = self._engine_ok().connect()
         except sa.exc.DBAPIError as exc:
-            raise PrepareRefused(f"{self.describe()}: cannot connect: {_message(exc)}") from exc
+            raise PrepareRefused(
+                f"{self.describe()}: cannot connect: {dberrors.message(exc)}") from exc
         try:
             tx = conn.begin_twophase(xid)
             stage = "insert"
-            for chunk in self._chunks(schema, batches):
+            for chunk in chunks(self.describe(), schema, batches, self.chunk_rows):
                 conn.execute(stmt, chunk)
                 rows += len(chunk)
             stage = "marker"
@@ -551,9 +424,9 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
             stage = "prepare"
             tx.prepare()
         except sa.exc.DBAPIError as exc:
-            ambiguous = stage == "prepare" and _transient(exc)
+            ambiguous = stage == "prepare" and dberrors.transient(exc)
             self._discard(conn, rollback=stage != "prepare")
-            if stage == "marker" and _code(exc) in _DUPLICATE:
+            if stage == "marker" and dberrors.code(exc) in dberrors.DUPLICATE:
                 return self._handle(xid, 0, "already-committed")  # another attempt landed
             if ambiguous:  # the PREPARE may have reached the server before the link broke
                 try:
@@ -561,12 +434,12 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                         return self._handle(xid, rows, "prepared")
                 except ParticipantError:
                     pass  # voting NO is safe: a prepared leftover is found and aborted
-            if _code(exc) in (1146, "42P01"):
+            if dberrors.code(exc) in dberrors.MISSING_TABLE:
                 raise PrepareRefused(
-                    f"{self.describe()}: {_message(exc)} (run check(schema) on the driver "
+                    f"{self.describe()}: {dberrors.message(exc)} (run check(schema) on the driver "
                     "first: it creates the table and the marker tables)") from exc
             raise PrepareRefused(
-                f"{self.describe()}: rows refused during {stage}: {_message(exc)}"
+                f"{self.describe()}: rows refused during {stage}: {dberrors.message(exc)}"
             ) from exc
         except BaseException:
             self._discard(conn, rollback=stage != "prepare")
@@ -590,36 +463,6 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
         with suppress(Exception):
             conn.close()
 
-    def _insert(self, table: sa.Table) -> Any:
-        if self.mode == "append":
-            return table.insert()
-        rest = [c.name for c in table.columns if c.name not in self.key]
-        if self._backend == "mysql":
-            ins = mysql.insert(table)
-            first = self.key[0]
-            return ins.on_duplicate_key_update(
-                {c: ins.inserted[c] for c in rest} or {first: ins.inserted[first]})
-        pg = postgresql.insert(table)
-        if not rest:
-            return pg.on_conflict_do_nothing(index_elements=list(self.key))
-        return pg.on_conflict_do_update(index_elements=list(self.key),
-                                        set_={c: pg.excluded[c] for c in rest})
-
-    def _chunks(
-        self, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
-    ) -> Iterator[list[dict[str, Any]]]:
-        names = schema.names
-        for batch in batches:
-            if not batch.schema.equals(schema):
-                raise PrepareRefused(
-                    f"{self.describe()}: a batch has schema {batch.schema} but the branch "
-                    f"was declared with {schema}"
-                )
-            for start in range(0, batch.num_rows, self.chunk_rows):
-                part = batch.slice(start, self.chunk_rows)
-                cols = [_pylist(part.column(i)) for i in range(part.num_columns)]
-                yield [dict(zip(names, values, strict=True)) for values in zip(*cols, strict=True)]
-
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         xid, hashed = self._xid(branch)
         self._check_handle(xid, handle)
@@ -629,7 +472,7 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 conn.commit_prepared(xid, recover=True)
                 return True
             except Exception as exc:  # psycopg's own error escapes SQLAlchemy here
-                if _code(exc) not in _UNKNOWN_XID:
+                if dberrors.code(exc) not in dberrors.UNKNOWN_XID:
                     raise
             if self._marker_attempt(conn, branch) is not None:
                 return True  # committed earlier (this attempt, or another that landed it)
@@ -653,7 +496,7 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
                 conn.rollback_prepared(xid, recover=True)
                 return True
             except Exception as exc:  # psycopg's own error escapes SQLAlchemy here
-                if _code(exc) not in _UNKNOWN_XID:
+                if dberrors.code(exc) not in dberrors.UNKNOWN_XID:
                     raise
             if xid in self._recover(conn):
                 return False
@@ -741,12 +584,4 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
             return self._retry("read the table back", run)
         finally:
             self.close()
-
-
-def _pylist(col: pa.Array | pa.ChunkedArray) -> list[Any]:
-    """Python values of a column; aware timestamps in UTC (the session's time zone)."""
-    t = col.type
-    if pa.types.is_timestamp(t) and t.tz is not None and t.tz not in ("UTC", "+00:00"):
-        col = col.cast(pa.timestamp(t.unit, "UTC"))
-    return list(col.to_pylist())
 

@@ -27,9 +27,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
+from tests.support.fault import prepared_gids
 from tests.support.kafka import kafka_branches_committed
 from tests.support.user import run_reference_job
 from twophase import failpoints
@@ -87,11 +87,6 @@ def _params() -> list[Any]:
         marks = [] if case in FAST else [pytest.mark.slow]
         out.append(pytest.param(*case, marks=marks, id="-".join(case)))
     return out
-
-
-def _prepared(pg_dsn: str) -> list[str]:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
 def run_case(
@@ -166,7 +161,7 @@ def run_case(
     assert system.exact and system.mismatch == 0, report.lines()
     assert report.ok, report.lines()
     if kind == "postgres":
-        assert _prepared(pg_dsn) == []
+        assert prepared_gids(pg_dsn) == []
     if kind.startswith("kafka"):
         assert "a read_committed consumer agrees" in system.note, system.note
         assert kafka_branches_committed(cfg, store) >= 2 * (BATCHES + 1)

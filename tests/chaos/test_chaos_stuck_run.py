@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from twophase.testing.chaos import ChaosError, ChaosOptions, _Chaos, _JobRun
+from twophase.testing.chaos import ChaosError, ChaosOptions, _Chaos
+from twophase.testing.chaosprocs import JobRun
 
 
 def test_a_run_that_never_finishes_fails_with_its_log_tail(tmp_path: Path) -> None:
     chaos = _Chaos(ChaosOptions(workdir=tmp_path / "work", kills=0, run_timeout=1.0))
     log = tmp_path / "run-0001.log"
     log.write_text("batch 31 committed\nsink s batch 32: commit still running after 30s\n")
-    job = _JobRun.__new__(_JobRun)  # a real process that hangs, as the stuck driver did
+    job = JobRun.__new__(JobRun)  # a real process that hangs, as the stuck driver did
     job.number, job.started, job.ended, job.log, job._lines = 1, time.monotonic(), None, \
         log, chaos.lines
     job.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.test_kafka_server_faults import BATCHES, ROWS, _judge, _start_job, _wait_fired
+from tests.support.kafka_job import BATCHES, ROWS, finished_run, judge, start_job, stop, wait_fired
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.job import JobConfig, build_participants, write_input
 from twophase.testing.kafka_evidence import evidence
@@ -76,10 +76,10 @@ def test_leader_killed_mid_commit(
     kafka.close()
     write_input(cfg.input_dir, BATCHES, ROWS)
     once, log = tmp_path / "once", tmp_path / "job.log"
-    job = _start_job(cfg, tmp_path, f"{point}@{kafka.name}/0=sleep({HOLD_S})*1", once)
+    job = start_job(cfg, tmp_path, f"{point}@{kafka.name}/0=sleep({HOLD_S})*1", once)
     killed = 0
     try:
-        _wait_fired(once, job, log)
+        wait_fired(once, job, log)
         if victim == "leader":
             killed = kafka3.leader(cfg.kafka_topic, 0)
             why = f"leader of {cfg.kafka_topic}/0"
@@ -97,20 +97,14 @@ def test_leader_killed_mid_commit(
             kafka3.restart(killed)
         out, _ = job.communicate(timeout=900)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        stop(job)
     # the cluster really elected elsewhere: the dead node leads nothing of the topic now
     if victim == "leader" and not restart_during:
         assert kafka3.leader(cfg.kafka_topic, 0) != killed
     if not kafka3.nodes[killed].alive:
         kafka3.restart(killed)  # and every replica back in sync before the verdict
     kafka3.wait_in_sync()
-    assert job.returncode == 0, log.read_text()[-4000:]
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    assert lines[-1] == {"done": True}, lines
-    assert [x["batch"] for x in lines[:-1] if x["outcome"] == "committed"] == \
-        list(range(BATCHES)), lines
+    lines = finished_run(job, out, log)
 
     def explain() -> str:
         text = evidence(kafka3.bootstrap, cfg.kafka_topic, cfg.coordinator, cfg.sink)
@@ -120,4 +114,4 @@ def test_leader_killed_mid_commit(
         (tmp_path / "evidence.txt").write_text(text)
         return text
 
-    _judge(cfg, pg_dsn, explain)
+    judge(cfg, pg_dsn, explain)

@@ -19,30 +19,23 @@ from outside the log here.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import psycopg
 import pyarrow as pa
 import pytest
 
-from tests.support.kafka import kafka_branches_committed, private_broker
-from twophase import failpoints
+from tests.support.kafka import private_broker
+from tests.support.kafka_job import BATCHES, ROWS, finished_run, judge, start_job, stop, wait_fired
 from twophase.errors import ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.testing.apachekafka import LocalKafka
-from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+from twophase.testing.job import JobConfig, build_participants, write_input
 from twophase.testing.kafka_evidence import evidence
-from twophase.testing.verify import verify
 
 pytestmark = pytest.mark.spark
 
-BATCHES, ROWS = 3, 60
 DOWN_S = 8.0  # how long the broker stays down (the held task wakes up meanwhile)
 HOLD_S = 3.0  # how long the failpoint holds the Kafka task at its step
 
@@ -67,27 +60,6 @@ def _config(tmp: Path, pg_dsn: str, bootstrap: str) -> JobConfig:
     )
 
 
-def _start_job(cfg: JobConfig, tmp: Path, spec: str, once: Path) -> subprocess.Popen[str]:
-    cfg_path = tmp / "job.json"
-    cfg.dump(cfg_path)
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV)}
-    env.update({failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)})
-    with open(tmp / "job.log", "ab") as err:  # the child keeps its own copy
-        return subprocess.Popen(
-            [sys.executable, "-m", "twophase.testing.job", str(cfg_path)], env=env,
-            stdout=subprocess.PIPE, stderr=err, text=True,
-        )
-
-
-def _wait_fired(once: Path, job: subprocess.Popen[str], log: Path) -> None:
-    deadline = time.monotonic() + 600
-    while not failpoints.fired(str(once)):
-        assert job.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the failpoint was never reached"
-        time.sleep(0.05)
-
-
 def _probe_down(bootstrap: str, topic: str) -> str:
     """What a Kafka participant says while the broker is down."""
     probe = KafkaParticipant(topic=topic, config={"bootstrap.servers": bootstrap},
@@ -96,11 +68,6 @@ def _probe_down(bootstrap: str, topic: str) -> str:
         probe.check(pa.schema([("id", pa.int64())]))
     probe.close()
     return str(err.value)
-
-
-def _prepared(pg_dsn: str) -> list[str]:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
 def test_a_cached_producer_that_lived_through_a_restart_is_not_reused(
@@ -176,9 +143,9 @@ def test_broker_killed_and_restarted_mid_batch(
     write_input(cfg.input_dir, BATCHES, ROWS)
     once = tmp_path / "once"
     log = tmp_path / "job.log"
-    job = _start_job(cfg, tmp_path, f"{point}@{kafka.name}/0=sleep({HOLD_S})*1", once)
+    job = start_job(cfg, tmp_path, f"{point}@{kafka.name}/0=sleep({HOLD_S})*1", once)
     try:
-        _wait_fired(once, job, log)
+        wait_fired(once, job, log)
         down_at = time.monotonic()
         assert broker.kill()
         message = _probe_down(broker.bootstrap, cfg.kafka_topic)
@@ -187,14 +154,8 @@ def test_broker_killed_and_restarted_mid_batch(
         broker.restart()
         out, _ = job.communicate(timeout=900)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, log.read_text()[-4000:]
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    assert lines[-1] == {"done": True}, lines
-    assert [x["batch"] for x in lines[:-1] if x["outcome"] == "committed"] == \
-        list(range(BATCHES)), lines
+        stop(job)
+    lines = finished_run(job, out, log)
 
     def explain() -> str:
         """Why the verdict failed: the logs batch by batch, the coordinator, the job's
@@ -208,31 +169,7 @@ def test_broker_killed_and_restarted_mid_batch(
         (tmp_path / "evidence.txt").write_text(text)
         return text
 
-    _judge(cfg, pg_dsn, explain)
-
-
-def _judge(cfg: JobConfig, pg_dsn: str, explain: Callable[[], str]) -> None:
-    """Both systems through the verifier: PostgreSQL read as a table, Kafka rebuilt from
-    its partition logs and read by a ``read_committed`` consumer, which must agree."""
-    parts = build_participants(cfg)
-    report = verify(parts, expected_ids(BATCHES, ROWS), sink=cfg.sink)
-    print("\n".join(report.lines()))
-    assert {s.kind for s in report.systems} == {"postgres", "kafka"}, report.lines()
-    if not report.ok:
-        print(explain())
-    for system in report.systems:
-        assert system.missing == 0 and system.unexpected == 0, report.lines()
-        assert system.duplicates == 0 and system.open_transactions == 0, report.lines()
-        assert system.prepared_leftovers == 0 and system.mismatch == 0, report.lines()
-        assert system.exact, report.lines()
-    assert report.ok, report.lines()
-    kafka = next(s for s in report.systems if s.kind == "kafka")
-    assert "judged from the partition logs" in kafka.note, kafka.note
-    assert "a read_committed consumer agrees" in kafka.note, kafka.note
-    assert _prepared(pg_dsn) == []
-    assert kafka_branches_committed(cfg, cfg.coordinator) >= 2 * BATCHES
-    for p in parts:
-        p.close()
+    judge(cfg, pg_dsn, explain)
 
 
 def test_status_answers_on_a_fresh_and_on_a_restarted_broker(broker: LocalKafka) -> None:

@@ -10,7 +10,6 @@ bridge; so they can be SIGKILLed and restarted.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from twophase import failpoints
+from twophase.testing.chaosprocs import read_json_lines
 from twophase.testing.cluster import SparkStandalone, Worker
 from twophase.testing.localpg import LocalPostgres
 
@@ -100,13 +100,7 @@ class Driver:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            raw = raw.strip()
-            if raw.startswith("{"):
-                try:
-                    self.lines.append(json.loads(raw))
-                except ValueError:
-                    continue
+        read_json_lines(self.proc.stdout, self.lines.append)
 
     def batches(self) -> list[dict[str, Any]]:
         return [x for x in self.lines if "batch" in x]

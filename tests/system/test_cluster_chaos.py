@@ -39,6 +39,7 @@ import pytest
 
 from tests.support.cluster import Driver
 from twophase.testing.apachekafka import LocalKafka
+from twophase.testing.chaosprocs import kill
 from twophase.testing.cluster import SparkStandalone, Worker
 from twophase.testing.job import (
     JobConfig,
@@ -130,14 +131,6 @@ def _python_workers(w: Worker) -> list[int]:
     return forked or sorted(daemons)
 
 
-def _sigkill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 class ClusterChaos:
     """The loop: feed input, kill, restart a dead driver, watch both queries."""
 
@@ -208,7 +201,7 @@ class ClusterChaos:
             pids = w.executor_pids() if victim == "executor" else _python_workers(w)
             if pids:
                 pid = self.rng.choice(pids)
-                if _sigkill(pid):
+                if kill(pid):
                     return f"{victim} pid {pid} on {w.address}"
         return None
 

@@ -24,37 +24,48 @@ Everything here is plain process orchestration: no Spark in this process.
 from __future__ import annotations
 
 import json
-import os
 import random
 import secrets
 import signal
 import statistics
 import subprocess
-import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.errors import InvalidRequest, TwophaseError
+from twophase.errors import InvalidRequest
 from twophase.participant import Verifiable
 from twophase.protocol import CommitScope
+from twophase.testing.chaosplan import (
+    COORDINATOR_POINTS,
+    DRIVER_POINTS,
+    KAFKA_COPY_POINTS,
+    PER_BRANCH_POINTS,
+    TABLE_POINTS,
+    VICTIMS,
+    WORKER_POINTS,
+    ChaosError,
+    ChaosOptions,
+    KillEvent,
+    points_for,
+)
+from twophase.testing.chaosprocs import JobRun, kill, python_workers
+from twophase.testing.chaosreport import redacted, render, summary
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.servers import LocalDaemon, clean_env
 
 if TYPE_CHECKING:
-    from twophase.testing.apachekafka import LocalKafka
     from twophase.testing.kafkacluster import KafkaCluster
-    from twophase.testing.localkafka import LocalTansu
     from twophase.testing.verify import VerifyReport
 
 __all__ = [
     "COORDINATOR_POINTS",
     "DRIVER_POINTS",
+    "PER_BRANCH_POINTS",
     "TABLE_POINTS",
     "VICTIMS",
     "WORKER_POINTS",
@@ -62,260 +73,9 @@ __all__ = [
     "ChaosOptions",
     "points_for",
     "python_workers",
+    "render",
     "run_chaos",
 ]
-
-VICTIMS = ("driver", "worker", "coordinator", "broker")
-DRIVER_POINTS = ("before_begin", "before_return")
-TABLE_POINTS = ("before_batch_commit", "after_batch_commit")
-"""Driver points around a table's once-per-batch commit: chosen only when the job writes
-a participant that commits per batch (Iceberg, Delta)."""
-COORDINATOR_POINTS = ("coordinator_before_decision", "after_decision")
-WORKER_POINTS = (
-    "before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit",
-    "before_ack",
-)
-PREPARE_POINTS = ("before_prepare", "after_prepare")
-"""The task's points when no participant is in-task: tasks prepare, the driver commits."""
-DRIVER_COMMIT_POINTS = ("before_commit", "after_commit")
-"""Where the driver applies a decision to each branch (no in-task participant)."""
-KAFKA_COPY_POINTS = ("mid_commit",)
-"""Inside a staged Kafka branch's commit on the driver: the copy's transaction open."""
-# Points hit once per branch (participant and partition known); the others are hit once
-# per task (partition only) or outside tasks.
-PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit",
-                               "mid_commit"})
-
-
-class ChaosError(TwophaseError, RuntimeError):
-    """The chaos run itself could not go on (bad options, a job that never finishes)."""
-
-
-def points_for(
-    victim: str, mode: str, tables: bool = False, in_task: bool = True,
-    kafka_staged: bool = False,
-) -> tuple[str, ...]:
-    """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode
-    (``tables``: the job writes a participant that commits once per batch; ``in_task``:
-    it writes an in-task participant (Kafka), so its tasks vote, wait, commit and
-    acknowledge; without one the tasks only prepare and the driver commits;
-    ``kafka_staged``: a staged Kafka participant, whose copy the driver commits)."""
-    if victim == "driver":
-        # The embedded coordinator lives in the driver: its points kill the driver.
-        return (DRIVER_POINTS + (TABLE_POINTS if tables else ())
-                + (() if in_task else DRIVER_COMMIT_POINTS)
-                + (KAFKA_COPY_POINTS if kafka_staged and not in_task else ())
-                + (COORDINATOR_POINTS if mode == "embedded" else ()))
-    if victim == "worker":
-        return WORKER_POINTS if in_task else PREPARE_POINTS
-    if victim == "coordinator":
-        return COORDINATOR_POINTS if mode == "daemon" else ()
-    if victim == "broker":
-        return ()  # the broker runs no twophase code: timer kills only
-    raise ValueError(f"unknown victim {victim!r}; one of {', '.join(VICTIMS)}")
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, cmdline) for every process we can see (Linux /proc)."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as fb:
-                cmd = fb.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        table[int(entry)] = (ppid, cmd)
-    return table
-
-
-def _descendants(pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
-    table = table if table is not None else _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, (pp, _) in table.items():
-        children.setdefault(pp, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def python_workers(job_pid: int) -> list[int]:
-    """The job's Spark Python workers: children of its ``pyspark.daemon`` process."""
-    table = _proc_table()
-    out = []
-    for p in _descendants(job_pid, table):
-        ppid, cmd = table[p]
-        if "pyspark.daemon" in cmd and "pyspark.daemon" in table.get(ppid, (0, ""))[1]:
-            out.append(p)
-    return sorted(out)
-
-
-def _kill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-class _JobRun:
-    """One driver process; its stdout lines are timestamped into the shared ``lines``."""
-
-    def __init__(self, number: int, config: Path, env: dict[str, str], log: Path,
-                 lines: list[tuple[float, int, dict[str, Any]]]) -> None:
-        self.number = number
-        self.started = time.monotonic()
-        self.ended: float | None = None
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "twophase.testing.job", str(config)],
-                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-            )
-        self.log = log
-        self._lines = lines
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            raw = raw.strip()
-            if raw.startswith("{"):
-                try:
-                    self._lines.append((time.monotonic(), self.number, json.loads(raw)))
-                except ValueError:
-                    continue
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout)
-        self._reader.join(5)
-        self.ended = self.ended or time.monotonic()
-        return rc
-
-    def kill_tree(self) -> None:
-        """SIGKILL the driver, then whatever it leaves (its JVM, Python workers)."""
-        rest = _descendants(self.proc.pid)
-        _kill(self.proc.pid)
-        self.wait(60)
-        deadline = time.monotonic() + 10
-        while rest and time.monotonic() < deadline:
-            rest = [p for p in rest if os.path.exists(f"/proc/{p}")
-                    and not _zombie(p)]
-            time.sleep(0.1)
-        for p in rest:  # the JVM normally exits by itself when its parent dies
-            _kill(p)
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-# --------------------------------------------------------------------------- options
-
-
-@dataclass
-class ChaosOptions:
-    """What to run and how hard to hit it (see ``twophase chaos --help``)."""
-
-    workdir: Path
-    kills: int = 10
-    seed: int = 0
-    victims: tuple[str, ...] = ("driver", "worker")  # add "coordinator" in daemon mode
-    batches: int = 3  # new input batches for every job run
-    rows_per_batch: int = 200
-    coordinator_mode: str = "embedded"
-    pg_dsn: str | None = None
-    files: bool = True
-    files_path: str | None = None  # default: a folder in workdir; or s3://bucket/prefix
-    files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
-    kafka_bootstrap: str | None = None
-    kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
-    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...)
-    # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
-    # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
-    # A KafkaCluster (--kafka-cluster 3): a kill takes the node leading a partition of the
-    # target or staging topic, or coordinating an open transaction of the sink.
-    broker: LocalKafka | LocalTansu | KafkaCluster | None = None
-    broker_down_max_s: float = 5.0  # a broker kill keeps it down uniform(0, this) seconds
-    sql_url: str | None = None  # SqlAlchemyParticipant (e.g. a private MariaDB)
-    delta_path: str | None = None  # DeltaParticipant (e.g. a folder in the workdir)
-    iceberg_local: bool = False  # IcebergParticipant on a SQL catalog in the workdir
-    # participants rebuilt by kind from descriptors (entry points: a third party's too)
-    participants: tuple[dict[str, Any], ...] = ()
-    job: JobConfig | None = None  # a user's job; chaos writes its input
-    partitions: int = 2
-    failpoint_share: float = 0.5  # the rest of the kills are timer kills
-    max_kills_per_run: int = 4
-    run_timeout: float = 900.0
-    max_seconds: float | None = None  # stop killing after this long, then finish and verify
-    json_out: Path | None = None
-    log: Callable[[str], None] = field(default=lambda _m: None, repr=False)
-
-    def validate(self) -> None:
-        if self.kills < 0:
-            raise ChaosError(f"--kills must be >= 0, got {self.kills}")
-        if self.batches < 1 or self.rows_per_batch < 1:
-            raise ChaosError("--batches and --rows-per-batch must be >= 1")
-        if self.coordinator_mode not in ("embedded", "daemon"):
-            raise ChaosError(f"--coordinator-mode must be embedded or daemon, "
-                             f"got {self.coordinator_mode!r}")
-        if not self.victims:
-            raise ChaosError("--victims is empty")
-        for v in self.victims:
-            if v not in VICTIMS:
-                raise ChaosError(f"unknown victim {v!r}; choose from {', '.join(VICTIMS)}")
-        if "coordinator" in self.victims and self.coordinator_mode != "daemon":
-            raise ChaosError("victim 'coordinator' needs --coordinator-mode daemon (the "
-                             "embedded coordinator dies with the driver: victim 'driver')")
-        if "broker" in self.victims:
-            if self.broker is None or self.job is not None:
-                raise ChaosError("victim 'broker' needs --kafka-local (chaos kills and "
-                                 "restarts the Kafka broker it starts itself)")
-            if self.broker.storage.startswith("memory://"):
-                raise ChaosError("victim 'broker' needs a tansu on s3:// storage (its log "
-                                 "must survive the kill)")
-        if not 0.0 <= self.broker_down_max_s <= 60.0:
-            raise ChaosError(f"--broker-down-max must be within 0..60 seconds, got "
-                             f"{self.broker_down_max_s:g}")
-        if not 0.0 <= self.failpoint_share <= 1.0:
-            raise ChaosError("failpoint share must be within 0..1")
-
-
-@dataclass
-class KillEvent:
-    n: int
-    run: int
-    victim: str
-    method: str  # "failpoint" or "timer"
-    step: str  # the failpoint, or "timer:<newest transaction state>"
-    where: str  # failpoint firing place, or the pid killed
-    at: float  # seconds since the chaos run started
-    recovery_s: float | None = None
-
 
 # --------------------------------------------------------------------------- the run
 
@@ -456,7 +216,7 @@ class _Chaos:
             return f"{point}@{who}/{part}=kill*1"
         return f"{point}=kill*1"
 
-    def _start_run(self, spec: str, victim: str) -> tuple[_JobRun, Path]:
+    def _start_run(self, spec: str, victim: str) -> tuple[JobRun, Path]:
         first = self.total_batches
         write_input(self.cfg.input_dir, self.o.batches, self.o.rows_per_batch, first=first)
         self.total_batches += self.o.batches
@@ -471,7 +231,7 @@ class _Chaos:
                 self.daemon.stop()
                 self.daemon.start(want, str(once))
                 self._daemon_spec = want
-        job = _JobRun(number, self.cfg_path, clean_env(**extra),
+        job = JobRun(number, self.cfg_path, clean_env(**extra),
                       self.work / "logs" / f"run-{number:04d}.log", self.lines)
         self.runs.append({"run": number, "failpoints": spec, "batches": [first,
                           self.total_batches - 1], "returncode": None, "seconds": None})
@@ -479,7 +239,7 @@ class _Chaos:
                    + (f", failpoint {spec} ({victim})" if spec else ""))
         return job, once
 
-    def _finish_run(self, job: _JobRun) -> int:
+    def _finish_run(self, job: JobRun) -> int:
         try:
             rc = job.wait(self.o.run_timeout)
         except subprocess.TimeoutExpired:
@@ -507,7 +267,7 @@ class _Chaos:
                 self.batch_seconds.append(float(line["seconds"]))
         return rc
 
-    def _wait_for_failpoint(self, victim: str, job: _JobRun, once: Path) -> str | None:
+    def _wait_for_failpoint(self, victim: str, job: JobRun, once: Path) -> str | None:
         """Block until the failpoint fired (returns where) or the job ended without it."""
         deadline = time.monotonic() + self.o.run_timeout
         while time.monotonic() < deadline:
@@ -528,7 +288,7 @@ class _Chaos:
         raise ChaosError(f"run {job.number} neither fired its failpoint nor ended within "
                          f"{self.o.run_timeout:.0f}s")
 
-    def _timer_kill(self, victim: str, job: _JobRun, fresh: bool) -> str | None:
+    def _timer_kill(self, victim: str, job: JobRun, fresh: bool) -> str | None:
         """Sleep a random delay, then SIGKILL the victim; returns the pid killed."""
         est = statistics.median(self.batch_seconds)
         if fresh:
@@ -554,7 +314,7 @@ class _Chaos:
                 workers = python_workers(job.proc.pid)
                 if workers:
                     pid = self.rng.choice(workers)
-                    if _kill(pid):
+                    if kill(pid):
                         return f"pid {pid}"
                 time.sleep(0.1)
             return None
@@ -610,7 +370,7 @@ class _Chaos:
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, Any]:
         o = self.o
-        job: _JobRun | None = None
+        job: JobRun | None = None
         kills_in_run = 0
         try:
             attempts = 0
@@ -713,20 +473,20 @@ class _Chaos:
             "final_returncode": final_rc,
             "batches": self.total_batches,
             "rows": self.total_batches * self.o.rows_per_batch,
-            "recovery_seconds": _summary(rec),
+            "recovery_seconds": summary(rec),
             "coordinator_mode": self.o.coordinator_mode,
             "coordinator_unsettled": unsettled,
             "coordinator_store": self.store_url,
             "kafka_reuse": self.cfg.kafka_reuse,
             "kafka_prepare": self.cfg.kafka_prepare,
-            "broker_down_seconds": _summary(self.broker_down),
+            "broker_down_seconds": summary(self.broker_down),
             "broker_kills_by_target": dict(Counter(self.broker_targets)),
             "duration_s": self.now(),
             "verify": json.loads(report.to_json()),
             "verify_lines": report.lines(),
             "events": [asdict(ev) for ev in self.events],
             "run_log": self.runs,
-            "job": asdict(self.cfg) | {"token": None, "files_options": _redacted(
+            "job": asdict(self.cfg) | {"token": None, "files_options": redacted(
                 self.cfg.files_options)},
             "workdir": str(self.work),
         }
@@ -790,63 +550,6 @@ class _Chaos:
         return sum(1 for t in txns if t["state"] in ("OPEN", "PREPARING", "COMMITTING"))
 
 
-def _redacted(options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Storage options for the report, secrets blanked (the report is shared, the job
-    config is the user's)."""
-    if options is None:
-        return None
-    return {k: ("***" if "secret" in k or "token" in k else v) for k, v in options.items()}
-
-
-def _summary(values: Sequence[float]) -> dict[str, float | int | None]:
-    if not values:
-        return {"n": 0, "p50": None, "p90": None, "max": None}
-    xs = sorted(values)
-    return {
-        "n": len(xs),
-        "p50": round(statistics.median(xs), 3),
-        "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3),
-        "max": round(xs[-1], 3),
-    }
-
-
 def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     """Run the chaos loop; returns the report (also written as JSON, see ``json_path``)."""
     return _Chaos(opts).run()
-
-
-def render(report: dict[str, Any]) -> list[str]:
-    """The human-readable report printed by ``twophase chaos``."""
-    rec = report["recovery_seconds"]
-    lines = [
-        f"chaos: {report['kills']} kills (seed {report['seed']}, "
-        f"{report['coordinator_mode']} coordinator), {report['runs']} job runs, "
-        f"{report['batches']} batches / {report['rows']} rows, {report['duration_s']:.0f}s",
-        "kills by victim: " + ", ".join(f"{k}={v}" for k, v in
-                                        sorted(report["by_victim"].items())),
-        "kills by protocol step reached:",
-    ]
-    for victim, steps in sorted(report["by_victim_step"].items()):
-        for step, n in sorted(steps.items()):
-            lines.append(f"  {victim:<12} {step:<32} {n}")
-    if report["missed"]:
-        lines.append("planned kills that did not land (job ended first): "
-                     + ", ".join(f"{k}={v}" for k, v in sorted(report["missed"].items())))
-    lines.append(f"job runs that gave up on a batch and were restarted: "
-                 f"{report['job_failures']}")
-    if rec["n"]:
-        lines.append(f"time to recover (kill -> next committed batch): p50 {rec['p50']:.1f}s, "
-                     f"p90 {rec['p90']:.1f}s, max {rec['max']:.1f}s (n={rec['n']})")
-    down = report.get("broker_down_seconds") or {"n": 0}
-    if down["n"]:
-        lines.append(f"broker down per kill (SIGKILL -> restart): p50 {down['p50']:.1f}s, "
-                     f"max {down['max']:.1f}s (n={down['n']})")
-    if report.get("broker_kills_by_target"):
-        lines.append("broker kills by what the node led: " + ", ".join(
-            f"{k}={v}" for k, v in sorted(report["broker_kills_by_target"].items())))
-    lines.append(f"coordinator transactions left unsettled: {report['coordinator_unsettled']}")
-    lines.append("verification per system:")
-    lines += ["  " + x for x in report["verify_lines"]]
-    verdict = "PASSED" if report["ok"] else "FAILED"
-    lines.append(f"exactly-once: {verdict}   (report: {report.get('json_path', '-')})")
-    return lines

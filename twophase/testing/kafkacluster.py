@@ -195,12 +195,9 @@ class KafkaCluster:
         """SIGKILL every node (the cluster is thrown away: no controlled shutdown, which
         would wait on a quorum its peers are leaving), close this process's idle Kafka
         clients, remove the namespaces, links and folder."""
-        from twophase.sinks.kafka import staged
-        from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
+        from twophase.sinks.kafka.clients import close_process_clients
 
-        PRODUCERS.close_all()
-        MARKER_CONSUMERS.close_all()
-        staged.close_all()
+        close_process_clients()
         for node in self.nodes.values():
             node.kill()
             for pid in node.node.pids():  # anything else started in its namespace

@@ -149,12 +149,9 @@ class LocalTansu(LocalServer):
         """Stop the broker, first closing this process's idle Kafka clients (the Kafka
         participant keeps them for the next batch): left open, they would go on trying
         to reconnect to the stopped broker, and logging it, until the process exits."""
-        from twophase.sinks.kafka import staged
-        from twophase.sinks.kafka.participant import MARKER_CONSUMERS, PRODUCERS
+        from twophase.sinks.kafka.clients import close_process_clients
 
-        PRODUCERS.close_all()
-        MARKER_CONSUMERS.close_all()
-        staged.close_all()
+        close_process_clients()
         super().stop()
 
     def restart(self, timeout: float = 30.0) -> LocalTansu:

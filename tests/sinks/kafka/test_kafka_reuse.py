@@ -1,4 +1,4 @@
-"""Kafka producers reused across batches in one process (sinks/kafka/participant.py,
+"""Kafka producers reused across batches in one process (sinks/kafka/producers.py and intask.py,
 ``PRODUCERS``), against tansu: reuse, a cached producer fenced by another process, and a
 worker killed while holding a cached producer. Exactly-once is judged from the partition
 logs (COMMIT/ABORT markers), never from a tansu read_committed reader."""
@@ -22,6 +22,7 @@ from tests.support.kafka import committed_offset, create_topic, kafka_bootstrap,
 from twophase.participant import BranchRef, BranchStatus
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.participant import PRODUCERS
+from twophase.sinks.kafka.producers import cache_key
 
 __all__ = ["kafka_bootstrap"]  # the fixture, imported for pytest
 
@@ -72,8 +73,8 @@ def test_a_producer_is_reused_by_the_next_batch_in_the_process(kafka_bootstrap: 
     p = make(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
     first = task(p, lineage, 0)
-    assert PRODUCERS.take(p._cache_key(ref(p, lineage, 0))) is first  # idle after commit
-    PRODUCERS.put(p._cache_key(ref(p, lineage, 0)), first)
+    assert PRODUCERS.take(cache_key(p, ref(p, lineage, 0))) is first  # idle after commit
+    PRODUCERS.put(cache_key(p, ref(p, lineage, 0)), first)
     second = task(p, lineage, 1)
     third = task(p, lineage, 2)
     assert first is second is third  # one producer, no init_transactions after the first

@@ -27,7 +27,7 @@ from twophase.sinks.kafka import (
     validate_config,
     validate_topic,
 )
-from twophase.sinks.kafka.participant import _Prepared  # the in-process prepared branch
+from twophase.sinks.kafka.intask import Prepared  # the in-process prepared branch
 from twophase.testing.servers import free_port
 
 CODES = sorted(
@@ -89,7 +89,7 @@ def test_commit_failure_is_reported_not_aborted() -> None:
     p = part(connect_timeout_s=1, commit_retry_s=1)
     b = ref(p)
     producer = Producer(p.producer_config(p.transactional_id(b)) | {"log_level": 0})
-    p._prepared[b] = _Prepared(b, producer, {})
+    p._prepared[b] = Prepared(b, producer, {})
     with pytest.raises(ParticipantError, match=r"failed and was not aborted: _STATE"):
         p.commit(b, None)
     assert p.in_doubt("orders") == []
@@ -142,7 +142,7 @@ def test_an_expired_transaction_is_redone_under_commit_never_aborted(
     err = KafkaError(getattr(KafkaError, name), "transaction timed out", fatal=fatal,
                      txn_requires_abort=abortable)
     producer = _ExpiredProducer(err)
-    p._prepared[b] = _Prepared(b, producer, {})
+    p._prepared[b] = Prepared(b, producer, {})
     started = time.monotonic()
     with pytest.raises(ParticipantError, match=rf"{name}.*must be redone under the COMMIT"):
         p.commit(b, None)
@@ -248,7 +248,7 @@ def test_pickling_drops_live_producers() -> None:
     p = part()
     b = ref(p)
     producer = Producer({"bootstrap.servers": _closed(), "log_level": 0})
-    p._prepared[b] = _Prepared(b, producer, {})
+    p._prepared[b] = Prepared(b, producer, {})
     assert p.in_doubt("orders") == [b] and p.in_doubt("other") == []
     with pytest.raises(TypeError):
         pickle.dumps(producer)  # a producer cannot travel: the participant must drop it
