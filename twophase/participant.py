@@ -35,11 +35,11 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from twophase.errors import InvalidRequest, ParticipantError, PrepareRefused, ProtocolError
 from twophase.names import validate_lineage, validate_name
-from twophase.protocol import TxnKey
+from twophase.protocol import Transaction, TxnKey
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -53,11 +53,13 @@ __all__ = [
     "CommitScope",
     "Descriptor",
     "Handle",
+    "LeftOpen",
     "Participant",
     "ParticipantError",
     "PrepareRefused",
     "ReadBack",
     "Rebuildable",
+    "SinkDecisions",
     "SparkWritten",
     "TargetBacklog",
     "Verifiable",
@@ -158,6 +160,26 @@ class ReadBack:
     extra_commits: int = 0
     """Commits of a batch beyond its first (one snapshot per micro-batch is the rule of a
     once-per-batch participant): must be 0."""
+
+
+@dataclass(frozen=True)
+class LeftOpen:
+    """What a crash left open on a target that its readers wait behind (a Kafka
+    transaction), as a starting sink's clean-up reports it after aborting it."""
+
+    name: str
+    """The target's own name for it (a Kafka ``transactional.id``)."""
+    age_s: float
+    holds: tuple[str, ...]
+    """What its readers were stalled on (``topic-N``)."""
+
+
+class SinkDecisions(Protocol):
+    """What the start-up clean-up may ask the coordinator: a sink's COMMIT-decided,
+    unfinished transactions (:meth:`twophase.client.CoordinatorClient.committing`, a
+    route the jobs' data token may call)."""
+
+    def committing(self, sink: str) -> list[Transaction]: ...
 
 
 @dataclass(frozen=True)
@@ -290,6 +312,13 @@ class Participant(abc.ABC):
         coordinator polls it for its console and ``/metrics``). Default None: this kind
         of target holds nothing open that readers wait behind."""
         return None
+
+    def clear_left_open(self, sink: str, decisions: SinkDecisions) -> list[LeftOpen]:
+        """Once per sink start, on the driver before the first batch: abort what a crash
+        left open on the target for ``sink`` (readers wait behind it until a timeout),
+        sparing what ``decisions`` holds as COMMIT-decided, and say what was aborted.
+        Default: nothing is ever left open (a prepared branch waits for its decision)."""
+        return []
 
     def describe(self) -> str:
         return f"{self.kind} participant {self.name!r}"

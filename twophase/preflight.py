@@ -253,11 +253,8 @@ def clear_lingering(client: Any, sink: str, participants: Sequence[Participant])
     the coordinator (``client``) holds as COMMIT-decided. Cannot list them: a warning,
     not a failure (the next ``init_transactions`` or the broker's timeout ends them)."""
     for p in participants:
-        clear = getattr(p, "abort_lingering_at_start", None)
-        if clear is None:
-            continue
         try:
-            cleared = clear(sink, client)
+            cleared = p.clear_left_open(sink, client)
         except Exception as exc:  # a clean-up: never the reason a sink cannot start
             log.warning("sink %s: %s: cannot look for transactions a crash left open "
                         "(%s: %s); `twophase resolve %s` clears them later", sink, p.name,
@@ -266,11 +263,10 @@ def clear_lingering(client: Any, sink: str, participants: Sequence[Participant])
         if cleared:
             log.warning(
                 "sink %s: %s: aborted %d transaction(s) a crash left open (%s; oldest "
-                "%.0fs): read_committed readers of %s were stalled behind them", sink,
-                p.name, len(cleared), ", ".join(t.transactional_id for t in cleared),
+                "%.0fs): readers of %s were stalled behind them", sink,
+                p.name, len(cleared), ", ".join(t.name for t in cleared),
                 max(t.age_s for t in cleared),
-                ", ".join(sorted({tp for t in cleared for tp in t.partitions
-                                  if not tp.startswith("__")})))  # not __consumer_offsets
+                ", ".join(sorted({h for t in cleared for h in t.holds})))
 
 
 def _targets(participants: Sequence[Participant]) -> bytes:

@@ -26,28 +26,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from twophase.errors import ParticipantError
-from twophase.participant import BranchRef
-from twophase.protocol import Transaction, parse_branch_id
+from twophase.participant import BranchRef, SinkDecisions
+from twophase.protocol import parse_branch_id
 
 COMMIT_LANE = "commit."
 """What follows ``twophase.<sink>.<participant>.`` in a staged copy lane's transactional
 id (its number follows)."""
 
-__all__ = ["COMMIT_LANE", "Listing", "OpenTransaction", "committing_ids", "list_open_transactions"]
+__all__ = ["COMMIT_LANE", "OpenTransaction", "committing_ids", "list_open_transactions"]
 
 
-class Listing(Protocol):
-    """What the start-up cleanup needs of the coordinator: a sink's COMMIT-decided,
-    unfinished transactions (:meth:`twophase.client.CoordinatorClient.committing`, a
-    route the jobs' data token may call)."""
-
-    def committing(self, sink: str) -> list[Transaction]: ...
-
-
-def committing_ids(decisions: Listing, sink: str, participant: str,
+def committing_ids(decisions: SinkDecisions, sink: str, participant: str,
                    transactional_id: Callable[[BranchRef], str]) -> set[str]:
     """The transactional ids of ``participant``'s branches that the coordinator holds in
     a COMMIT-decided batch of ``sink`` not yet acknowledged: the ones a starting sink

@@ -24,11 +24,13 @@ from twophase.participant import (
     BranchStatus,
     Descriptor,
     Handle,
+    LeftOpen,
     Participant,
     ParticipantError,
     PrepareRefused,
     ReadBack,
     Rebuildable,
+    SinkDecisions,
     TargetBacklog,
     Verifiable,
 )
@@ -50,7 +52,6 @@ from twophase.sinks.kafka.config import (
 )
 from twophase.sinks.kafka.lingering import (
     COMMIT_LANE,
-    Listing,
     OpenTransaction,
     committing_ids,
     list_open_transactions,
@@ -368,11 +369,14 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 raise ParticipantError(str(exc)) from exc
         return found
 
-    def abort_lingering_at_start(self, sink: str, decisions: Listing) -> list[OpenTransaction]:
-        """The sink's start-up cleanup (the driver calls it before the first batch):
+    def clear_left_open(self, sink: str, decisions: SinkDecisions) -> list[LeftOpen]:
+        """The sink's start-up clean-up (the driver calls it before the first batch):
         :meth:`abort_lingering`, sparing the COMMIT-decided batches' transactions."""
-        return self.abort_lingering(sink, keep=committing_ids(
+        cleared = self.abort_lingering(sink, keep=committing_ids(
             decisions, sink, self.name, self.transactional_id))
+        return [LeftOpen(t.transactional_id, t.age_s,
+                         tuple(tp for tp in t.partitions if not tp.startswith("__")))
+                for t in cleared]  # not __consumer_offsets: no reader waits there
 
     def read_back(
         self, column: str, *, outcomes: Mapping[tuple[int, int], bool] | None = None

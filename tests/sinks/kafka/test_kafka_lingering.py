@@ -156,10 +156,10 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
                                 partition=9)  # no branch of the decided batch
         for branch in (in_flight, undecided):
             _prepare_in_child_and_kill(q, branch)
-        aborted = q.abort_lingering_at_start(sink, client)
+        aborted = q.clear_left_open(sink, client)
     finally:
         conn.close()
-    assert [t.transactional_id for t in aborted] == [q.transactional_id(undecided)]
+    assert [t.name for t in aborted] == [q.transactional_id(undecided)]
     assert [t.transactional_id for t in q.open_transactions(sink)] == [
         q.transactional_id(in_flight)]
     q.abort_lingering(sink)  # leave nothing open on the session's broker

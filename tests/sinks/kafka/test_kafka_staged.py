@@ -144,7 +144,7 @@ def test_a_starting_sink_aborts_a_dead_drivers_open_copy(kafka_bootstrap: str) -
     [lane] = p.open_transactions(sink)
     assert ".commit." in lane.transactional_id, lane
     restarted = fresh(p)
-    assert [t.transactional_id for t in restarted.abort_lingering_at_start(
+    assert [t.name for t in restarted.clear_left_open(
         sink, _NothingDecided())] == [lane.transactional_id]
     assert p.open_transactions(sink) == []
     assert restarted.status(b) is BranchStatus.ABSENT  # the marker reads, no wait
