@@ -407,9 +407,25 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
                     "is %s, and the copy is redone when the batch is finished again",
                     p.describe(), branch.branch_id, branch.batch_id,
                     lane.transactional_id, exc, fenced)
+        _named(p, branch, lane, exc, fenced)
         raise
     finally:
         POOL.give(key, lane)
+
+
+def _named(p: KafkaParticipant, branch: BranchRef, lane: _Lane, exc: BaseException,
+           fenced: str) -> None:
+    """A client library's error from a copy (a fenced lane: another process finishing
+    the same batch; a broker gone) raised as this participant's, naming the branch, the
+    lane and what happens next; ours and interrupts pass as they are."""
+    if isinstance(exc, Exception) and not isinstance(exc, ParticipantError):
+        raise ParticipantError(
+            f"{p.describe()}: copy of branch {branch.branch_id} of batch {branch.batch_id} "
+            f"failed on transactional.id {lane.transactional_id!r}: {describe_error(exc)}; "
+            f"the lane is {fenced}; nothing of this copy is visible, and it is redone "
+            "from the staged records when the batch is finished again (a second process "
+            "finishing the same batch, e.g. `twophase resolve` beside the running job, "
+            "fences this one's copies)") from exc
 
 
 def _in_spark_task() -> bool:
@@ -434,8 +450,9 @@ def _commit_in_task(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> N
     try:
         _ready(p, lane)
         _copy_unless_committed(p, lane, branch, handle)
-    except BaseException:
+    except BaseException as exc:
         _drop(lane)
+        _named(p, branch, lane, exc, "dropped; its next use fences it")
         raise
     _retire(lane)
 

@@ -5,11 +5,13 @@ Committer does), judged by the partition log and a read_committed consumer
 
 from __future__ import annotations
 
+import json
 import pickle
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,41 @@ def test_a_starting_sink_aborts_a_dead_drivers_open_copy(kafka_bootstrap: str) -
     back = p.read_back("id")
     assert back.aborted == 50 and back.open == 0, back
     assert visible(p) == list(range(50))
+
+
+def test_two_processes_committing_one_batch_at_once_commit_each_branch_once(
+    kafka_bootstrap: str,
+) -> None:
+    """A driver and a concurrent ``twophase resolve`` finishing the same COMMIT-decided
+    batch: both initialise the same pool of copy ids, so they fence each other's copies
+    (a fenced copy fails, by design); after one more pass every record is in the topic
+    exactly once and nothing is left open."""
+    p = staged(kafka_bootstrap)
+    lineage = branch(p).lineage
+    work = []
+    for part in range(8):
+        b = branch(p, batch_id=2, partition=part, sink="racing", lineage=lineage)
+        work.append((b, dict(fresh(p).prepare(b, SCHEMA, [batch(part * 1000, 200)]))))
+    with tempfile.TemporaryDirectory(prefix="twophase-kracing-") as tmp:
+        job, start = Path(tmp) / "job.pkl", Path(tmp) / "start"
+        job.write_bytes(pickle.dumps((p, work)))
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.support.kafka_commit_all",
+                                   str(job), str(start)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        time.sleep(3)  # both imported and waiting
+        start.touch()
+        outs = [proc.communicate(timeout=180) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    outcomes = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    for one in outcomes:  # each failure is a fenced or aborted copy, never anything else
+        for part, what in one.items():
+            assert what == "ok" or (what.startswith("ParticipantError: ") and "fenced"
+                                    in what and f"branch {p.name}/{part} of batch 2" in what
+                                    and "redone" in what), (part, what)
+    assert any(what == "ok" for one in outcomes for what in one.values()), outcomes
+    finisher = fresh(p)
+    for b, handle in work:  # what a fenced copy left is finished once, never twice
+        finisher.commit(b, handle)
+    finisher.close()
+    assert visible(p) == sorted(i for part in range(8) for i in range(part * 1000,
+                                                                     part * 1000 + 200))
