@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from twophase.errors import EnvironmentProblem, TargetProblem
@@ -180,10 +180,14 @@ class PreflightReport:
 
 def modules_to_check(participants: Sequence[Participant]) -> tuple[str, ...]:
     """twophase, pyarrow, each participant's own module and what it says it needs."""
+    from pyspark import cloudpickle
+
+    by_value = cloudpickle.list_registry_pickle_by_value()  # shipped, need no install
     out = list(BASE_MODULES)
     for p in participants:
         mod = type(p).__module__
-        names = [] if mod == "__main__" else [mod]  # __main__ code is shipped by value
+        # __main__ code is shipped by value, as is a module the user registered so
+        names = [] if mod == "__main__" or mod in by_value else [mod]
         names.extend(p.required_modules())
         out.extend(n for n in names if n not in out)
     return tuple(out)
@@ -360,6 +364,12 @@ def _reachable(url: str) -> bool:
         return False
 
 
+WORKER_CRASHED: Final = "Python worker exited unexpectedly"
+"""Spark's words for a Python worker that died under its task (a signal, a crash)."""
+CRASH_RETRIES: Final = 2
+"""Probes run again after a crashed worker before the crash is reported as the cause."""
+
+
 def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"",
            session: Any = None) -> PreflightReport:
     import json
@@ -379,14 +389,24 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"",
         except Exception as exc:  # diagnosed by the RDD probe below, which needs less
             log.debug("the Arrow probe job failed (%s); probing again without Arrow",
                       _spark_cause(exc))
-    try:
-        if rows is None:
-            rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
-    except Exception as exc:  # the workers did not even start: name what Spark said
-        raise EnvironmentProblem(
-            f"the executors' Python ({sc.pythonExec}) could not run a probe task: "
-            f"{_spark_cause(exc)}\n" + FIX.format(driver=sys.executable)
-        ) from None
+    for tries_left in reversed(range(CRASH_RETRIES + 1)):
+        try:
+            if rows is None:
+                rows = sc.parallelize(range(n), n).mapPartitionsWithIndex(probe).collect()
+            break
+        except Exception as exc:  # the workers did not even start: name what Spark said
+            cause = _spark_cause(exc)
+            if tries_left and WORKER_CRASHED in cause:
+                # a worker killed under the probe (an OOM killer, a node going away; a
+                # chaos run's kill did this) is not the environment: probe again, and only
+                # a crash every time is reported
+                log.warning("a probe task's Python worker crashed (%s); probing again",
+                            cause.splitlines()[0][:300])
+                continue
+            raise EnvironmentProblem(
+                f"the executors' Python ({sc.pythonExec}) could not run a probe task: "
+                f"{cause}\n" + FIX.format(driver=sys.executable)
+            ) from None
     seconds = time.perf_counter() - started
     driver = _driver_versions(modules)
     grouped: dict[tuple[str, str], HostReport] = {}
