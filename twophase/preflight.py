@@ -182,11 +182,12 @@ def modules_to_check(participants: Sequence[Participant]) -> tuple[str, ...]:
     """twophase, pyarrow, each participant's own module and what it says it needs."""
     from pyspark import cloudpickle
 
-    by_value = cloudpickle.list_registry_pickle_by_value()  # shipped, need no install
+    by_value: set[str] = cloudpickle.list_registry_pickle_by_value()  # type: ignore[no-untyped-call]
     out = list(BASE_MODULES)
     for p in participants:
         mod = type(p).__module__
-        # __main__ code is shipped by value, as is a module the user registered so
+        # __main__ code is shipped by value, as is a module the user registered so: no
+        # install needed on the executors
         names = [] if mod == "__main__" or mod in by_value else [mod]
         names.extend(p.required_modules())
         out.extend(n for n in names if n not in out)
@@ -407,6 +408,7 @@ def _probe(sc: Any, modules: tuple[str, ...], url: str, targets: bytes = b"",
                 f"the executors' Python ({sc.pythonExec}) could not run a probe task: "
                 f"{cause}\n" + FIX.format(driver=sys.executable)
             ) from None
+    assert rows is not None  # the loop above either set them or raised
     seconds = time.perf_counter() - started
     driver = _driver_versions(modules)
     grouped: dict[tuple[str, str], HostReport] = {}
