@@ -7,9 +7,10 @@ SQLAlchemy Core. A transaction's branches are rows of their own, each one JSON v
 :mod:`twophase.wire`'s branch layout (the one the HTTP API shows); a change writes the
 transaction's row with a compare-and-set on ``version`` (a lost race raises
 :class:`~twophase.coordinator.db.Conflict`), then only the branch rows that changed.
-A load reads the transaction's row before its branches: a branch written after that
-read has a newer ``version`` with it, so the compare-and-set of anything computed from
-the mix fails. No protocol rule lives here.
+A load reads the transaction's row, its branch rows, then its ``version`` again, and
+reads again if that moved (PostgreSQL gives each statement its own snapshot): a branch
+row is only written with a new ``version``, so a mixed read is never returned, and a
+compare-and-set computed from one would fail anyway. No protocol rule lives here.
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
 # loading and saving
 
 
+_CONSISTENT_TRIES: Final = 10  # a write's compare-and-set still catches a mixed read
+
 KEPT_DECODED: Final = 16
 """Transactions whose last durable record the store keeps decoded: a batch's chunks of
 votes and acks then read one row (its ``version``), not every branch row, and write only
@@ -196,8 +199,18 @@ class Rows:
             head = run(conn, self.q.sel_version, key_params(key)).fetchone()
             if head is not None and head[0] == known.version:
                 return known
-        row = run(conn, self.q.sel_txn, key_params(key)).fetchone()
-        return None if row is None else self._with_branches(conn, row)
+        params = key_params(key)
+        for _ in range(_CONSISTENT_TRIES):
+            row = run(conn, self.q.sel_txn, params).fetchone()
+            if row is None:
+                return None
+            txn = self._with_branches(conn, row)
+            # PostgreSQL reads each statement at its own snapshot: a change committed
+            # between the two reads moved the version too; read both again then
+            head = run(conn, self.q.sel_version, params).fetchone()
+            if head is not None and head[0] == txn.version:
+                break
+        return txn
 
     def _with_branches(self, conn: Connection, row: Sequence[Any]) -> p.Transaction:
         """The transaction of a ``TXN_COLS`` row, its branch rows read now (after it)."""
