@@ -8,7 +8,8 @@ Two sections, side by side in one run (issue 30):
    the acknowledgements in chunks (``twophase.commit.send_acks``). Per P (default 4, 64,
    256, 1,024, 4,096): requests per batch, JSON bytes sent and received per batch (the
    bodies as httpx sent and read them), the
-   daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time.
+   daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time. Then
+   the store alone in this process: CPU and bytes written to disk per branch.
 2. **200 partitions on 4 slots** (``local[4]``): the same stream (one Parquet file per
    batch, ``repartition(200)`` in the query) written by at-least-once ``foreachBatch``
    (A: ``batch.write.parquet``) and by ``TransactionalSink`` with one
@@ -130,6 +131,50 @@ def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, 
     return per_branch
 
 
+def written_bytes() -> int:
+    """Bytes this process has caused to be written to storage so far (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def store_section(sizes: list[int], work: Path) -> None:
+    """The store alone (no HTTP), in this process: CPU and bytes written to disk per
+    branch for one batch (begin, votes and acks in chunks of 1,000), the last of three."""
+    from twophase import protocol
+    from twophase.coordinator.store import Store
+
+    st = Store(f"sqlite:///{work / 'store.db'}")
+    handle = {"kind": "files", "participant": "files", "file": "x" * 40, "rows": "1000"}
+    try:
+        for p in sizes:
+            sink = f"store{p}"
+            epoch = st.register(sink).epoch
+            for batch in range(3):
+                c0, w0 = time.process_time(), written_bytes()
+                txn = st.begin(protocol.Begin(sink, "L", batch, epoch, ("files",), p,
+                                              time.time())).txn
+                assert txn is not None
+                bids = list(txn.branches)
+                for i in range(0, p, 1000):
+                    txn = st.apply(txn.key, [
+                        protocol.Vote(b, epoch, True, time.time(), handle,
+                                      digest="v2:" + "0" * 32, task=f"7/{b}")
+                        for b in bids[i:i + 1000]])
+                for i in range(0, p, 1000):
+                    txn = st.apply(txn.key, [protocol.Ack(b, epoch, Decision.COMMIT, time.time())
+                                             for b in bids[i:i + 1000]])
+                if txn.state != protocol.State.COMMITTED:
+                    raise SystemExit(f"store P={p}: batch ended {txn.state.value}")
+                cpu, written = time.process_time() - c0, written_bytes() - w0
+            print(f"  store P={p:5d}: CPU {1e6 * cpu / p:7.1f} us/branch, written "
+                  f"{written / p:7.0f} bytes/branch ({written / 2**20:.1f} MiB/batch)",
+                  flush=True)
+    finally:
+        st.close()
+
+
 def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
               ) -> list[tuple[int, float]]:
     """One query; (rows, seconds) per batch from Spark's progress, warm-up first."""
@@ -215,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
           f"daemon on SQLite, {args.rounds} batches per size", flush=True)
     try:
         per_branch = coordinator_section(sizes, args.rounds, work)
+        print("store: SQLite in this process, one batch (the last of 3)", flush=True)
+        store_section(sizes, work)
         ratio = float("nan")
         if not args.no_stream:
             print(f"stream: local[4], {args.rows:,} rows per batch in {args.partitions} "
