@@ -6,8 +6,10 @@ Two sections, side by side in one run (issue 30):
    process, SQLite store) and the driver's own calls for one batch of P branches: begin,
    the votes sent in chunks (``twophase.decide``, as the sink sends its tasks' votes),
    the acknowledgements in chunks (``twophase.commit.send_acks``). Per P (default 4, 64,
-   256, 1,024, 4,096): requests per batch, JSON bytes sent and received per batch, the
-   daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time.
+   256, 1,024, 4,096): requests per batch, JSON bytes sent and received per batch (the
+   bodies as httpx sent and read them), the
+   daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time. Then
+   the store alone in this process: CPU and bytes written to disk per branch.
 2. **200 partitions on 4 slots** (``local[4]``): the same stream (one Parquet file per
    batch, ``repartition(200)`` in the query) written by at-least-once ``foreachBatch``
    (A: ``batch.write.parquet``) and by ``TransactionalSink`` with one
@@ -28,7 +30,6 @@ Reproduce (from the repository root, in the README's venv, on an idle machine)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -43,10 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from twophase import wire  # noqa: E402
 from twophase.client import CoordinatorClient  # noqa: E402
-from twophase.commit import ACK_CHUNK, send_acks  # noqa: E402
-from twophase.decide import VOTE_CHUNK, decide  # noqa: E402
+from twophase.commit import send_acks  # noqa: E402
+from twophase.decide import decide  # noqa: E402
 from twophase.protocol import Decision  # noqa: E402
 from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
 from twophase.testing.servers import LocalDaemon  # noqa: E402
@@ -61,9 +61,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_batch(client: CoordinatorClient, sink: str, epoch: int, batch: int, p: int
-              ) -> tuple[int, int, str]:
+class Wire:
+    """Requests and body bytes (both ways) through one client, counted by httpx's hooks."""
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self.requests = self.bytes = 0
+        hooks = client._http.event_hooks
+        hooks["request"] = [*hooks.get("request", []), self._request]
+        hooks["response"] = [*hooks.get("response", []), self._response]
+
+    def _request(self, request: Any) -> None:
+        self.requests += 1
+        self.bytes += len(request.content)
+
+    def _response(self, response: Any) -> None:
+        response.read()
+        self.bytes += len(response.content)
+
+
+def one_batch(client: CoordinatorClient, wire_: Wire, sink: str, epoch: int, batch: int,
+              p: int) -> tuple[int, int, str]:
     """One batch of ``p`` branches as the sink runs it; (requests, JSON bytes, state)."""
+    reqs0, bytes0 = wire_.requests, wire_.bytes
     handle = {"kind": "files", "participant": "files", "file": "x" * 40, "rows": "1000"}
     begun = client.begin(sink, "lineage-1", batch, epoch, ["files"], p, 300.0)
     txn = begun.txn
@@ -71,20 +90,17 @@ def one_batch(client: CoordinatorClient, sink: str, epoch: int, batch: int, p: i
     votes = [VoteIn(branch=f"files/{i}", yes=True, handle=handle, digest="v2:" + "0" * 32,
                     task=f"7/{i}") for i in range(p)]
     decided = decide(client, txn, epoch, votes, "")
-    done = send_acks(client, txn.key, epoch, [(b, Decision.COMMIT) for b in decided.branches])
+    done = send_acks(client, txn.key, epoch, [(b, Decision.COMMIT) for b in decided.branches],
+                     into=decided)
     assert done is not None
-    chunks = -(-p // VOTE_CHUNK) + -(-p // ACK_CHUNK)
-    sent = len(json.dumps(wire.votes_body(epoch, votes))) + 80 * p  # votes + ack bodies
-    # begin's answer and each phase's last answer carry the branches; the others are brief
-    full, brief = (len(json.dumps(wire.encode_txn(done, brief=b))) for b in (False, True))
-    answers = len(json.dumps(wire.encode_begin(begun))) + 2 * full + (chunks - 2) * brief
-    return 1 + chunks, sent + answers, done.state.value
+    return wire_.requests - reqs0, wire_.bytes - bytes0, done.state.value
 
 
 def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, float]:
     daemon = LocalDaemon(f"sqlite:///{work / 'scale.db'}", TOKEN, work / "daemon.log")
     daemon.start()
     client = CoordinatorClient(daemon.url, TOKEN)
+    counted = Wire(client)
     per_branch: dict[int, float] = {}
     try:
         assert daemon.proc is not None
@@ -99,7 +115,7 @@ def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, 
             c0 = cpu_seconds(pid)
             for r in range(n):
                 t0 = time.perf_counter()
-                reqs, nbytes, state = one_batch(client, sink, epoch, r, p)
+                reqs, nbytes, state = one_batch(client, counted, sink, epoch, r, p)
                 wall.append(time.perf_counter() - t0)
                 if state != "COMMITTED":
                     raise SystemExit(f"P={p}: batch ended {state}")
@@ -113,6 +129,50 @@ def coordinator_section(sizes: list[int], rounds: int, work: Path) -> dict[int, 
         client.close()
         daemon.stop()
     return per_branch
+
+
+def written_bytes() -> int:
+    """Bytes this process has caused to be written to storage so far (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def store_section(sizes: list[int], work: Path) -> None:
+    """The store alone (no HTTP), in this process: CPU and bytes written to disk per
+    branch for one batch (begin, votes and acks in chunks of 1,000), the last of three."""
+    from twophase import protocol
+    from twophase.coordinator.store import Store
+
+    st = Store(f"sqlite:///{work / 'store.db'}")
+    handle = {"kind": "files", "participant": "files", "file": "x" * 40, "rows": "1000"}
+    try:
+        for p in sizes:
+            sink = f"store{p}"
+            epoch = st.register(sink).epoch
+            for batch in range(3):
+                c0, w0 = time.process_time(), written_bytes()
+                txn = st.begin(protocol.Begin(sink, "L", batch, epoch, ("files",), p,
+                                              time.time())).txn
+                assert txn is not None
+                bids = list(txn.branches)
+                for i in range(0, p, 1000):
+                    txn = st.apply(txn.key, [
+                        protocol.Vote(b, epoch, True, time.time(), handle,
+                                      digest="v2:" + "0" * 32, task=f"7/{b}")
+                        for b in bids[i:i + 1000]])
+                for i in range(0, p, 1000):
+                    txn = st.apply(txn.key, [protocol.Ack(b, epoch, Decision.COMMIT, time.time())
+                                             for b in bids[i:i + 1000]])
+                if txn.state != protocol.State.COMMITTED:
+                    raise SystemExit(f"store P={p}: batch ended {txn.state.value}")
+                cpu, written = time.process_time() - c0, written_bytes() - w0
+            print(f"  store P={p:5d}: CPU {1e6 * cpu / p:7.1f} us/branch, written "
+                  f"{written / p:7.0f} bytes/branch ({written / 2**20:.1f} MiB/batch)",
+                  flush=True)
+    finally:
+        st.close()
 
 
 def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
@@ -200,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
           f"daemon on SQLite, {args.rounds} batches per size", flush=True)
     try:
         per_branch = coordinator_section(sizes, args.rounds, work)
+        print("store: SQLite in this process, one batch (the last of 3)", flush=True)
+        store_section(sizes, work)
         ratio = float("nan")
         if not args.no_stream:
             print(f"stream: local[4], {args.rows:,} rows per batch in {args.partitions} "
@@ -209,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lo, hi = min(sizes), max(sizes)
+    mid = [per_branch[x] for x in (64, 256) if x in per_branch]
+    if mid and hi in per_branch:  # P = 4 is mostly fixed cost: the flat range starts at 64
+        print(f"coordinator: per branch at {hi} over the mean of 64 and 256: "
+              f"{per_branch[hi] / statistics.mean(mid):.2f}")
     print(f"scale: load {os.getloadavg()[0]:.1f}; per_branch_{hi}_vs_{lo}="
           f"{per_branch[hi] / per_branch[lo]:.2f} finished_{hi}="
           f"{'yes' if hi in per_branch else 'no'} ratio@{args.partitions}p={ratio:.2f}")

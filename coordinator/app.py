@@ -123,10 +123,9 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.state.store = st
-    app.state.hub = svc.hub
-    app.state.metrics = svc.metrics
-    app.state.background = svc.background
+    for name, value in (("store", st), ("hub", svc.hub), ("metrics", svc.metrics),
+                        ("background", svc.background)):
+        setattr(app.state, name, value)
     _error_handlers(app, svc.metrics)
     hot = _hot_routes(svc)
     app.include_router(_ops_routes(svc))
@@ -191,8 +190,9 @@ def _error(status: int, code: str, message: str) -> Response:
     return _json(wire.error_body(code, message), status)
 
 
-def _txn_json(txn: p.Transaction, *, brief: bool = False) -> Response:
-    return _json(wire.encode_txn(txn, brief=brief))
+def _txn_json(txn: p.Transaction, *, brief: bool = False,
+              only: list[str] | None = None) -> Response:
+    return _json(wire.encode_txn(txn, brief=brief, only=only))
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
@@ -305,7 +305,8 @@ def _hot_routes(svc: _Service) -> HotRoutes:
         ]
         txn = await st.apply_async(key, events)
         observe(txn, [(v.branch, v.metrics) for v in body.votes])
-        return _txn_json(txn, brief=body.brief)
+        return _txn_json(txn, brief=body.brief,
+                         only=[v.branch for v in body.votes] if body.touched else None)
 
     async def acks(key: TxnKey, body: AcksIn) -> Response:
         now = st.clock()
@@ -315,7 +316,8 @@ def _hot_routes(svc: _Service) -> HotRoutes:
         ]
         txn = await st.apply_async(key, events)
         observe(txn, [(a.branch, a.metrics) for a in body.acks])
-        return _txn_json(txn, brief=body.brief)
+        return _txn_json(txn, brief=body.brief,
+                         only=[a.branch for a in body.acks] if body.touched else None)
 
     async def decision(key: TxnKey, timeout: float,
                        until: Literal["decided", "finished"]) -> Response:

@@ -94,6 +94,7 @@ def purge(store: Store, cutoff: float, limit: int = 1000) -> int:
     params = [key_params(k) for k in keys]
     with store.db.write() as conn:
         conn.execute(delete(_E).where(key_where(_E)), params)
+        conn.execute(delete(s.branches).where(key_where(s.branches)), params)
         conn.execute(delete(_T).where(key_where(_T)), params)
     log.info("purged", extra={"transactions": len(keys)})
     return len(keys)

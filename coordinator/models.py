@@ -126,8 +126,10 @@ class VotesIn(_Strict):
     epoch: Epoch
     votes: list[VoteItem] = Field(min_length=1, max_length=10_000)
     brief: bool = Field(default=False, description="answer without the branches "
-                        "(state and decision only): for every chunk of a batch's votes "
-                        "but its last")
+                        "(state and decision only)")
+    touched: bool = Field(default=False, description="answer with only the branches "
+                          "voted on in this request (and the transaction's state and "
+                          "decision): a driver that keeps the record itself merges them")
 
 
 class AckItem(_Strict):
@@ -140,8 +142,10 @@ class AcksIn(_Strict):
     epoch: Epoch
     acks: list[AckItem] = Field(min_length=1, max_length=10_000)
     brief: bool = Field(default=False, description="answer without the branches "
-                        "(state and decision only): for every chunk of a batch's acks "
-                        "but its last")
+                        "(state and decision only)")
+    touched: bool = Field(default=False, description="answer with only the branches "
+                          "acknowledged in this request (and the transaction's state and "
+                          "decision)")
 
 
 class AbandonIn(_Strict):

@@ -3,10 +3,14 @@
 Hot-path statements are plain SQL run on the driver's cursor
 (:func:`~twophase.coordinator.db.run`), written with ``:name`` parameters and turned into
 psycopg's ``%(name)s`` form for PostgreSQL; cold paths (listings, history) use
-SQLAlchemy Core. A transaction's branches are one JSON column in :mod:`twophase.wire`'s
-branch layout, the same one the HTTP API shows. Updates are compare-and-set on
-``version``: a lost race raises :class:`~twophase.coordinator.db.Conflict`. No protocol
-rule lives here.
+SQLAlchemy Core. A transaction's branches are rows of their own, each one JSON value in
+:mod:`twophase.wire`'s branch layout (the one the HTTP API shows); a change writes the
+transaction's row with a compare-and-set on ``version`` (a lost race raises
+:class:`~twophase.coordinator.db.Conflict`), then only the branch rows that changed.
+A load reads the transaction's row, its branch rows, then its ``version`` again, and
+reads again if that moved (PostgreSQL gives each statement its own snapshot): a branch
+row is only written with a new ``version``, so a mixed read is never returned, and a
+compare-and-set computed from one would fail anyway. No protocol rule lives here.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Final
 
 from sqlalchemy import Connection, and_, bindparam, delete, insert, select
@@ -30,11 +35,11 @@ __all__ = ["TXN_COLS", "Rows", "key_params", "key_where", "to_txn"]
 
 # the transaction columns every load selects, in the order to_txn reads them
 TXN_COLS: Final = (
-    "sink", "lineage", "checkpoint", "attempt", "epoch", "partitions", "branches", "state",
-    "reason", "deadline", "created", "decided_at", "finished_at", "version", "alert",
-    "updated",
+    "sink", "lineage", "checkpoint", "attempt", "epoch", "partitions", "state", "reason",
+    "deadline", "created", "decided_at", "finished_at", "version", "alert", "updated",
 )
 _TXN_INS_COLS: Final = (*TXN_COLS, "branch_count")
+_BRANCH_COLS: Final = ("sink", "lineage", "checkpoint", "attempt", "idx", "branch", "state")
 _EV_COLS: Final = ("sink", "lineage", "checkpoint", "attempt", "at", "kind", "branch", "detail",
                    "state")
 _KEY_SQL: Final = (
@@ -56,8 +61,11 @@ class _Statements:
             return re.sub(r":(\w+)", r"%(\1)s", text) if pyformat else text
 
         cols = ", ".join(TXN_COLS)
-        t, sk = s.txns.name, s.sinks.name
+        t, sk, br = s.txns.name, s.sinks.name, s.branches.name
         self.sel_txn = q(f"SELECT {cols} FROM {t} WHERE {_KEY_SQL}")
+        self.sel_branches = q(f"SELECT branch, state FROM {br} WHERE {_KEY_SQL} ORDER BY idx")
+        self.ins_branch = q(_ins(br, _BRANCH_COLS))
+        self.upd_branch = q(f"UPDATE {br} SET state = :state WHERE {_KEY_SQL} AND idx = :idx")
         self.sel_version = q(f"SELECT version FROM {t} WHERE {_KEY_SQL}")
         self.sel_attempts = q(
             f"SELECT {cols} FROM {t} WHERE sink = :k_sink AND lineage = :k_lineage "
@@ -69,7 +77,7 @@ class _Statements:
         )
         self.ins_txn = q(_ins(t, _TXN_INS_COLS))
         self.upd_txn = q(
-            f"UPDATE {t} SET state = :state, reason = :reason, branches = :branches, "
+            f"UPDATE {t} SET state = :state, reason = :reason, "
             "decided_at = :decided_at, finished_at = :finished_at, updated = :updated, "
             f"alert = :alert, version = :version WHERE {_KEY_SQL} AND version = :old_version"
         )
@@ -106,17 +114,12 @@ def key_where(table: Any) -> Any:
     )
 
 
-def encode_branches(branches: Mapping[str, p.BranchState]) -> str:
-    return json.dumps(wire.encode_branches(branches), separators=(",", ":"))
+def encode_branch(b: p.BranchState) -> str:
+    return json.dumps(wire.encode_branch(b), separators=(",", ":"))
 
 
-def decode_branches(text: str) -> Mapping[str, p.BranchState]:
-    """Also reads rows written before the store used wire's layout (null keys left out)."""
-    return wire.decode_branches(json.loads(text), "txns.branches")
-
-
-def to_txn(row: Sequence[Any]) -> p.Transaction:
-    """A row with the columns of ``TXN_COLS``, in that order."""
+def to_txn(row: Sequence[Any], branches: Mapping[str, p.BranchState]) -> p.Transaction:
+    """A row with the columns of ``TXN_COLS``, in that order, and its branches."""
     return p.Transaction(
         sink=row[0],
         lineage=row[1],
@@ -124,14 +127,14 @@ def to_txn(row: Sequence[Any]) -> p.Transaction:
         attempt=row[3],
         epoch=row[4],
         partitions=row[5],
-        branches=decode_branches(row[6]),
-        state=p.State(row[7]),
-        reason=row[8],
-        deadline=row[9],
-        created=row[10],
-        decided_at=row[11],
-        finished_at=row[12],
-        version=row[13],
+        branches=branches,
+        state=p.State(row[6]),
+        reason=row[7],
+        deadline=row[8],
+        created=row[9],
+        decided_at=row[10],
+        finished_at=row[11],
+        version=row[12],
     )
 
 
@@ -156,11 +159,12 @@ def _event_detail(ev: p.Event | p.Begin) -> tuple[str, str | None, dict[str, Any
 # loading and saving
 
 
+_CONSISTENT_TRIES: Final = 10  # a write's compare-and-set still catches a mixed read
+
 KEPT_DECODED: Final = 16
-"""Transactions whose last durable record the store keeps decoded, with each branch's
-JSON: a batch's chunks of votes and acks then neither decode nor re-encode the whole
-branches column (O(P) JSON per chunk, O(P^2/chunk) a batch: what made 4,096 branches
-cost 3x per branch what 256 did), only the branches that changed."""
+"""Transactions whose last durable record the store keeps decoded: a batch's chunks of
+votes and acks then read one row (its ``version``), not every branch row, and write only
+the branches that changed."""
 
 
 class Rows:
@@ -177,8 +181,6 @@ class Rows:
         self.q = _STATEMENTS[pyformat]
         self._lock = threading.Lock()
         self._decoded: OrderedDict[TxnKey, p.Transaction] = OrderedDict()
-        # per transaction, each branch's state (by identity) and its encoded '"id":{...}'
-        self._encoded: dict[TxnKey, dict[str, tuple[p.BranchState, str]]] = {}
 
     def remember(self, txn: p.Transaction) -> None:
         """``txn`` is durable: keep it decoded for the next load of its key."""
@@ -186,8 +188,7 @@ class Rows:
             self._decoded[txn.key] = txn
             self._decoded.move_to_end(txn.key)
             while len(self._decoded) > KEPT_DECODED:
-                old, _ = self._decoded.popitem(last=False)
-                self._encoded.pop(old, None)
+                self._decoded.popitem(last=False)
 
     # transactions
 
@@ -198,28 +199,28 @@ class Rows:
             head = run(conn, self.q.sel_version, key_params(key)).fetchone()
             if head is not None and head[0] == known.version:
                 return known
-        row = run(conn, self.q.sel_txn, key_params(key)).fetchone()
-        return None if row is None else to_txn(row)
+        params = key_params(key)
+        for _ in range(_CONSISTENT_TRIES):
+            row = run(conn, self.q.sel_txn, params).fetchone()
+            if row is None:
+                return None
+            txn = self._with_branches(conn, row)
+            # PostgreSQL reads each statement at its own snapshot: a change committed
+            # between the two reads moved the version too; read both again then
+            head = run(conn, self.q.sel_version, params).fetchone()
+            if head is not None and head[0] == txn.version:
+                break
+        return txn
 
-    def _branches_json(self, txn: p.Transaction) -> str:
-        """``encode_branches(txn.branches)``, re-encoding only the branches whose state
-        changed since this transaction's last encoding (states are immutable and shared
-        by unchanged branches: identity says unchanged)."""
-        with self._lock:
-            before = self._encoded.get(txn.key, {})
-        now: dict[str, tuple[p.BranchState, str]] = {}
-        for bid, b in txn.branches.items():
-            hit = before.get(bid)
-            if hit is None or hit[0] is not b:
-                hit = (b, json.dumps(bid) + ":"
-                       + json.dumps(wire.encode_branch(b), separators=(",", ":")))
-            now[bid] = hit
-        with self._lock:
-            self._encoded[txn.key] = now
-            if len(self._encoded) > 2 * KEPT_DECODED:  # a write that never became durable
-                for k in [k for k in self._encoded if k not in self._decoded]:
-                    del self._encoded[k]
-        return "{" + ",".join(frag for _, frag in now.values()) + "}"
+    def _with_branches(self, conn: Connection, row: Sequence[Any]) -> p.Transaction:
+        """The transaction of a ``TXN_COLS`` row, its branch rows read now (after it)."""
+        params = {"k_sink": row[0], "k_lineage": row[1], "k_checkpoint": row[2],
+                  "k_attempt": row[3]}
+        branches = {
+            bid: wire.decode_branch(json.loads(state), f"{s.branches.name}.{bid}")
+            for bid, state in run(conn, self.q.sel_branches, params).fetchall()
+        }
+        return to_txn(row, MappingProxyType(branches))
 
     def load_attempts(
         self, conn: Connection, sink: str, lineage: str, batch_id: int
@@ -227,7 +228,7 @@ class Rows:
         """Every attempt of one batch, oldest first."""
         rows = run(conn, self.q.sel_attempts,
                    {"k_sink": sink, "k_lineage": lineage, "k_checkpoint": batch_id}).fetchall()
-        return tuple(to_txn(r) for r in rows)
+        return tuple(self._with_branches(conn, r) for r in rows)
 
     def load_committing_elsewhere(
         self, conn: Connection, sink: str, lineage: str
@@ -235,35 +236,50 @@ class Rows:
         """The sink's COMMIT-decided, unfinished transactions in other lineages."""
         rows = run(conn, self.q.sel_committing_other,
                    {"k_sink": sink, "k_lineage": lineage}).fetchall()
-        return tuple(to_txn(r) for r in rows)
+        return tuple(self._with_branches(conn, r) for r in rows)
 
     def insert_txn(self, conn: Connection, new: p.Transaction, now: float) -> None:
         with self._lock:  # a key purged by retention and begun again starts afresh
             self._decoded.pop(new.key, None)
-            self._encoded.pop(new.key, None)
         run(conn, self.q.ins_txn, {
             "sink": new.sink, "lineage": new.lineage, "checkpoint": new.batch_id,
             "attempt": new.attempt, "epoch": new.epoch, "partitions": new.partitions,
-            "branches": self._branches_json(new), "state": new.state.value,
+            "state": new.state.value,
             "reason": new.reason, "deadline": new.deadline, "created": new.created,
             "decided_at": new.decided_at, "finished_at": new.finished_at,
             "version": new.version, "alert": False, "updated": now,
             "branch_count": len(new.branches),
         })
+        key = {"sink": new.sink, "lineage": new.lineage, "checkpoint": new.batch_id,
+               "attempt": new.attempt}
+        rows = [{**key, "idx": i, "branch": bid, "state": encode_branch(b)}
+                for i, (bid, b) in enumerate(new.branches.items())]
+        if rows:
+            run(conn, self.q.ins_branch, rows, many=True)
 
     def update_txn(
         self, conn: Connection, old: p.Transaction, new: p.Transaction, now: float
     ) -> None:
         """Write ``new`` over ``old`` if the row still has ``old``'s version (clears the
-        alert flag: the transaction moved)."""
+        alert flag: the transaction moved), then the branch rows whose state changed
+        (the machine shares unchanged states: identity says unchanged)."""
+        keyp = key_params(new.key)
         cur = run(conn, self.q.upd_txn, {
-            **key_params(new.key), "old_version": old.version, "state": new.state.value,
-            "reason": new.reason, "branches": self._branches_json(new),
+            **keyp, "old_version": old.version, "state": new.state.value,
+            "reason": new.reason,
             "decided_at": new.decided_at, "finished_at": new.finished_at,
             "updated": now, "alert": False, "version": new.version,
         })
         if cur.rowcount != 1:
             raise Conflict(f"lost a compare-and-set on {new.key}")
+        before = old.branches
+        changed = [{**keyp, "idx": i, "state": encode_branch(b)}
+                   for i, (bid, b) in enumerate(new.branches.items())
+                   if before.get(bid) is not b]
+        if len(changed) == 1:
+            run(conn, self.q.upd_branch, changed[0])
+        elif changed:
+            run(conn, self.q.upd_branch, changed, many=True)
 
     def insert_events(
         self,
@@ -335,8 +351,8 @@ class Rows:
 
     # cold reads (SQLAlchemy Core)
 
-    @staticmethod
     def list_txns(
+        self,
         conn: Connection,
         sink: str | None,
         state: str | None,
@@ -353,7 +369,8 @@ class Rows:
         if alert is not None:
             q = q.where(t.c.alert == alert)
         q = q.order_by(t.c.created.desc(), t.c.attempt.desc()).limit(limit)
-        return [(to_txn(r), bool(r.alert), r.updated) for r in conn.execute(q).all()]
+        return [(self._with_branches(conn, r), bool(r.alert), r.updated)
+                for r in conn.execute(q).all()]
 
     @staticmethod
     def history(conn: Connection, key: TxnKey) -> list[dict[str, Any]]:

@@ -67,15 +67,22 @@ _Work = tuple[Participant, BranchRef, Handle]
 
 
 def send_acks(
-    client: CoordinatorClient, key: TxnKey, epoch: int, acks: Sequence[tuple[str, Decision]]
+    client: CoordinatorClient, key: TxnKey, epoch: int, acks: Sequence[tuple[str, Decision]],
+    into: Transaction | None = None,
 ) -> Transaction | None:
     """Acknowledge ``acks`` in chunks of :data:`ACK_CHUNK`; the record after the last one
-    (None when there was nothing to send)."""
-    txn = None
+    (None when there was nothing to send). With ``into`` (the caller's copy of the
+    record) each answer carries only its chunk's branches, merged into the copy; without
+    it, every answer but the last leaves the branches out."""
+    txn = into
     for i in range(0, len(acks), ACK_CHUNK):
-        last = i + ACK_CHUNK >= len(acks)  # only the last answer carries the branches
-        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK], brief=not last)
-    return txn
+        chunk = acks[i:i + ACK_CHUNK]
+        if txn is not None:
+            txn = client.ack(key, epoch, chunk, into=txn)
+        else:
+            last = i + ACK_CHUNK >= len(acks)  # only the last answer carries the branches
+            txn = client.ack(key, epoch, chunk, brief=not last)
+    return txn if acks else None
 
 
 class Committer:
@@ -121,7 +128,7 @@ class Committer:
             work.append((part, ref, dict(st.handle or {})))
         done, error = self._apply_all(work, decision)
         acks = settled + [(b, decision) for b in done]
-        after = send_acks(client, txn.key, epoch, acks) or txn
+        after = send_acks(client, txn.key, epoch, acks, into=txn) or txn
         if decision == Decision.COMMIT:
             after, batch_error = commit_batches(client, epoch, self.participants, after)
             error = error or batch_error
@@ -326,5 +333,5 @@ def commit_batches(
             continue
         txn = send_acks(client, txn.key, epoch,
                         [(bid, Decision.COMMIT) for bid, st in mine.items()
-                         if st.ack is None]) or txn
+                         if st.ack is None], into=txn) or txn
     return txn, error

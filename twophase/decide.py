@@ -4,9 +4,11 @@ In ``prepare`` mode no task talks to the coordinator about its vote: each return
 votes with the job's result, and once the job is over the driver sends them all, in
 chunks of :data:`VOTE_CHUNK` (one request per chunk, however many branches: the
 coordinator's work per batch grows with the branches, not with their square, and no
-request nears the service's body limit). Spark keeps one result per partition of a task
-it ran twice, so each branch's vote is one task attempt's; the vote table
-(``twophase.protocol.VOTE_CASES``) settles anything else.
+request nears the service's body limit). Each answer carries only the branches its chunk
+voted on, merged into the driver's copy of the record (``CoordinatorClient.vote``'s
+``into``), so the bytes back are O(branches) a batch too. Spark keeps one result per
+partition of a task it ran twice, so each branch's vote is one task attempt's; the vote
+table (``twophase.protocol.VOTE_CASES``) settles anything else.
 
 An attempt still undecided afterwards (the job failed, so some partitions' votes never
 came back) is abandoned: ABORT. Presumed abort makes that safe: what those tasks prepared
@@ -53,8 +55,7 @@ def decide(
     # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
     votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
-        last = i + VOTE_CHUNK >= len(votes)  # its answer, with the branches, is the record
-        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK], brief=not last)
+        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK], into=after)
     if not votes:
         after = client.get(txn.key)  # tasks of an earlier run may have settled it
     if after.decision is None:
@@ -80,10 +81,10 @@ def settle_empty(
     else:
         votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
                  for b, st in txn.branches.items() if st.vote is None]
-        decided = client.vote(txn.key, epoch, votes) if votes else txn
+        decided = client.vote(txn.key, epoch, votes, into=txn) if votes else txn
     if decided.decision is None:
         return False
     acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
     if acks:
-        client.ack(txn.key, epoch, acks)
+        client.ack(txn.key, epoch, acks, into=decided)
     return True

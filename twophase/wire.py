@@ -203,10 +203,19 @@ def encode_branches(branches: Mapping[str, p.BranchState]) -> dict[str, BranchOu
     return {bid: encode_branch(b) for bid, b in branches.items()}
 
 
-def encode_txn(t: p.Transaction, *, brief: bool = False) -> TxnOut:
-    """The record as the API shows it; ``brief`` leaves out the branches (``{}``): the
-    answer to a chunk of a large batch's votes or acks, which needs only the state and
-    the decision, so a batch of P branches sends O(P) bytes back, not O(P^2/chunk)."""
+def encode_txn(
+    t: p.Transaction, *, brief: bool = False, only: Iterable[str] | None = None
+) -> TxnOut:
+    """The record as the API shows it; ``brief`` leaves out the branches (``{}``), and
+    ``only`` keeps the branches it names (those a request of votes or acks touched): a
+    batch of P branches then sends O(P) bytes back in all, not O(P^2/chunk)."""
+    if brief:
+        branches: dict[str, BranchOut] = {}
+    elif only is not None:
+        branches = {bid: encode_branch(t.branches[bid]) for bid in dict.fromkeys(only)
+                    if bid in t.branches}
+    else:
+        branches = encode_branches(t.branches)
     return {
         "sink": t.sink,
         "lineage": t.lineage,
@@ -222,7 +231,7 @@ def encode_txn(t: p.Transaction, *, brief: bool = False) -> TxnOut:
         "decided_at": t.decided_at,
         "finished_at": t.finished_at,
         "version": t.version,
-        "branches": {} if brief else encode_branches(t.branches),
+        "branches": branches,
     }
 
 
@@ -296,7 +305,8 @@ class VoteBody(TypedDict):
 class VotesBody(TypedDict):
     epoch: int
     votes: list[VoteBody]
-    brief: NotRequired[bool]  # answer without the branches (every chunk but a batch's last)
+    brief: NotRequired[bool]  # answer without the branches
+    touched: NotRequired[bool]  # answer with only the branches named here (0.3 on)
 
 
 class AckBody(TypedDict):
@@ -308,7 +318,8 @@ class AckBody(TypedDict):
 class AcksBody(TypedDict):
     epoch: int
     acks: list[AckBody]
-    brief: NotRequired[bool]  # answer without the branches (every chunk but a batch's last)
+    brief: NotRequired[bool]  # answer without the branches
+    touched: NotRequired[bool]  # answer with only the branches named here (0.3 on)
 
 
 class AbandonBody(TypedDict):
@@ -373,10 +384,15 @@ def _vote(v: VoteIn) -> VoteBody:
     return out
 
 
-def votes_body(epoch: int, votes: Iterable[VoteIn], *, brief: bool = False) -> VotesBody:
+def votes_body(epoch: int, votes: Iterable[VoteIn], *, brief: bool = False,
+               touched: bool = False) -> VotesBody:
+    """``brief``: the answer leaves out the branches; ``touched``: it carries only the
+    branches voted on here (each sent only when set: older services refuse unknown keys)."""
     body: VotesBody = {"epoch": epoch, "votes": [_vote(v) for v in votes]}
     if brief:
         body["brief"] = True
+    if touched:
+        body["touched"] = True
     return body
 
 
@@ -386,9 +402,10 @@ def acks_body(
     metrics: Mapping[str, BranchMetrics] | None = None,
     *,
     brief: bool = False,
+    touched: bool = False,
 ) -> AcksBody:
-    """``metrics``: per branch id, what the executor measured (optional); ``brief``: the
-    answer leaves out the branches."""
+    """``metrics``: per branch id, what the executor measured (optional); ``brief`` and
+    ``touched`` as for :func:`votes_body`."""
     out: list[AckBody] = []
     for b, o in acks:
         ack: AckBody = {"branch": b, "outcome": _outcome(o)}
@@ -398,6 +415,8 @@ def acks_body(
     body: AcksBody = {"epoch": epoch, "acks": out}
     if brief:
         body["brief"] = True
+    if touched:
+        body["touched"] = True
     return body
 
 

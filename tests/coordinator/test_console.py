@@ -17,6 +17,7 @@ import httpx
 import pyarrow as pa
 import pytest
 
+from tests.support.old_store import old_store
 from twophase.batchplan import BatchPlan
 from twophase.client import CoordinatorClient
 from twophase.coordinator import schema as s
@@ -146,25 +147,22 @@ def test_force_and_sinks_commands(server: EmbeddedServer) -> None:
 
 def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'v2.db'}"
-    store = Store(url)
-    store.register(SINK)
-    with store.db.write() as conn:  # what a version 2 daemon left behind
-        s.participants.drop(conn)
-        conn.execute(s.meta.update().values(value="2"))
-    store.close()
+    old_store(url, version="2")  # what a version 2 daemon left behind
     with pytest.raises(SchemaMismatch, match="upgrade it in place"):
         Store(url, create=False)  # a read-only tool never upgrades
     store = Store(url)
     try:
-        store.register(SINK, [{"kind": "files", "name": "lake", "target": "/x",
-                               "options": {"path": "/x"}}])
-        assert store.participants(SINK)[0]["name"] == "lake"
-        assert store.sink(SINK) is not None and store.sink(SINK).epoch == 2  # type: ignore[union-attr]
+        store.register("a", [{"kind": "files", "name": "lake", "target": "/x",
+                              "options": {"path": "/x"}}])
+        assert store.participants("a")[0]["name"] == "lake"
+        assert store.sink("a") is not None and store.sink("a").epoch == 4  # type: ignore[union-attr]
+        txn = store.get(TxnKey("a", "L", 0, 1))
+        assert txn is not None and txn.state == State.COMMITTING and len(txn.branches) == 3
         with store.db.read() as conn:
             version = conn.execute(s.meta.select()).first()
     finally:
         store.close()
-    assert version is not None and version.value == str(s.SCHEMA_VERSION) == "3"
+    assert version is not None and version.value == str(s.SCHEMA_VERSION) == "4"
 
 
 def test_the_consoles_resolve_settles_a_sink_inside_the_coordinator(

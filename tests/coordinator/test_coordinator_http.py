@@ -240,3 +240,29 @@ def test_brief_answers_leave_out_the_branches_and_the_store_keeps_up(
         assert fresh.get(key) == done
     finally:
         fresh.close()
+
+
+def test_touched_answers_carry_the_named_branches_and_merge_into_the_callers_copy(
+    client: CoordinatorClient, server: EmbeddedServer
+) -> None:
+    """A driver that keeps the record asks for the branches its request named only
+    (``into``): each answer's bytes grow with the request, not the transaction, and the
+    merged record equals the coordinator's. A copy that another writer made stale (a
+    branch acknowledged behind its back) is noticed and replaced by the full record."""
+    epoch, txn = _start(client, parts=3)
+    key, branches = txn.key, list(txn.branches)
+    raw = client._request("POST", client._txn_path(key) + "/votes", body={
+        "epoch": epoch, "touched": True, "votes": [
+            {"branch": branches[0], "yes": True, "handle": {"gid": "0"}, "reason": None}]})
+    assert list(raw["branches"]) == [branches[0]] and raw["state"] == "PREPARING"
+    after = txn
+    for i in range(0, len(branches), 2):
+        after = client.vote(key, epoch, [VoteIn(b, True, {"gid": b}) for b in branches[i:i + 2]],
+                            into=after)
+    assert after.decision == p.Decision.COMMIT and list(after.branches) == branches
+    assert after == client.get(key)
+    client.ack(key, epoch, [(branches[0], p.Decision.COMMIT)])  # behind the copy's back
+    rest = [(b, p.Decision.COMMIT) for b in branches[1:]]
+    done = client.ack(key, epoch, rest, into=after)  # the copy shows branches[0] unacked
+    assert done.state == p.State.COMMITTED and done == client.get(key)
+    assert done.branches[branches[0]].ack == p.Decision.COMMIT

@@ -1,4 +1,4 @@
-"""One record layout (twophase.wire) for the store's branches column, the service's
+"""One record layout (twophase.wire) for the store's branch rows, the service's
 answers and documented schemas, and the client's request bodies."""
 
 from __future__ import annotations
@@ -47,20 +47,28 @@ def test_store_reads_rows_written_by_the_old_branch_encoder(tmp_path: Path) -> N
         now = time.time()
         voted = st.apply(key, [p.Vote("pg/0", epoch, True, now, {"gid": "g0"}),
                                p.Vote("kafka/1", epoch, False, now, reason="broker down")])
-        old_text = _old_encoding(dict(voted.branches))
-        assert "null" not in old_text  # the old layout really omits the empty keys
+        old = json.loads(_old_encoding(dict(voted.branches)))
+        assert "null" not in json.dumps(old)  # the old layout really omits the empty keys
         with st.engine.begin() as conn:
-            conn.execute(update(s.txns).where(s.txns.c.sink == "orders")
-                         .values(branches=old_text))
+            for bid, body in old.items():
+                conn.execute(update(s.branches).where(s.branches.c.branch == bid)
+                             .values(state=json.dumps(body)))
+        st.rows._decoded.clear()  # read the rows, not the record kept decoded
         again = st.get(key)
         assert again == voted
         assert again is not None and again.branches["kafka/1"].handle is None
         assert again.branches["pg/0"].handle == {"gid": "g0"}
-        # a change to such a row is written back in wire's layout
+        # a change writes its branch's row back in wire's layout, and only that row
         acked = st.apply(key, [p.Ack("pg/0", epoch, p.Decision.ABORT, now)])
         with st.engine.connect() as conn:
-            text = conn.execute(s.txns.select().where(s.txns.c.sink == "orders")).one().branches
-        assert json.loads(text) == wire.encode_branches(acked.branches)
+            rows = conn.execute(s.branches.select().where(s.branches.c.sink == "orders")
+                                .order_by(s.branches.c.idx)).all()
+        stored = {r.branch: json.loads(r.state) for r in rows}
+        assert [r.branch for r in rows] == list(acked.branches)
+        assert stored["pg/0"] == wire.encode_branch(acked.branches["pg/0"])
+        assert stored["kafka/1"] == old["kafka/1"]  # untouched: as it was written
+        st.rows._decoded.clear()
+        assert st.get(key) == acked
     finally:
         st.close()
 

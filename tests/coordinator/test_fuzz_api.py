@@ -88,7 +88,8 @@ def _bounded(case: Any) -> None:
 def _state(db: Path) -> list[Any]:
     with sqlite3.connect(db) as conn:
         return [conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2, 3").fetchall()
-                for t in ("twophase_sinks", "twophase_txns", "twophase_events")]
+                for t in ("twophase_sinks", "twophase_txns", "twophase_branches",
+                          "twophase_events")]
 
 
 def _describe(case: Any, resp: Any) -> str:
