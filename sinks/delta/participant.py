@@ -32,10 +32,18 @@ from twophase.participant import (
     Handle,
     ReadBack,
     Rebuildable,
+    SparkWritten,
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import DATA_DIR, FILE_NAME, parse_ranges, ranges
+from twophase.sinks.batchfiles import (
+    DATA_DIR,
+    FILE_NAME,
+    parse_ranges,
+    ranges,
+    write_dir,
+    write_dirs,
+)
 from twophase.sinks.delta.arrow import (
     arrow_schema_of,
     conform,
@@ -44,7 +52,7 @@ from twophase.sinks.delta.arrow import (
     pyarrow_module,
     split_by_partition,
 )
-from twophase.sinks.delta.writer import BranchWriter, from_footer
+from twophase.sinks.delta.writer import HANDLE_CHARS, BranchWriter, from_footer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -58,7 +66,6 @@ MODES: Final = ("append", "complete")
 POLICIES: Final = ("fail", "add_columns")
 _COMMIT_TRIES: Final = 20
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
-_HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
 _META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
          "twophase.participant", "twophase.partitions")
 _OPEN = threading.local()  # this thread's open tables: (path, options) -> DeltaTable
@@ -71,13 +78,18 @@ def app_id(sink: str, lineage: str) -> str:
     return f"twophase-{sink}-{lineage}"
 
 
-class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
+class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
     """Rows of each micro-batch appended to (or replacing, ``mode="complete"``) a Delta
     table, once, as one table version.
 
     ``path``: a local folder or ``s3://bucket/prefix``; ``storage_options`` as deltalake
     takes them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
     ``AWS_REGION``, ``AWS_ALLOW_HTTP``, ...).
+
+    ``native``: None, the default, lets Spark's own Parquet writer write the data files
+    when every participant of the sink can take them (no row through Python; an
+    unpartitioned table in a local folder); True also beside Python participants,
+    refused where it cannot be; False always writes them from Python.
     """
 
     kind = "delta"
@@ -92,7 +104,13 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         on_schema_change: str = "fail",
         partition_by: Sequence[str] | str | None = None,
         target_file_bytes: int = 128 * 1024 * 1024,
+        native: bool | None = None,
     ) -> None:
+        if native not in (None, False, True):
+            raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                                 f"{native!r}")
+        self.native = native
+        self._native_why: str | None = None  # why not native, once known ("" when it can)
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidRequest(f"invalid Delta table path {path!r}")
         if "://" in path and not path.startswith(("s3://", "s3a://", "file://")):
@@ -316,6 +334,49 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                 "table is, or write to a new table"
             )
 
+    # ------------------------------------------------------------------ native path
+    def native_format(self) -> str | None:
+        """Parquet, unless ``native=False``, or (automatic) a subclass with its own
+        ``prepare``, or a table Spark's plain Parquet writer cannot fill: partitioned
+        (Delta keeps partition values out of the files), or on object storage."""
+        if self.native is False or (self.native is None and
+                                    type(self).prepare is not DeltaParticipant.prepare):
+            return None
+        if self._native_why is None:
+            self._native_why = self._native_misfit()
+        if self._native_why and self.native:
+            raise InvalidRequest(
+                f"{self.describe()}: native=True, but {self._native_why}. Fix: drop "
+                "native=True (the Python path writes it)")
+        return None if self._native_why else "parquet"
+
+    def _native_misfit(self) -> str:
+        from deltalake import DeltaTable
+
+        if self.remote:
+            return "the table is on object storage, which the native path does not write"
+        if self.partition_by or (DeltaTable.is_deltatable(self.path) and
+                                 self._table().metadata().partition_columns):
+            return "the table is partitioned, which the native path does not write"
+        return ""
+
+    def native_preferred(self) -> bool:
+        return self.native is True
+
+    def native_location(self, key: TxnKey) -> str:
+        folder = self._join(self.path, self._rel(key.sink, key.lineage, key.batch_id))
+        return f"{folder}/{write_dir(self.name, key.attempt)}"
+
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        from twophase.sinks.delta.native import adopt
+
+        return adopt(self, self._table(), key, partitions)
+
+    def _write_dir(self, branch: BranchRef) -> str | None:
+        """A native write folder of the branch's attempt, when one was left (local only)."""
+        where = self.native_location(branch.key)
+        return where if not self.remote and os.path.isdir(where) else None
+
     # ------------------------------------------------------------------ prepare
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
@@ -357,7 +418,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         listed = json.dumps(files, separators=(",", ":"))
         rows = sum(f[2] for f in files)
         # too many files to vote: the batch commit finds them by name instead
-        return {"files": listed if len(listed) <= _HANDLE_CHARS else "*", "rows": str(rows)}
+        return {"files": listed if len(listed) <= HANDLE_CHARS else "*", "rows": str(rows)}
 
     # ------------------------------------------------------------------ commit
     def commit_batch(self, key: TxnKey, handles: Mapping[int, Handle]) -> None:
@@ -426,7 +487,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             return BranchStatus.COMMITTED
         mine = self._branch_files(branch.sink, branch.lineage, branch.batch_id,
                                   branch.attempt, branch.partition)[2]
-        if mine:
+        if mine or self._write_dir(branch):
             return BranchStatus.PREPARED  # (of a superseded attempt: abort sweeps them)
         by = {a for a, _ in history.get((branch.lineage, branch.batch_id), ())}
         if taken is False and branch.attempt not in by:
@@ -445,6 +506,9 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         for base in names + temps:
             with contextlib.suppress(FileNotFoundError):
                 fs.delete_file(f"{folder}/{base}")
+        where = self._write_dir(branch)
+        if where:  # a native write not adopted: nothing in it was voted on
+            fs.delete_dir(where)
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
         validate_name("sink name", sink)
@@ -465,6 +529,10 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             if self._taken(dt, history, sink, lineage, batch, attempt, int(m["partition"])):
                 continue  # the table's files
             yield BranchRef(sink, lineage, batch, attempt, self.name, int(m["partition"]))
+        for lineage, batch, name, attempt in write_dirs(fs, top):
+            if name == self.name and not self._taken(dt, history, sink, lineage, batch,
+                                                     attempt, 0):
+                yield BranchRef(sink, lineage, batch, attempt, self.name, 0)  # its first
 
     # ------------------------------------------------------------------ operators
     def descriptor(self) -> Descriptor:
@@ -495,7 +563,8 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         return cls(descriptor["target"], storage_options=storage, name=descriptor["name"],
                    mode=o["mode"], on_schema_change=o["on_schema_change"],
                    partition_by=None if parts is None else [c for c in str(parts).split(",") if c],
-                   target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)))
+                   target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)),
+                   native=False)  # a rebuilt participant only commits, aborts and reads
 
     def read_back(self, column: str) -> ReadBack:
         dt = self._table()

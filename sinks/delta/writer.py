@@ -20,6 +20,7 @@ __all__ = ["FOOTER_KEY", "BranchWriter", "Stats", "from_footer"]
 
 FOOTER_KEY: Final = "twophase.add"  # a data file's partition values and stats, as voted
 STAT_CHARS: Final = 32  # a longer string leaves its file with only a row count
+HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
 
 
 class Stats:
@@ -110,8 +111,10 @@ def from_footer(fs: pafs.FileSystem, folder: str, name: str) -> tuple[Any, ...]:
     with fs.open_input_file(path) as f:
         meta = pq.read_metadata(f)
     saved = (meta.metadata or {}).get(FOOTER_KEY.encode())
-    if saved is None:
-        return name, size, meta.num_rows, {}, json.dumps({"numRecords": meta.num_rows})
+    if saved is None:  # a file Spark wrote (the native path): what its vote said
+        from twophase.sinks.delta.native import stats_from_parquet
+
+        return name, size, meta.num_rows, {}, stats_from_parquet(meta)
     add = json.loads(saved)
     return name, size, meta.num_rows, add["partitionValues"], add["stats"]
 

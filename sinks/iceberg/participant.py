@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 import uuid
@@ -28,10 +29,18 @@ from twophase.participant import (
     Handle,
     ReadBack,
     Rebuildable,
+    SparkWritten,
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import DATA_DIR, RUN_FILE_NAME, parse_ranges, ranges
+from twophase.sinks.batchfiles import (
+    DATA_DIR,
+    RUN_FILE_NAME,
+    parse_ranges,
+    ranges,
+    write_dir,
+    write_dirs,
+)
 from twophase.sinks.iceberg.marker import (
     COMMIT_TRIES,
     HANDLE_CHARS,
@@ -45,6 +54,7 @@ from twophase.sinks.iceberg.marker import (
     partition_fields,
     split_table,
 )
+from twophase.sinks.iceberg.native import local_location
 from twophase.sinks.iceberg.schema import check_spec, create, fit
 from twophase.sinks.iceberg.writer import (
     BranchWriter,
@@ -68,13 +78,18 @@ log = logging.getLogger(__name__)
 
 
 
-class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
+class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
     """Rows of each micro-batch appended to (or replacing, ``mode="complete"``) an
     Iceberg table, once, as one snapshot.
 
     ``catalog`` are pyiceberg's ``load_catalog`` properties (``{"type": "sql", "uri":
     ..., "warehouse": ...}``, ``s3.endpoint`` and keys for object storage); its optional
     ``"name"`` key names the catalog (default ``"default"``).
+
+    ``native``: None, the default, lets Spark's own Parquet writer write the data files
+    when every participant of the sink can take them (no row through Python; an
+    unpartitioned table on the local file system); True also beside Python participants,
+    refused where it cannot be; False always writes them from Python.
     """
 
     kind = "iceberg"
@@ -89,7 +104,13 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         on_schema_change: str = "fail",
         partition_by: Iterable[str] | None = None,
         target_file_bytes: int = 128 * 1024 * 1024,
+        native: bool | None = None,
     ) -> None:
+        if native not in (None, False, True):
+            raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                                 f"{native!r}")
+        self.native = native
+        self._native_why: str | None = None  # why not native, once known ("" when it can)
         self.identifier = split_table(table)
         self.table = table
         if mode not in MODES:
@@ -251,6 +272,66 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         check_spec(self, tbl)
         fit(self, tbl, schema)
 
+    # ------------------------------------------------------------------ native path
+    def native_format(self) -> str | None:
+        """Parquet, unless ``native=False``, or (automatic) a subclass with its own
+        ``prepare``, or a table Spark's plain Parquet writer cannot fill: partitioned (a
+        data file holds one partition's rows), or not on the local file system."""
+        if self.native is False or (self.native is None and
+                                    type(self).prepare is not IcebergParticipant.prepare):
+            return None
+        if self._native_why is None:
+            self._native_why = self._native_misfit()
+        if self._native_why and self.native:
+            raise InvalidRequest(
+                f"{self.describe()}: native=True, but {self._native_why}. Fix: drop "
+                "native=True (the Python path writes it)")
+        return None if self._native_why else "parquet"
+
+    def _native_misfit(self) -> str:
+        from pyiceberg.exceptions import NoSuchTableError
+
+        if self.partition_by:
+            return "the table is partitioned (partition_by), which the native path does not write"
+        try:
+            tbl = self._cat().load_table(self.identifier)
+        except (NoSuchTableError, ParticipantError):  # created by check, in the warehouse
+            where = self.catalog_props.get("warehouse", "")  # (adopt checks the spec)
+        else:
+            if not tbl.spec().is_unpartitioned():
+                return "the table is partitioned, which the native path does not write"
+            where = tbl.location()
+        if not local_location(where):
+            return f"the table's location {where!r} is not on the local file system"
+        return ""
+
+    def native_preferred(self) -> bool:
+        return self.native is True
+
+    def native_options(self) -> Mapping[str, str]:
+        """The table's Parquet codec (pyiceberg's default, zstd)."""
+        codec = self._load().properties.get("write.parquet.compression-codec", "zstd")
+        return {"compression": "none" if codec == "uncompressed" else codec}
+
+    def native_location(self, key: TxnKey) -> str:
+        tbl = self._load()
+        _, _, uri = self._batch_dir(tbl, key.sink, key.lineage, key.batch_id)
+        return f"{uri}/{write_dir(self.name, key.attempt)}"
+
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        from twophase.sinks.iceberg.native import adopt
+
+        return adopt(self, self._load(), key, partitions)
+
+    def _write_dir(self, tbl: Table, branch: BranchRef) -> str | None:
+        """The path of the write folder a native write of the branch's attempt left, if
+        one exists (only local tables have them)."""
+        fs, folder, _ = self._batch_dir(tbl, branch.sink, branch.lineage, branch.batch_id)
+        if fs.type_name != "local":
+            return None
+        where = f"{folder}/{write_dir(self.name, branch.attempt)}"
+        return where if os.path.isdir(where) else None
+
     # ------------------------------------------------------------------ prepare
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
@@ -406,7 +487,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
         done = marks.committed(branch.lineage, branch.batch_id)
         mine = self._branch_files(tbl, branch.sink, branch.lineage, branch.batch_id,
                                   branch.attempt, branch.partition)
-        if mine.runs or mine.temps:
+        if mine.runs or mine.temps or self._write_dir(tbl, branch):
             return BranchStatus.PREPARED  # (of a superseded attempt: abort sweeps them)
         # committed by another attempt of the batch: this one's share is there already
         return BranchStatus.COMMITTED if done not in (None, branch.attempt) \
@@ -424,6 +505,9 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
                 delete_file(found.fs, f"{found.folder}/{base}")
         for base in found.temps:
             delete_file(found.fs, f"{found.folder}/{base}")
+        where = self._write_dir(tbl, branch)
+        if where:  # a native write not adopted: nothing in it was voted on
+            found.fs.delete_dir(where)
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
         validate_name("sink name", sink)
@@ -445,6 +529,9 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             if marks.referenced(lineage, batch, attempt, int(m["partition"])):
                 continue
             yield BranchRef(sink, lineage, batch, attempt, self.name, int(m["partition"]))
+        for lineage, batch, name, attempt in write_dirs(fs, root):
+            if name == self.name and not marks.referenced(lineage, batch, attempt, 0):
+                yield BranchRef(sink, lineage, batch, attempt, self.name, 0)  # its first
 
     # ------------------------------------------------------------------ operators
     def descriptor(self) -> Descriptor:
@@ -479,6 +566,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable):
             on_schema_change=o["on_schema_change"],
             partition_by=[p for p in str(o.get("partition_by", "")).split(",") if p],
             target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)),
+            native=False,  # a rebuilt participant only commits, aborts and reads
         )
 
     def read_back(self, column: str) -> ReadBack:
