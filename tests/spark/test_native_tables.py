@@ -2,7 +2,7 @@
 Iceberg-only and a Delta-only sink have Spark's own Parquet writer write the data files
 (the participant's ``prepare`` is never called), one snapshot or version per batch with
 the marker, and read back (pyiceberg, delta-rs, DuckDB) the same rows as the Python
-path's table; a stream whose types do not fit the table is refused before any vote."""
+path's table (a misfit, the crash windows: tests/sinks/test_native_adopt.py)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def _one_commit_per_batch(delta: DeltaParticipant, ice: IcebergParticipant, sink
     assert [int(h["twophase.batch"]) for h in reversed(dt.history())
             if h.get("twophase.sink") == sink] == list(range(batches))
     tbl = ice._load()
-    assert [int(s.summary["twophase.batch"])  # type: ignore[index]
+    assert [int(str(s.summary["twophase.batch"]))  # type: ignore[index]
             for s in tbl.metadata.snapshots] == list(range(batches))
 
 
@@ -108,9 +108,9 @@ def _read_by_spark_and_duckdb(tmp_path: Path, delta: DeltaParticipant,
     files = {"delta": dt.file_uris(),
              "iceberg": [t.file.file_path for t in ice._load().scan().plan_files()]}
     for kind, uris in files.items():
-        got = duckdb.connect().execute("SELECT id FROM read_parquet(?)",
+        ids = duckdb.connect().execute("SELECT id FROM read_parquet(?)",
                                        [[u.removeprefix("file://") for u in uris]]).fetchall()
-        assert sorted(r[0] for r in got) == want, kind
+        assert sorted(r[0] for r in ids) == want, kind
     assert sorted(dt.to_pyarrow_table().column("id").to_pylist()) == want
     assert sorted(ice._load().scan().to_arrow().column("id").to_pylist()) == want
     row = {"customer": "spark", "amount": 1.5, "ts": "2026-02-01 00:00:00"}
