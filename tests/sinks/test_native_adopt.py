@@ -64,7 +64,7 @@ def test_a_write_folder_is_prepared_until_adopted_then_commits_once(
     assert part.status(_ref(part, 0)) == BranchStatus.PREPARED
     part.commit_batch(KEY, handles)
     part.commit_batch(KEY, handles)  # the marker: a second commit is nothing
-    back = part.read_back("id")
+    back = part.read_back("id")  # type: ignore[attr-defined]
     assert sorted(back.values) == [1, 2, 3]
     assert (back.prepared, back.commits, back.extra_commits) == (0, 1, 0)
     assert part.status(_ref(part, 2)) == BranchStatus.COMMITTED
