@@ -200,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             write_input(input_dir, batches=args.batches + 1, rows_per_batch=size)
             for kind in kinds:
                 key = f"{kind}@{label(size)}"
-                medians = run_rounds(key, args.pairs, lambda v, d=input_dir, k=kind:
-                                     run_query(spark, tables, d, k, v), ("A", "B", "P"))
+                def one(v: str, d: Path = input_dir, k: str = kind) -> Batches:
+                    return run_query(spark, tables, d, k, v)
+
+                medians = run_rounds(key, args.pairs, one, ("A", "B", "P"))
                 summary[key] = medians["B"]
                 summary[f"{kind}-python@{label(size)}"] = medians["P"]
             shutil.rmtree(input_dir, ignore_errors=True)
