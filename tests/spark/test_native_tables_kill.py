@@ -45,8 +45,8 @@ def _write_dirs(root: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("kills", [
-    pytest.param(AROUND_COMMIT, id="around-the-commit"),  # 51 s
-    pytest.param(EVERY, id="every-window", marks=pytest.mark.slow),  # CI time
+    pytest.param(AROUND_COMMIT, id="around-the-commit"),  # 73-99 s (load 2.5-4)
+    pytest.param(EVERY, id="every-window", marks=pytest.mark.slow),  # 142 s: CI time
 ])
 def test_tables_driver_killed_on_the_native_path(
         tmp_path: Path, kills: tuple[tuple[str, bool], ...]) -> None:
