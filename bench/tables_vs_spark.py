@@ -1,7 +1,9 @@
 """The table sinks users would pick instead (issue 32 item 4): Spark's own Delta streaming
 sink (``writeStream.format("delta")``) and Iceberg's (``writeStream.format("iceberg")
 .toTable(...)``) as A, against ``TransactionalSink`` with only a ``DeltaParticipant`` /
-only an ``IcebergParticipant`` as B, on the same input, side by side in one run.
+only an ``IcebergParticipant`` as B (the native data path: Spark's Parquet writer writes
+the data files, the default for such a sink) and as P (``native=False``: the rows go
+through Python, pyarrow writes them), on the same input, side by side in one run.
 
 Spark's connectors are built for Spark 4.1, not for the pyspark of the project's venv,
 so this runs in the Spark reader's environment (tests/support/spark_connectors.py) with
@@ -25,7 +27,8 @@ tests/sinks/test_spark_reads_tables.py). Each side
 writes with its library's defaults (Spark Delta: Snappy; Iceberg, both: zstd; delta-rs:
 its own), one file per input partition, unpartitioned tables. Every table is read back
 (delta-rs / pyiceberg) and must hold every id once. The last line:
-``tables_vs_spark: delta@100k= ... iceberg@1M=`` (B/A rows/s medians; goal >= 0.95).
+``tables_vs_spark: delta@100k= ... iceberg@1M=`` (B/A rows/s medians; goal >= 0.95), and
+the same for P/A (``delta-python@100k=`` ...).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.vs_spark import Batches, check_ids, label, measured, run_pairs  # noqa: E402
+from bench.vs_spark import Batches, check_ids, label, measured, run_rounds  # noqa: E402
 from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
 
 CATALOG, NAMESPACE = "lake", "bench"
@@ -117,9 +120,10 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
     stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
               .parquet(str(input_dir)))
     sink: TransactionalSink | None = None
-    if variant == "B":
-        part = (DeltaParticipant(where, name="dl") if kind == "delta"
-                else IcebergParticipant(where, tables.props(), name="ice"))
+    if variant in ("B", "P"):
+        native = None if variant == "B" else False
+        part = (DeltaParticipant(where, name="dl", native=native) if kind == "delta"
+                else IcebergParticipant(where, tables.props(), name="ice", native=native))
         sink = TransactionalSink(f"tvs{tag}", [part],
                                  coordinator=f"sqlite:///{tables.work / f'coord-{tag}.db'}")
         writer = stream.writeStream.foreachBatch(sink)
@@ -127,7 +131,7 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
         writer = stream.writeStream.format(kind).outputMode("append")
     writer = writer.option("checkpointLocation", str(ckpt)).trigger(availableNow=True)
     try:
-        if variant == "B":
+        if variant in ("B", "P"):
             q = writer.start()
         elif kind == "delta":
             q = writer.start(where)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="100000,1000000", help="rows per batch, comma-separated")
-    ap.add_argument("--pairs", type=int, default=5, help="A,B pairs, alternating (default 5)")
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="rounds of A, B and P, in rotating order (default 5)")
     ap.add_argument("--batches", type=int, default=5, help="measured batches per run")
     ap.add_argument("--sinks", default="delta,iceberg", help="delta, iceberg or both")
     ap.add_argument("--quick", action="store_true",
@@ -188,15 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         warm = work / "in-warm"
         write_input(warm, batches=2, rows_per_batch=1000)
         for kind in kinds:  # JIT, the workers, imports: not charged to the first pair
-            for v in ("A", "B"):
+            for v in ("A", "B", "P"):
                 run_query(spark, tables, warm, kind, v)
         for size in sizes:
             input_dir = work / f"in-{size}"
             write_input(input_dir, batches=args.batches + 1, rows_per_batch=size)
             for kind in kinds:
                 key = f"{kind}@{label(size)}"
-                summary[key] = run_pairs(key, args.pairs, lambda v, d=input_dir, k=kind:
-                                         run_query(spark, tables, d, k, v))
+                def one(v: str, d: Path = input_dir, k: str = kind) -> Batches:
+                    return run_query(spark, tables, d, k, v)
+
+                medians = run_rounds(key, args.pairs, one, ("A", "B", "P"))
+                summary[key] = medians["B"]
+                summary[f"{kind}-python@{label(size)}"] = medians["P"]
             shutil.rmtree(input_dir, ignore_errors=True)
     finally:
         spark.stop()

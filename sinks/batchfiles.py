@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-__all__ = ["DATA_DIR", "FILE_NAME", "RUN_FILE_NAME", "parse_ranges", "ranges"]
+__all__ = ["DATA_DIR", "FILE_NAME", "RUN_FILE_NAME", "SPARK_PART", "WRITE_DIR", "parse_ranges",
+           "ranges", "write_dir", "write_dirs"]
 
 DATA_DIR: Final = "twophase"
 """Branch files live under ``<DATA_DIR>-<sink>/<lineage>/<batch>/``."""
@@ -83,3 +84,32 @@ def seal_part(fs: pafs.FileSystem, folder: str, name: str, local: bool) -> None:
     finally:
         os.close(fd)
     fs.move(tmp, f"{folder}/{name}")
+
+
+# -- the native data path (docs/decisions.md 2026-11-26): Spark's write folder of an attempt
+WRITE_DIR: Final = re.compile(r"^_spark-(?P<participant>[A-Za-z0-9_.-]+)-(?P<attempt>\d+)$")
+SPARK_PART: Final = re.compile(r"^part-(?P<partition>\d{5,})-.*\.parquet$")  # Spark's file
+
+
+def write_dir(participant: str, attempt: int) -> str:
+    """The folder (in the batch's folder) Spark's writer fills for one attempt; it starts
+    with ``_``, so no dataset reader of the data folder takes its files."""
+    return f"_spark-{participant}-{attempt}"
+
+
+def write_dirs(fs: pafs.FileSystem, root: str) -> Iterator[tuple[str, int, str, int]]:
+    """(lineage, batch, participant, attempt) of every write folder under a sink's root."""
+    from pyarrow import fs as pafs_mod
+
+    sel = pafs_mod.FileSelector(root, allow_not_found=True, recursive=True)
+    try:
+        infos = fs.get_file_info(sel)
+    except FileNotFoundError:
+        return
+    for info in infos:
+        if info.type != pafs_mod.FileType.Directory:
+            continue
+        parts = info.path[len(root) + 1:].split("/")
+        m = WRITE_DIR.match(parts[-1]) if len(parts) == 3 else None
+        if m and parts[1].isdigit():
+            yield parts[0], int(parts[1]), m["participant"], int(m["attempt"])

@@ -20,6 +20,8 @@ A driver killed during 2 or 3 leaves the attempt's write folder, named by the at
 participants are all native commits the staged branches by name from the driver
 (``finish``: the batch only runs through Spark's ``noop`` sink, for its state stores);
 one with a lost branch, or Python participants beside, runs the Python tasks' finish.
+A table's branches (``commit_scope`` BATCH) are left to the driver's batch commit, as the
+tasks' finish leaves them.
 
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask
@@ -180,6 +182,8 @@ class NativePrepare:
                                          part.commit_scope)
                 if action == RecoveryAction.COMMIT:
                     todo.append((part, ref, voted))
+                elif action == RecoveryAction.COMMIT_BATCH:
+                    continue  # a table's: the driver commits the batch and acknowledges
                 elif action != RecoveryAction.NOTHING:
                     return None
                 acks.append((bid, Decision.COMMIT))

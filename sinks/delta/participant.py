@@ -1,26 +1,5 @@
-"""Exactly-once into a Delta Lake table (deltalake, delta-rs), one table version per batch.
-
-A table commits once per batch (:class:`~twophase.participant.BatchParticipant`):
-
-- **prepare** (each task): the branch's rows become Parquet data files under
-  ``<table>/twophase-<sink>/<lineage>/<batch>/``, named after participant, partition,
-  attempt and sequence. No log entry references them, so no reader sees them. The task
-  votes a handle naming them with what their add actions need (size, partition values,
-  stats); each file's footer holds the same, so a recovery that finds a branch's files by
-  name, without its vote, commits the same add actions.
-- **commit_batch** (the driver, after COMMIT): ONE Delta commit of add actions for every
-  branch's files. It carries Delta's own ``SetTransaction(app_id, version=batch id)``
-  with ``app_id = twophase-<sink>-<lineage>``, the same idempotency state Spark's Delta
-  sink keeps as ``txnAppId``/``txnVersion``, and commit info naming sink, lineage, batch
-  and attempt.
-
-The app transaction's version is the marker. A batch is in the table once the version
-reaches its id: batches of one lineage commit in order, because a micro-batch returns
-only once committed. A commit that loses an optimistic race (another writer's version
-landed first) is not rebased by delta-rs (``max_commit_retries=0``). Our loop reads the
-marker again and commits only when the batch is still missing, so the winner may have
-been this very batch, from another process.
-"""
+"""The Delta participant: prepare, one table version per batch, status, abort, the
+sweeps (the package's docstring tells the whole story)."""
 
 from __future__ import annotations
 
@@ -53,6 +32,7 @@ from twophase.participant import (
     Handle,
     ReadBack,
     Rebuildable,
+    SparkWritten,
     Verifiable,
 )
 from twophase.protocol import TxnKey
@@ -60,10 +40,19 @@ from twophase.sinks.batchfiles import (
     DATA_DIR,
     FILE_NAME,
     parse_ranges,
-    part_path,
     ranges,
-    seal_part,
+    write_dir,
+    write_dirs,
 )
+from twophase.sinks.delta.arrow import (
+    arrow_schema_of,
+    conform,
+    delta_schema,
+    partitionable,
+    pyarrow_module,
+    split_by_partition,
+)
+from twophase.sinks.delta.writer import HANDLE_CHARS, BranchWriter, from_footer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -77,9 +66,6 @@ MODES: Final = ("append", "complete")
 POLICIES: Final = ("fail", "add_columns")
 _COMMIT_TRIES: Final = 20
 _SECRET_KEYS: Final = re.compile(r"(secret|password|token|credential|session)", re.I)
-_HANDLE_CHARS: Final = 4000  # a handle value holds at most 4096 characters
-_FOOTER_KEY: Final = "twophase.add"  # a data file's partition values and stats, as voted
-_STAT_CHARS: Final = 32  # a longer string leaves its file with only a row count
 _META = ("twophase.sink", "twophase.lineage", "twophase.batch", "twophase.attempt",
          "twophase.participant", "twophase.partitions")
 _OPEN = threading.local()  # this thread's open tables: (path, options) -> DeltaTable
@@ -92,13 +78,18 @@ def app_id(sink: str, lineage: str) -> str:
     return f"twophase-{sink}-{lineage}"
 
 
-class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
+class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
     """Rows of each micro-batch appended to (or replacing, ``mode="complete"``) a Delta
     table, once, as one table version.
 
     ``path``: a local folder or ``s3://bucket/prefix``; ``storage_options`` as deltalake
     takes them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
     ``AWS_REGION``, ``AWS_ALLOW_HTTP``, ...).
+
+    ``native``: None, the default, lets Spark's own Parquet writer write the data files
+    when every participant of the sink can take them (no row through Python; an
+    unpartitioned table in a local folder); True also beside Python participants,
+    refused where it cannot be; False always writes them from Python.
     """
 
     kind = "delta"
@@ -113,7 +104,13 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         on_schema_change: str = "fail",
         partition_by: Sequence[str] | str | None = None,
         target_file_bytes: int = 128 * 1024 * 1024,
+        native: bool | None = None,
     ) -> None:
+        if native not in (None, False, True):
+            raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                                 f"{native!r}")
+        self.native = native
+        self._native_why: str | None = None  # why not native, once known ("" when it can)
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidRequest(f"invalid Delta table path {path!r}")
         if "://" in path and not path.startswith(("s3://", "s3a://", "file://")):
@@ -296,17 +293,17 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                     f"{str(exc).splitlines()[0]}); check the path and storage_options"
                 ) from None
         dt = self._table()
-        have = _arrow_schema(dt)
+        have = arrow_schema_of(dt)
         extra = [f for f in want if f.name not in have.names]
         missing = [f.name for f in have if f.name not in want.names and not f.nullable]
         if extra and self.on_schema_change == "add_columns" and not missing:
             from deltalake import Field
             from deltalake import Schema as DeltaSchema
 
-            fields = DeltaSchema.from_arrow(_pa().schema(extra)).fields
+            fields = DeltaSchema.from_arrow(pyarrow_module().schema(extra)).fields
             dt.alter.add_columns([Field(f.name, f.type, nullable=True) for f in fields])
             dt = self._table()
-            have, extra = _arrow_schema(dt), []
+            have, extra = arrow_schema_of(dt), []
         problems = []
         if extra:
             problems.append(f"columns not in the table: {', '.join(f.name for f in extra)}")
@@ -321,7 +318,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             problems.append(f"the table is partitioned by {parts or 'nothing'}, the sink by "
                             f"{list(self.partition_by) or 'nothing'}")
         bad = [f"{c} ({want.field(c).type})" for c in parts
-               if c in want.names and not _partitionable(want.field(c).type)]
+               if c in want.names and not partitionable(want.field(c).type)]
         if bad:
             problems.append("partition columns must be integers, strings, booleans or "
                             f"dates: {', '.join(bad)}")
@@ -337,6 +334,49 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                 "table is, or write to a new table"
             )
 
+    # ------------------------------------------------------------------ native path
+    def native_format(self) -> str | None:
+        """Parquet, unless ``native=False``, or (automatic) a subclass with its own
+        ``prepare``, or a table Spark's plain Parquet writer cannot fill: partitioned
+        (Delta keeps partition values out of the files), or on object storage."""
+        if self.native is False or (self.native is None and
+                                    type(self).prepare is not DeltaParticipant.prepare):
+            return None
+        if self._native_why is None:
+            self._native_why = self._native_misfit()
+        if self._native_why and self.native:
+            raise InvalidRequest(
+                f"{self.describe()}: native=True, but {self._native_why}. Fix: drop "
+                "native=True (the Python path writes it)")
+        return None if self._native_why else "parquet"
+
+    def _native_misfit(self) -> str:
+        from deltalake import DeltaTable
+
+        if self.remote:
+            return "the table is on object storage, which the native path does not write"
+        if self.partition_by or (DeltaTable.is_deltatable(self.path) and
+                                 self._table().metadata().partition_columns):
+            return "the table is partitioned, which the native path does not write"
+        return ""
+
+    def native_preferred(self) -> bool:
+        return self.native is True
+
+    def native_location(self, key: TxnKey) -> str:
+        folder = self._join(self.path, self._rel(key.sink, key.lineage, key.batch_id))
+        return f"{folder}/{write_dir(self.name, key.attempt)}"
+
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        from twophase.sinks.delta.native import adopt
+
+        return adopt(self, self._table(), key, partitions)
+
+    def _write_dir(self, branch: BranchRef) -> str | None:
+        """A native write folder of the branch's attempt, when one was left (local only)."""
+        where = self.native_location(branch.key)
+        return where if not self.remote and os.path.isdir(where) else None
+
     # ------------------------------------------------------------------ prepare
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
@@ -349,25 +389,25 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         dt = self._table()
         if self._committed(dt, branch.sink, branch.lineage, branch.batch_id):
             return {"files": "[]", "rows": "0", "committed": "yes"}  # the marker: no write
-        target = _arrow_schema(dt)
+        target = arrow_schema_of(dt)
         parts = list(dt.metadata().partition_columns)
         fs, root = self._fs()
         folder = self._join(root, self._rel(branch.sink, branch.lineage, branch.batch_id))
         stem = f"{self.name}-{branch.partition:05d}-{branch.attempt}"
         seq = itertools.count()  # one sequence for the branch: its files' names differ
-        writers: dict[tuple[str | None, ...], _BranchWriter] = {}
+        writers: dict[tuple[str | None, ...], BranchWriter] = {}
 
-        def writer_for(values: dict[str, str | None]) -> _BranchWriter:
+        def writer_for(values: dict[str, str | None]) -> BranchWriter:
             key = tuple(values.values())
             if key not in writers:
-                writers[key] = _BranchWriter(fs, folder, stem, self.target_file_bytes,
+                writers[key] = BranchWriter(fs, folder, stem, self.target_file_bytes,
                                              not self.remote, seq, values)
             return writers[key]
 
         try:
             for batch in batches:
-                rows_in = _conform(batch, target)
-                for values, piece in _split(rows_in, parts):
+                rows_in = conform(batch, target)
+                for values, piece in split_by_partition(rows_in, parts):
                     writer_for(values).write(piece)
             files = [f for w in writers.values() for f in w.close()]
         except BaseException:
@@ -378,7 +418,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         listed = json.dumps(files, separators=(",", ":"))
         rows = sum(f[2] for f in files)
         # too many files to vote: the batch commit finds them by name instead
-        return {"files": listed if len(listed) <= _HANDLE_CHARS else "*", "rows": str(rows)}
+        return {"files": listed if len(listed) <= HANDLE_CHARS else "*", "rows": str(rows)}
 
     # ------------------------------------------------------------------ commit
     def commit_batch(self, key: TxnKey, handles: Mapping[int, Handle]) -> None:
@@ -401,7 +441,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             try:
                 dt.create_write_transaction(
                     actions, "overwrite" if self.mode == "complete" else "append",
-                    _arrow_schema(dt), partition_by=list(dt.metadata().partition_columns),
+                    arrow_schema_of(dt), partition_by=list(dt.metadata().partition_columns),
                     commit_properties=props)
                 return
             except CommitFailedError as exc:
@@ -428,7 +468,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             else:  # a recovery without the vote, or too many to vote: found by name
                 fs, folder, names, _ = self._branch_files(key.sink, key.lineage,
                                                           key.batch_id, key.attempt, partition)
-                files = [_from_footer(fs, folder, n) for n in names]
+                files = [from_footer(fs, folder, n) for n in names]
             for name, size, _rows, values, stats in files:
                 if not isinstance(name, str) or not FILE_NAME.match(name):
                     raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
@@ -447,7 +487,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             return BranchStatus.COMMITTED
         mine = self._branch_files(branch.sink, branch.lineage, branch.batch_id,
                                   branch.attempt, branch.partition)[2]
-        if mine:
+        if mine or self._write_dir(branch):
             return BranchStatus.PREPARED  # (of a superseded attempt: abort sweeps them)
         by = {a for a, _ in history.get((branch.lineage, branch.batch_id), ())}
         if taken is False and branch.attempt not in by:
@@ -466,6 +506,9 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         for base in names + temps:
             with contextlib.suppress(FileNotFoundError):
                 fs.delete_file(f"{folder}/{base}")
+        where = self._write_dir(branch)
+        if where:  # a native write not adopted: nothing in it was voted on
+            fs.delete_dir(where)
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
         validate_name("sink name", sink)
@@ -486,6 +529,10 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
             if self._taken(dt, history, sink, lineage, batch, attempt, int(m["partition"])):
                 continue  # the table's files
             yield BranchRef(sink, lineage, batch, attempt, self.name, int(m["partition"]))
+        for lineage, batch, name, attempt in write_dirs(fs, top):
+            if name == self.name and not self._taken(dt, history, sink, lineage, batch,
+                                                     attempt, 0):
+                yield BranchRef(sink, lineage, batch, attempt, self.name, 0)  # its first
 
     # ------------------------------------------------------------------ operators
     def descriptor(self) -> Descriptor:
@@ -516,7 +563,8 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
         return cls(descriptor["target"], storage_options=storage, name=descriptor["name"],
                    mode=o["mode"], on_schema_change=o["on_schema_change"],
                    partition_by=None if parts is None else [c for c in str(parts).split(",") if c],
-                   target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)))
+                   target_file_bytes=int(o.get("target_file_bytes", 128 * 1024 * 1024)),
+                   native=False)  # a rebuilt participant only commits, aborts and reads
 
     def read_back(self, column: str) -> ReadBack:
         dt = self._table()
@@ -535,271 +583,3 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable):
                    and p.endswith(".tmp"))
         return ReadBack(values=values, prepared=prepared, temp=temp, commits=commits,
                         extra_commits=extra)
-
-
-# ---------------------------------------------------------------------- Arrow <-> Delta
-def _pa() -> Any:
-    import pyarrow as pa
-
-    return pa
-
-
-def delta_schema(schema: pa.Schema) -> pa.Schema:
-    """The stream's Arrow schema as Delta stores it: timestamps with a zone become UTC
-    (the same instants; Delta's ``timestamp`` is UTC), without one ``timestamp_ntz``
-    (microseconds), nested types alike."""
-    pa = _pa()
-    return pa.schema([pa.field(f.name, _delta_type(f.type), f.nullable) for f in schema])
-
-
-def _delta_type(t: Any) -> Any:
-    pa = _pa()
-    if pa.types.is_timestamp(t):
-        return pa.timestamp("us", tz="UTC" if t.tz else None)
-    if pa.types.is_large_string(t):
-        return pa.string()
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return pa.list_(pa.field(t.value_field.name, _delta_type(t.value_type),
-                                 t.value_field.nullable))
-    if pa.types.is_map(t):
-        return pa.map_(_delta_type(t.key_type),
-                       pa.field("value", _delta_type(t.item_type), t.item_field.nullable))
-    if pa.types.is_struct(t):
-        return pa.struct([pa.field(f.name, _delta_type(f.type), f.nullable) for f in t])
-    return t
-
-
-def _arrow_schema(dt: Any) -> pa.Schema:
-    return _pa().schema(dt.schema().to_arrow())
-
-
-def _partitionable(t: Any) -> bool:
-    pa = _pa()
-    return bool(pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_boolean(t)
-                or pa.types.is_date32(t))
-
-
-def _partition_value(v: Any) -> str | None:
-    """Delta's partition value serialization; an empty string is null, as in Spark."""
-    if v is None or v == "":
-        return None
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if hasattr(v, "isoformat"):
-        return str(v.isoformat())
-    return str(v)
-
-
-def _split(batch: pa.RecordBatch, parts: list[str]
-           ) -> Iterator[tuple[dict[str, str | None], pa.RecordBatch]]:
-    """The batch's rows per value of the table's partition columns, without those columns
-    (Delta keeps partition values in the log, not in the data files)."""
-    if not parts:
-        yield {}, batch
-        return
-    import pyarrow.compute as pc
-
-    pa = _pa()
-    keep = [n for n in batch.schema.names if n not in parts]
-    combos = pa.Table.from_batches([batch]).select(parts).group_by(
-        parts, use_threads=False).aggregate([]).to_pylist()
-    for combo in combos:
-        mask = None
-        for c in parts:
-            col, v = batch.column(c), combo[c]
-            m = pc.is_null(col) if v is None else \
-                pc.fill_null(pc.equal(col, pa.scalar(v, col.type)), False)
-            mask = m if mask is None else pc.and_(mask, m)
-        yield {c: _partition_value(combo[c]) for c in parts}, batch.filter(mask).select(keep)
-
-
-class _Stats:
-    """A data file's Delta statistics, gathered while it is written: row count, exact null
-    counts, and min/max of every column, or only the row count.
-
-    All or nothing, because delta-rs's reader skips a file for a filter on a column whose
-    min/max are missing while the file has stats for others (tested). A column gets a
-    range when its type has one and it is exact or a true bound: integers, booleans,
-    dates, finite floats, strings of at most 32 characters, timestamps as milliseconds
-    (min rounded down, max up: Delta keeps milliseconds). NaN, infinities, a longer
-    string or another type (binary, decimal, nested) leave the file with its row count."""
-
-    def __init__(self, schema: pa.Schema) -> None:
-        pa = _pa()
-        self.rows = 0
-        self.nulls = {f.name: 0 for f in schema}
-        self.types = {f.name: f.type for f in schema}
-        self.whole = all(
-            pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
-            or pa.types.is_string(f.type) or pa.types.is_date32(f.type)
-            or pa.types.is_boolean(f.type) or pa.types.is_timestamp(f.type)
-            for f in schema)
-        self.lo: dict[str, Any] = {}
-        self.hi: dict[str, Any] = {}
-
-    def add(self, batch: pa.RecordBatch) -> None:
-        import pyarrow.compute as pc
-
-        pa = _pa()
-        self.rows += batch.num_rows
-        for name in self.nulls:
-            self.nulls[name] += batch.column(name).null_count
-        if not self.whole:
-            return
-        for name in self.nulls:
-            col = batch.column(name)
-            if pa.types.is_floating(col.type) and (
-                    pc.any(pc.is_nan(col)).as_py() or pc.any(pc.is_inf(col)).as_py()):
-                self.whole = False
-                return
-            if pa.types.is_timestamp(col.type):
-                col = col.cast(pa.int64())  # in the type's unit; milliseconds in json()
-            mm = pc.min_max(col)
-            lo, hi = mm["min"].as_py(), mm["max"].as_py()
-            if lo is None:
-                continue  # all null here
-            if isinstance(lo, str) and (len(lo) > _STAT_CHARS or len(hi) > _STAT_CHARS):
-                self.whole = False
-                return
-            self.lo[name] = lo if name not in self.lo else min(self.lo[name], lo)
-            self.hi[name] = hi if name not in self.hi else max(self.hi[name], hi)
-
-    def json(self) -> str:
-        ranged = all(n in self.lo or self.nulls[n] == self.rows for n in self.nulls)
-        if not (self.whole and ranged):
-            return json.dumps({"numRecords": self.rows}, separators=(",", ":"))
-        return json.dumps({
-            "numRecords": self.rows,
-            "minValues": {k: self._out(k, v, False) for k, v in self.lo.items()},
-            "maxValues": {k: self._out(k, v, True) for k, v in self.hi.items()},
-            "nullCount": self.nulls,
-        }, separators=(",", ":"))
-
-    def _out(self, name: str, v: Any, up: bool) -> Any:
-        import datetime as dt
-
-        t = self.types[name]
-        if _pa().types.is_timestamp(t):
-            if t.unit == "s":
-                ms = v * 1000
-            else:
-                per_ms = {"ms": 1, "us": 1000, "ns": 1_000_000}[t.unit]
-                ms = -(-v // per_ms) if up else v // per_ms
-            at = dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=int(ms))
-            return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}" + \
-                ("Z" if t.tz else "")
-        return v.isoformat() if hasattr(v, "isoformat") else v
-
-
-def _from_footer(fs: pafs.FileSystem, folder: str, name: str) -> tuple[Any, ...]:
-    """A branch file's (name, size, rows, partition values, stats) from its footer: what
-    its vote said, for a commit that has only the branch."""
-    import pyarrow.parquet as pq
-
-    path = f"{folder}/{name}"
-    size = fs.get_file_info(path).size
-    with fs.open_input_file(path) as f:
-        meta = pq.read_metadata(f)
-    saved = (meta.metadata or {}).get(_FOOTER_KEY.encode())
-    if saved is None:
-        return name, size, meta.num_rows, {}, json.dumps({"numRecords": meta.num_rows})
-    add = json.loads(saved)
-    return name, size, meta.num_rows, add["partitionValues"], add["stats"]
-
-
-def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:
-    """The batch in the table's schema: its column order and types (same instants for
-    timestamps), nulls for nullable table columns the stream lacks."""
-    pa = _pa()
-    cols = []
-    for f in target:
-        if f.name in batch.schema.names:
-            col = batch.column(f.name)
-            cols.append(col if col.type == f.type else col.cast(f.type))
-        else:
-            cols.append(pa.nulls(batch.num_rows, f.type))
-    return pa.RecordBatch.from_arrays(cols, schema=target)
-
-
-class _BranchWriter:
-    """Streams one branch's rows into Parquet files rolled at ``target`` bytes. A local
-    file is written under a ``.tmp`` name, fsynced and renamed when whole (a kill leaves
-    litter, never a torn data file); an object store shows an object only once its
-    upload completed."""
-
-    def __init__(self, fs: pafs.FileSystem, folder: str, stem: str, target: int,
-                 local: bool, seq: Iterator[int], values: dict[str, str | None]) -> None:
-        self.fs, self.folder, self.stem, self.target, self.local = fs, folder, stem, target, local
-        self.seq, self.values = seq, values
-        self.open: tuple[Any, Any, str, int] | None = None
-        self.stats: _Stats | None = None
-        # (name, bytes, rows, partition values, stats JSON)
-        self.files: list[tuple[str, int, int, dict[str, str | None], str]] = []
-        if local:
-            fs.create_dir(folder, recursive=True)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows == 0:
-            return
-        if self.open is None:
-            self._start(batch.schema)
-        assert self.open is not None
-        stream, writer, name, rows = self.open
-        writer.write_batch(batch)
-        assert self.stats is not None
-        self.stats.add(batch)
-        self.open = (stream, writer, name, rows + batch.num_rows)
-        if stream.tell() >= self.target:
-            self._finish()
-
-    def _start(self, schema: pa.Schema) -> None:
-        import pyarrow.parquet as pq
-
-        name = f"{self.stem}-{next(self.seq):05d}.parquet"
-        self.stats = _Stats(schema)
-        stream = self.fs.open_output_stream(part_path(self.folder, name, self.local))
-        self.open = (stream, pq.ParquetWriter(stream, schema), name, 0)
-
-    def _finish(self) -> None:
-        assert self.open is not None
-        stream, writer, name, rows = self.open
-        self.open = None
-        assert self.stats is not None
-        stats = self.stats.json()
-        writer.add_key_value_metadata({_FOOTER_KEY: json.dumps(
-            {"partitionValues": self.values, "stats": stats}, separators=(",", ":"))})
-        writer.close()
-        stream.close()
-        seal_part(self.fs, self.folder, name, self.local)
-        size = self.fs.get_file_info(f"{self.folder}/{name}").size
-        self.files.append((name, int(size), rows, self.values, stats))
-
-    def close(self) -> list[tuple[str, int, int, dict[str, str | None], str]]:
-        if self.open is not None:
-            self._finish()
-        if self.local and self.files:
-            _fsync(self.folder)
-        return self.files
-
-    def discard(self) -> None:
-        if self.open is not None:
-            stream, writer, name, _ = self.open
-            for closer in (writer.close, stream.close):
-                with contextlib.suppress(Exception):  # failing already; the files go next
-                    closer()
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.delete_file(f"{self.folder}/.{name}.tmp" if self.local
-                                    else f"{self.folder}/{name}")
-            self.open = None
-        for name, *_ in self.files:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.delete_file(f"{self.folder}/{name}")
-        self.files.clear()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

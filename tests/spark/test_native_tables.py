@@ -1,0 +1,106 @@
+"""The native data path for tables under real Spark (local[2]), in this process: an
+Iceberg-only and a Delta-only sink have Spark's own Parquet writer write the data files
+(the participant's ``prepare`` is never called), one snapshot or version per batch with
+the marker, and read back (pyiceberg, delta-rs, DuckDB) the same rows as the Python
+path's table (a misfit, the crash windows: tests/sinks/test_native_adopt.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from tests.sinks.iceberg.iceberg_support import local_catalog
+from twophase.driver import TransactionalSink
+from twophase.participant import BatchParticipant, BranchRef, Handle
+from twophase.sinks.delta import DeltaParticipant
+from twophase.sinks.iceberg import IcebergParticipant
+
+pytestmark = pytest.mark.spark
+
+QUERY = ("SELECT id, CAST(id AS STRING) AS name, timestamp_seconds(id) AS ts, "
+         "CAST(id AS DECIMAL(10, 2)) AS amount, CAST(id AS DOUBLE) / 4 AS x, "
+         "array(id, id) AS pair, CAST(id AS INT) AS small FROM range(0, {n}, 1, 3)")
+
+
+class NativeIceberg(IcebergParticipant):
+    def prepare(self, branch: BranchRef, schema: pa.Schema,
+                batches: Iterable[pa.RecordBatch]) -> Handle:
+        raise AssertionError("the native path handed rows to Python")
+
+
+class NativeDelta(DeltaParticipant):
+    def prepare(self, branch: BranchRef, schema: pa.Schema,
+                batches: Iterable[pa.RecordBatch]) -> Handle:
+        raise AssertionError("the native path handed rows to Python")
+
+
+def _write(spark: Any, tmp: Path, part: BatchParticipant, tag: str) -> list[Any]:
+    sink = TransactionalSink("nat", [part], f"sqlite:///{tmp / f'{tag}.db'}",
+                             lineage="lin-1", preflight=False)
+    try:
+        sink(spark.sql(QUERY.format(n=300)), 0)
+        sink(spark.sql(QUERY.format(n=300)).where("id < 0"), 1)  # no rows at all
+        sink(spark.sql(QUERY.format(n=20)).repartition(3, "id"), 2)  # a shuffled batch
+        return [(r.outcome, r.rows, r.partitions) for r in sink.history]
+    finally:
+        sink.close()
+
+
+WANT = [("committed", 300, 3), ("committed", 0, 3), ("committed", 20, 3)]
+
+
+def _ice(tmp: Path, cls: type[IcebergParticipant], native: bool) -> IcebergParticipant:
+    return cls("ns.t", local_catalog(tmp), name="ice", native=native)
+
+
+def test_iceberg_native_reads_back_as_the_python_path(spark: Any, tmp_path: Path) -> None:
+    assert IcebergParticipant.native_format(NativeIceberg("ns.t", local_catalog(
+        tmp_path / "a"))) is None  # a subclass with its own prepare asks for it
+    native = _ice(tmp_path / "n", NativeIceberg, True)
+    python = _ice(tmp_path / "p", IcebergParticipant, False)
+    assert _write(spark, tmp_path, native, "n") == WANT
+    assert _write(spark, tmp_path, python, "p") == WANT
+    n_tbl, p_tbl = native._load(), python._load()
+    n_rows = n_tbl.scan().to_arrow().sort_by("id")
+    assert n_rows.equals(p_tbl.scan().to_arrow().sort_by("id"))
+    assert n_rows.num_rows == 320
+    marks = [[s.summary["twophase.batch"] for s in t.metadata.snapshots]  # type: ignore[index]
+             for t in (n_tbl, p_tbl)]
+    assert marks == [["0", "2"]] * 2  # one snapshot per batch with rows, with the marker
+    files = [t.file.file_path.removeprefix("file://") for t in n_tbl.scan().plan_files()]
+    assert len(files) == 6  # one per partition with rows
+    assert sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [files]).fetchall()) == \
+        n_rows.column("id").to_pylist()
+    assert native.in_doubt("nat") == []
+    assert native.read_back("id").prepared == 0
+
+
+def test_delta_native_reads_back_as_the_python_path(spark: Any, tmp_path: Path) -> None:
+    from deltalake import DeltaTable
+
+    native = NativeDelta(str(tmp_path / "n"), name="dl", native=True)
+    python = DeltaParticipant(str(tmp_path / "p"), name="dl", native=False)
+    assert _write(spark, tmp_path, native, "n") == WANT
+    assert _write(spark, tmp_path, python, "p") == WANT
+    n_dt, p_dt = DeltaTable(native.path), DeltaTable(python.path)
+    n_rows = n_dt.to_pyarrow_table().sort_by("id")
+    assert n_rows.equals(p_dt.to_pyarrow_table().sort_by("id"))
+    assert n_rows.num_rows == 320
+    batches = [[h.get("twophase.batch") for h in reversed(d.history()) if "twophase.batch" in h]
+               for d in (n_dt, p_dt)]
+    assert batches == [["0", "2"]] * 2  # one version per batch with rows, with the marker
+    assert n_dt.version() == p_dt.version()
+    assert n_dt.transaction_version("twophase-nat-lin-1") == 2
+    adds = pa.table(n_dt.get_add_actions(flatten=True)).to_pylist()
+    assert len(adds) == 6
+    assert sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [n_dt.file_uris()]).fetchall()) == \
+        n_rows.column("id").to_pylist()
+    assert native.in_doubt("nat") == []
+    assert native.read_back("id").prepared == 0
