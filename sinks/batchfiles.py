@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-__all__ = ["DATA_DIR", "FILE_NAME", "RUN_FILE_NAME", "SPARK_PART", "WRITE_DIR", "parse_ranges",
-           "ranges", "write_dir", "write_dirs"]
+__all__ = [
+    "DATA_DIR",
+    "FILE_NAME",
+    "RUN_FILE_NAME",
+    "SPARK_PART",
+    "WRITE_DIR",
+    "parse_ranges",
+    "ranges",
+    "spark_parts",
+    "write_dir",
+    "write_dirs",
+]
 
 DATA_DIR: Final = "twophase"
 """Branch files live under ``<DATA_DIR>-<sink>/<lineage>/<batch>/``."""
@@ -89,6 +99,29 @@ def seal_part(fs: pafs.FileSystem, folder: str, name: str, local: bool) -> None:
 # -- the native data path (docs/decisions.md 2026-11-26): Spark's write folder of an attempt
 WRITE_DIR: Final = re.compile(r"^_spark-(?P<participant>[A-Za-z0-9_.-]+)-(?P<attempt>\d+)$")
 SPARK_PART: Final = re.compile(r"^part-(?P<partition>\d{5,})-.*\.parquet$")  # Spark's file
+
+
+def spark_parts(names: Iterable[str], partitions: int, describe: str
+                ) -> Iterator[tuple[int, str]]:
+    """(partition, file name) of each data file Spark's writer left in a write folder,
+    in name order; Spark's other files (``_SUCCESS``, checksums) are passed over. The
+    native path writes one file per task, so a second file for a partition, or one past
+    the plan's ``partitions``, is refused (it would be a twophase bug)."""
+    from twophase.errors import ParticipantError
+
+    seen: set[int] = set()
+    for n in sorted(names):
+        m = SPARK_PART.match(n)
+        if not m:
+            continue
+        partition = int(m["partition"])
+        if partition >= partitions or partition in seen:
+            raise ParticipantError(
+                f"{describe}: Spark wrote {n} for partition {partition} of {partitions} "
+                "(one file per task expected: maxRecordsPerFile and partitionBy are not "
+                "used by the native path; a twophase bug)")
+        seen.add(partition)
+        yield partition, n
 
 
 def write_dir(participant: str, attempt: int) -> str:

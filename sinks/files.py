@@ -48,6 +48,7 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
+from twophase.sinks.batchfiles import spark_parts
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
 __all__ = ["NATIVE_NAME", "STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
@@ -64,7 +65,6 @@ NATIVE_NAME: Final = re.compile(  # the folder Spark's writer fills for one atte
     r"^(?P<sink>[A-Za-z0-9_.-]+)~spark-(?P=sink)~(?P<lineage>[A-Za-z0-9-]+)-"
     r"(?P<checkpoint>\d{20})-(?P<participant>[A-Za-z0-9_.-]+)\.attempt-(?P<attempt>\d+)$"
 )
-_SPARK_PART: Final = re.compile(r"^part-(?P<partition>\d{5,})-.*\.parquet$")  # Spark's file
 
 
 def _sanitize(name: str) -> str:
@@ -213,16 +213,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         except OSError as exc:
             raise ParticipantError(f"{self.describe()}: Spark's write left no folder "
                                    f"{where.name}: {exc}") from exc
-        for n in names:
-            m = _SPARK_PART.match(n)
-            if not m:
-                continue
-            partition = int(m["partition"])
-            if partition >= partitions or partition in handles:
-                raise ParticipantError(
-                    f"{self.describe()}: Spark wrote {n} for partition {partition} of "
-                    f"{partitions} (one file per task expected: maxRecordsPerFile and "
-                    "partitionBy are not used by the native path; a twophase bug)")
+        for partition, n in spark_parts(names, partitions, self.describe()):
             ref = BranchRef(*key, participant=self.name, partition=partition)
             src = where / n
             rows = pq.read_metadata(src).num_rows

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import SPARK_PART, write_dir
+from twophase.sinks.batchfiles import spark_parts, write_dir
 from twophase.sinks.delta.arrow import arrow_schema_of, delta_schema, pyarrow_module
 from twophase.sinks.delta.writer import HANDLE_CHARS, STAT_CHARS, Stats
 
@@ -115,15 +115,7 @@ def adopt(part: DeltaParticipant, dt: Any, key: TxnKey, partitions: int) -> dict
     committed = part._committed(dt, key.sink, key.lineage, key.batch_id)
     table = arrow_schema_of(dt)
     handles: dict[int, Handle] = {}
-    for n in names:
-        m = SPARK_PART.match(n)
-        if not m:
-            continue
-        partition = int(m["partition"])
-        if partition >= partitions or partition in handles:
-            raise ParticipantError(
-                f"{part.describe()}: Spark wrote {n} for partition {partition} of "
-                f"{partitions} (one file per task expected; a twophase bug)")
+    for partition, n in spark_parts(names, partitions, part.describe()):
         meta = pq.read_metadata(f"{where}/{n}")
         if not meta.num_rows:
             continue

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import SPARK_PART, write_dir
+from twophase.sinks.batchfiles import spark_parts, write_dir
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -73,15 +73,7 @@ def adopt(part: IcebergParticipant, tbl: Table, key: TxnKey, partitions: int
                                "native path does not write; pass native=False")
     committed = part._markers(tbl, key.sink).committed(key.lineage, key.batch_id) is not None
     handles: dict[int, Handle] = {}
-    for n in names:
-        m = SPARK_PART.match(n)
-        if not m:
-            continue
-        partition = int(m["partition"])
-        if partition >= partitions or partition in handles:
-            raise ParticipantError(
-                f"{part.describe()}: Spark wrote {n} for partition {partition} of "
-                f"{partitions} (one file per task expected; a twophase bug)")
+    for partition, n in spark_parts(names, partitions, part.describe()):
         with fs.open_input_file(f"{where}/{n}") as f:
             meta = pq.read_metadata(f)
         if not meta.num_rows:
