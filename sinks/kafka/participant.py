@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import pyarrow as pa
 
@@ -63,6 +64,10 @@ from twophase.sinks.kafka.readback import read_topic
 from twophase.wire import MAX_TEXT
 
 __all__ = ["MARKER_CONSUMERS", "PRODUCERS", "KafkaParticipant"]
+
+MARKERS_SETTLE_S: Final = 3.0
+"""How long ``read_back`` reads again while a transaction shows open: the broker writes
+a committed transaction's markers just after answering the commit."""
 
 
 class KafkaParticipant(Participant, Rebuildable, Verifiable):
@@ -415,6 +420,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                          "transaction state: "
                          + "; ".join(x.describe() for x in lost))
             return dataclasses.replace(back, note=note)
+        # Kafka answers a commit once its decision is logged and writes the partitions'
+        # markers after: a read right after a commit can see it open for a moment
+        settle = time.monotonic() + MARKERS_SETTLE_S
+        while log.open_transactions and time.monotonic() < settle:
+            time.sleep(0.2)
+            log = read_log(self.config, self.topic)
         if not log.open_transactions:
             consumer = read_topic(self.config, self.topic, column, value_column=self.value)
         return judge_log(log, column, consumer, value_column=self.value)
