@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any, Final, Literal
 
+from twophase.errors import ParticipantError
+
 __all__ = ["COORDINATOR_MOVES", "CommitAction", "CommitNotDone", "classify_commit_error",
            "commit_retrying", "describe_error", "kafka_error"]
 
@@ -58,7 +60,7 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class CommitNotDone(Exception):
+class CommitNotDone(ParticipantError):
     """:func:`commit_retrying` gave up after ``attempts``: ``in_doubt`` when the last error
     was ambiguous (the commit may yet complete; calling again resumes it), else it failed
     (fatal, fenced, abort-required, or not a Kafka error). The error is the ``__cause__``."""
