@@ -74,6 +74,10 @@ def test_streaming_query_into_iceberg_and_postgres(spark: Any, tmp_path: Path,
     assert (back.prepared, back.temp, back.commits, back.extra_commits) == (0, 0, batches, 0)
 
 
+# slow (107 s): CI time. The default suite keeps the tables under a driver kill on the
+# native path (tests/spark/test_native_tables_kill.py) and on the Python path (below),
+# and the chaos CLI itself (tests/chaos/test_chaos_cli.py).
+@pytest.mark.slow
 def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
     """``twophase chaos --iceberg-local --delta-local``: both tables in one sink under random
     driver and worker kills (the batch-commit failpoints among them): every id once in
