@@ -83,6 +83,15 @@ def part_path(folder: str, name: str, local: bool) -> str:
     return f"{folder}/.{name}.tmp" if local else f"{folder}/{name}"
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a folder's entries (a rename, a new file) durable on local disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def seal_part(fs: pafs.FileSystem, folder: str, name: str, local: bool) -> None:
     """Make a closed data file durable under its name (local disk: fsync, then rename)."""
     if not local:

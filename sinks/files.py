@@ -48,7 +48,7 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import spark_parts
+from twophase.sinks.batchfiles import fsync_dir, spark_parts
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
 __all__ = ["NATIVE_NAME", "STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
@@ -75,14 +75,6 @@ def _sanitize(name: str) -> str:
 def _is_temp(name: str) -> bool:
     """A prepare's temp file (``.<staged name>.<uuid>.tmp``), renamed once complete."""
     return name.startswith(".") and name.endswith(".tmp")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_mode(mode: str, on_schema_change: str) -> None:
@@ -224,7 +216,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
                 continue
             os.replace(src, self.staged_path(ref))
             handles[partition] = self._handle(ref, rows, "prepared")
-        _fsync_dir(self.staging)
+        fsync_dir(self.staging)
         shutil.rmtree(where)
         return handles
 
@@ -365,7 +357,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         try:
             rows = self._write(tmp, schema, batches)
             os.replace(tmp, staged)  # a half-written file never carries the staged name
-            _fsync_dir(self.staging)
+            fsync_dir(self.staging)
         except (OSError, ValueError, pa.ArrowException) as exc:
             with suppress(OSError):
                 tmp.unlink()
@@ -423,7 +415,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
             ) from exc
         # The new name must be durable; the staged name vanishing need not be: should it
         # reappear after a crash, status() still says COMMITTED (the final file exists).
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def _remove_torn(self, branch: BranchRef, *, every_attempt: bool) -> None:
         """Delete temp files of a prepare killed mid-write. They were never prepared
@@ -447,7 +439,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
             return
         except OSError as exc:
             raise ParticipantError(f"{self.describe()}: cannot abort {staged.name}: {exc}") from exc
-        _fsync_dir(self.staging)
+        fsync_dir(self.staging)
 
     def _remove_native(self, branch: BranchRef) -> None:
         """Delete the folder a native write of ``branch``'s attempt left (a write or an
@@ -457,7 +449,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         where = self.staging / self.native_name(branch.key)
         if where.is_dir():
             shutil.rmtree(where, ignore_errors=True)
-            _fsync_dir(self.staging)
+            fsync_dir(self.staging)
 
     def status(self, branch: BranchRef) -> BranchStatus:
         if self.final_path(branch).exists():

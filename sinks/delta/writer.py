@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from twophase.sinks.batchfiles import part_path, seal_part
+from twophase.sinks.batchfiles import fsync_dir, part_path, seal_part
 from twophase.sinks.delta.arrow import pyarrow_module
 
 if TYPE_CHECKING:
@@ -194,12 +193,4 @@ class BranchWriter:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.delete_file(f"{self.folder}/{name}")
         self.files.clear()
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

@@ -15,17 +15,16 @@ before any vote: the commit would otherwise fail after the COMMIT decision.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from typing import TYPE_CHECKING
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import spark_parts, write_dir
+from twophase.sinks.batchfiles import fsync_dir, spark_parts, write_dir
+from twophase.sinks.iceberg.writer import write_record
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyarrow import fs as pafs
     from pyiceberg.table import Table
 
     from twophase.participant import Handle
@@ -87,27 +86,11 @@ def adopt(part: IcebergParticipant, tbl: Table, key: TxnKey, partitions: int
         data = f"{stem}-00000.parquet"
         size = fs.get_file_info(f"{where}/{n}").size
         fs.move(f"{where}/{n}", f"{folder}/{data}")
-        _record(fs, folder, f"{stem}.done", {"files": [data], "rows": meta.num_rows})
+        write_record(fs, folder, f"{stem}.done", {"files": [data], "rows": meta.num_rows},
+                     local=True)
         handles[partition] = {"run": run, "files": json.dumps([data], separators=(",", ":")),
                               "rows": str(meta.num_rows), "bytes": str(size)}
-    _fsync(folder)
+    fsync_dir(folder)
     fs.delete_dir(where)
     return handles
 
-
-def _record(fs: pafs.FileSystem, folder: str, name: str, record: dict[str, object]) -> None:
-    """A run's ``.done`` record, durable under its name (local disk: fsync, rename)."""
-    tmp = f"{folder}/.{name}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(record).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    fs.move(tmp, f"{folder}/{name}")
-
-
-def _fsync(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

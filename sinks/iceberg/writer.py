@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from twophase.sinks.batchfiles import part_path, seal_part
+from twophase.sinks.batchfiles import fsync_dir, part_path, seal_part
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -98,6 +98,25 @@ def transform_values(transform: str, arr: pa.Array) -> pa.Array:
                                                             pc.month(day))
 
 
+def write_record(fs: pafs.FileSystem, folder: str, name: str, record: dict[str, Any],
+                 local: bool) -> None:
+    """A run's ``.done`` record (its files and rows), durable under its name: on local
+    disk written under a ``.tmp`` name, fsynced and renamed; an object store shows an
+    object only once its upload completed. The folder's fsync is the caller's (one for
+    many records)."""
+    data = json.dumps(record).encode()
+    if local:
+        tmp = f"{folder}/.{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fs.move(tmp, f"{folder}/{name}")
+    else:
+        with fs.open_output_stream(f"{folder}/{name}") as out:
+            out.write(data)
+
+
 class BranchWriter:
     """Streams one branch's rows into Parquet files, one open file per partition value,
     rolled at ``target`` bytes. A local file is written under a ``.tmp`` name and renamed
@@ -149,23 +168,10 @@ class BranchWriter:
     def close(self) -> tuple[list[str], int, int]:
         for key in list(self.open):
             self._finish(key)
-        record = json.dumps({"files": self.names, "rows": self.rows}).encode()
-        done = f"{self.stem}.done"
+        write_record(self.fs, self.folder, f"{self.stem}.done",
+                     {"files": self.names, "rows": self.rows}, self.local)
         if self.local:
-            with open(f"{self.folder}/.{done}.tmp", "wb") as f:
-                f.write(record)
-                f.flush()
-                os.fsync(f.fileno())
-            self.fs.move(f"{self.folder}/.{done}.tmp", f"{self.folder}/{done}")
-        else:
-            with self.fs.open_output_stream(f"{self.folder}/{done}") as out:
-                out.write(record)
-        if self.local:
-            fd = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self.folder)
         return self.names, self.rows, self.bytes
 
     def discard(self) -> None:
