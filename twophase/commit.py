@@ -68,20 +68,14 @@ _Work = tuple[Participant, BranchRef, Handle]
 
 def send_acks(
     client: CoordinatorClient, key: TxnKey, epoch: int, acks: Sequence[tuple[str, Decision]],
-    into: Transaction | None = None,
+    into: Transaction,
 ) -> Transaction | None:
-    """Acknowledge ``acks`` in chunks of :data:`ACK_CHUNK`; the record after the last one
-    (None when there was nothing to send). With ``into`` (the caller's copy of the
-    record) each answer carries only its chunk's branches, merged into the copy; without
-    it, every answer but the last leaves the branches out."""
+    """Acknowledge ``acks`` in chunks of :data:`ACK_CHUNK`; each answer carries only its
+    chunk's branches, merged into ``into`` (the caller's copy of the record). The record
+    after the last chunk (None when there was nothing to send)."""
     txn = into
     for i in range(0, len(acks), ACK_CHUNK):
-        chunk = acks[i:i + ACK_CHUNK]
-        if txn is not None:
-            txn = client.ack(key, epoch, chunk, into=txn)
-        else:
-            last = i + ACK_CHUNK >= len(acks)  # only the last answer carries the branches
-            txn = client.ack(key, epoch, chunk, brief=not last)
+        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK], into=txn)
     return txn if acks else None
 
 
