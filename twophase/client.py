@@ -435,19 +435,9 @@ def merge_touched(
 ) -> protocol.Transaction | None:
     """``answer`` (the branches a request named, and the record's state) with ``base``'s
     other branches, in ``base``'s order; None when the two disagree: a branch ``base``
-    does not have, or branches that do not fit the answer's state (decided without every
-    vote, COMMIT with a NO, finished with an acknowledgement missing or not finished
-    without one), which means another writer moved a branch ``base`` still shows."""
+    does not have, or a merged record that is not :meth:`~protocol.Transaction.coherent`,
+    which means another writer moved a branch ``base`` still shows."""
     if not answer.branches.keys() <= base.branches.keys():
         return None
     merged = replace(answer, branches=MappingProxyType({**base.branches, **answer.branches}))
-    states = merged.branches.values()
-    decision = merged.decision
-    if decision is None:
-        fits = any(st.vote is None for st in states)
-    else:
-        waited = [st for st in states if st.vote == protocol.Decision.COMMIT]
-        fits = (decision == protocol.Decision.ABORT
-                or all(st.vote == protocol.Decision.COMMIT for st in states))
-        fits = fits and merged.state.finished == all(st.ack is not None for st in waited)
-    return merged if fits else None
+    return merged if merged.coherent() else None

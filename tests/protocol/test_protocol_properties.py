@@ -413,6 +413,14 @@ class ProtocolMachine(RuleBasedStateMachine):
                     assert acks <= {t.decision}
 
     @invariant()
+    def every_record_is_coherent(self) -> None:
+        """Every record the machine leaves passes ``Transaction.coherent`` (what the
+        driver checks a merged bounded answer with)."""
+        for lst in self.attempts.values():
+            for t in lst:
+                assert t.coherent(), t
+
+    @invariant()
     def decision_never_changes(self) -> None:
         """Once a decision is recorded for an attempt it stays the same forever."""
         for (cp, attempt), d in self.decisions.items():

@@ -137,6 +137,24 @@ class Transaction:
     def key(self) -> TxnKey:
         return TxnKey(self.sink, self.lineage, self.batch_id, self.attempt)
 
+    def coherent(self) -> bool:
+        """Whether the branches fit the state as :mod:`.machine` leaves every record:
+        undecided only while a vote is missing, no acknowledgement but the decision's,
+        COMMIT only with every vote YES, finished exactly when every branch the decision
+        waits for (all under COMMIT, the YES ones under ABORT) is acknowledged. A record
+        pieced together from parts (the driver's copy and a bounded answer) that is not
+        coherent means another writer moved a branch in between."""
+        states = self.branches.values()
+        decision = self.decision
+        if decision is None:
+            return any(st.vote is None for st in states) and all(st.ack is None for st in states)
+        if any(st.ack not in (None, decision) for st in states):
+            return False
+        if decision == Decision.COMMIT and any(st.vote != Decision.COMMIT for st in states):
+            return False
+        waited = [st for st in states if st.vote == Decision.COMMIT]
+        return self.state.finished == all(st.ack is not None for st in waited)
+
     def pending_acks(self) -> list[str]:
         """Branches whose acknowledgement the current decision still waits for."""
         if self.state == State.COMMITTING:
