@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
 
-__all__ = ["acknowledge", "apply_decision", "check_recorded", "check_redo", "finish_commit"]
+__all__ = ["acknowledge", "apply_decision", "check_recorded", "check_redo", "finish_commit",
+           "settle_earlier"]
 
 
 def acknowledge(
@@ -42,6 +43,25 @@ def acknowledge(
     else:
         client.ack(plan.key, plan.epoch, acks, measured)
 
+
+
+def settle_earlier(
+    plan: BatchPlan, participants: Sequence[Participant], partition: int, attempt: int
+) -> tuple[list[tuple[str, Decision]], int]:
+    """The recovery rule for one earlier attempt's branches of ``partition`` (every
+    earlier attempt is decided ABORT, or never decided: begin starts a new attempt only
+    after an abort): abort what it left PREPARED, found by name. Returns the acks to send
+    to that attempt and how many branches were aborted (a task does this for its
+    partition, the driver for all of them when no task runs)."""
+    acks: list[tuple[str, Decision]] = []
+    aborted = 0
+    for part in participants:
+        ref = plan.ref(part, partition, attempt)
+        if recovery_action(Decision.ABORT, part.status(ref)) == RecoveryAction.ABORT:
+            part.abort(ref, None)
+            aborted += 1
+        acks.append((ref.branch_id, Decision.ABORT))
+    return acks, aborted
 
 
 def apply_decision(

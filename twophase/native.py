@@ -16,12 +16,9 @@ Per attempt, on the driver, in place of those participants' share of the prepare
 
 A driver killed during 2 or 3 leaves the attempt's write folder, named by the attempt:
 ``status`` reads it as PREPARED, so the next attempt's settle step, the give-up sweep and
-``twophase resolve`` abort it. A finish (a restart found COMMIT decided) of a sink whose
-participants are all native commits the staged branches by name from the driver
-(``finish``: the batch only runs through Spark's ``noop`` sink, for its state stores);
-one with a lost branch, or Python participants beside, runs the Python tasks' finish.
-A table's branches (``commit_scope`` BATCH) are left to the driver's batch commit, as the
-tasks' finish leaves them.
+``twophase resolve`` abort it. A finish (a restart found COMMIT decided) commits the
+staged branches by name from the driver, as for any barrier-free sink
+(``twophase.recover``).
 
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask
@@ -42,20 +39,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.batchplan import BatchPlan, BranchOutcome
-from twophase.finish import apply_decision
 from twophase.participant import (
     EMPTY_BRANCH,
-    BranchRef,
     Handle,
     Participant,
     SparkWritten,
-    is_empty_branch,
     native_eligible,
 )
-from twophase.plan import run_through
-from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
+from twophase.protocol import branch_id
+from twophase.recover import settle_all_earlier
 from twophase.report import short_error
-from twophase.wire import VoteIn, acks_body, votes_body
+from twophase.wire import VoteIn, votes_body
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -121,7 +115,7 @@ class NativePrepare:
         the write's error ("" when none; the votes are then missing and the driver
         abandons the attempt)."""
         t0 = time.perf_counter()
-        recovered = self._settle_earlier(plan, client)
+        recovered = settle_all_earlier(self.participants, plan, client)
         handles: dict[str, dict[int, Handle]] = {}
         try:
             with _micros(split.sparkSession):
@@ -157,61 +151,3 @@ class NativePrepare:
             out.votes = json.dumps(votes_body(plan.epoch, votes)["votes"])
             outcomes.append(out.as_dict())
         return outcomes, ""
-
-    def finish(self, df: DataFrame, plan: BatchPlan, client: CoordinatorClient
-               ) -> list[dict[str, Any]] | None:
-        """COMMIT is decided (``plan.mode`` finish): commit every staged branch by name
-        and hand back the acks as one outcome, the driver relaying them. None, having
-        changed nothing but earlier attempts' leftovers, when a branch needs its rows
-        again (lost, or not voted): the Python tasks' finish then redoes it."""
-        t0 = time.perf_counter()
-        recovered = self._settle_earlier(plan, client)
-        acks: list[tuple[str, Decision]] = []
-        todo: list[tuple[Participant, BranchRef, Handle]] = []
-        rows = 0
-        for part in self.participants:
-            for p in range(plan.partitions):
-                ref, bid = plan.ref(part, p), branch_id(part.name, p)
-                voted = plan.handles.get(bid)
-                if voted is None:
-                    return None
-                if is_empty_branch(voted):
-                    acks.append((bid, Decision.COMMIT))
-                    continue
-                action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted),
-                                         part.commit_scope)
-                if action == RecoveryAction.COMMIT:
-                    todo.append((part, ref, voted))
-                elif action == RecoveryAction.COMMIT_BATCH:
-                    continue  # a table's: the driver commits the batch and acknowledges
-                elif action != RecoveryAction.NOTHING:
-                    return None
-                acks.append((bid, Decision.COMMIT))
-                rows = max(rows, int(voted.get("rows", "0")))
-        run_through(df)  # a stateful query commits its state only when the batch runs
-        for part, ref, voted in todo:
-            apply_decision(part, ref, voted, Decision.COMMIT)
-        took = time.perf_counter() - t0
-        out = BranchOutcome(partition=0, rows=rows, recovered=recovered, commit_s=took,
-                            task_s=took, decision=Decision.COMMIT.value,
-                            acks=json.dumps(acks_body(plan.epoch, acks, {})["acks"]))
-        return [out.as_dict()]
-
-    def _settle_earlier(self, plan: BatchPlan, client: CoordinatorClient) -> int:
-        """The recovery rule for earlier attempts (all decided ABORT, or never decided),
-        as ``twophase.task`` applies it: abort what they left PREPARED, found by name
-        (a write folder included), and acknowledge the attempts still waiting."""
-        recovered = 0
-        for attempt in range(1, plan.key.attempt):
-            acks: list[tuple[str, Decision]] = []
-            for part in self.participants:
-                for p in range(plan.partitions):
-                    ref = BranchRef(*plan.key._replace(attempt=attempt),
-                                    participant=part.name, partition=p)
-                    if recovery_action(Decision.ABORT, part.status(ref)) == RecoveryAction.ABORT:
-                        part.abort(ref, None)
-                        recovered += 1
-                    acks.append((ref.branch_id, Decision.ABORT))
-            if attempt in plan.ack_earlier:
-                client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
-        return recovered

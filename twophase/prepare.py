@@ -32,6 +32,7 @@ from twophase.batchplan import (
 from twophase.native import NativePrepare, split_native
 from twophase.plan import arrow_schema, jvm_context
 from twophase.protocol import BeginKind, TxnKey
+from twophase.recover import finish_on_driver
 from twophase.report import REPORT_SCHEMA, report_struct, short_error
 from twophase.task import run_partition
 
@@ -150,10 +151,9 @@ class PrepareJob:
         ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
         attempt of a sink with native participants writes theirs with Spark's writer
         (``client`` settles earlier attempts) and runs the Python job for the rest."""
-        if self._native is not None and plan.mode == "finish" and not self.python \
-                and client is not None:
-            finished = self._native.finish(df, plan, client)
-            if finished is not None:
+        if plan.mode == "finish" and not self.gang and client is not None:
+            finished = finish_on_driver(self.participants, df, plan, client)
+            if finished is not None:  # else a branch needs its rows: the tasks' finish
                 return finished, ""
         if self._native is None or plan.mode != PREPARE or client is None:
             return self._run_python(df, plan, direct, None)

@@ -45,7 +45,13 @@ from twophase.batchplan import PREPARE, BatchPlan, BranchOutcome
 from twophase.digest import RowsDigest
 from twophase.errors import RedoMismatch, TargetProblem
 from twophase.feed import first_rows, prepare_streaming
-from twophase.finish import acknowledge, apply_decision, check_recorded, finish_commit
+from twophase.finish import (
+    acknowledge,
+    apply_decision,
+    check_recorded,
+    finish_commit,
+    settle_earlier,
+)
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
@@ -58,9 +64,7 @@ from twophase.participant import (
 from twophase.protocol import (
     CommitScope,
     Decision,
-    RecoveryAction,
     branch_id,
-    recovery_action,
 )
 from twophase.wire import BranchMetrics, VoteIn, votes_body
 
@@ -76,21 +80,14 @@ __all__ = ["run_partition"]
 def _settle_earlier(
     plan: BatchPlan, partition: int, client: CoordinatorClient, out: BranchOutcome
 ) -> None:
-    """Recovery rule for earlier attempts (all decided ABORT, or never decided: begin
-    only starts a new attempt after an abort): abort whatever they left PREPARED, then
-    acknowledge to the attempts still waiting."""
+    """The recovery rule for earlier attempts' branches of this partition
+    (:func:`~twophase.finish.settle_earlier`), acknowledged to the attempts still
+    waiting."""
     for attempt in range(1, plan.key.attempt):
-        acks: list[tuple[str, Decision]] = []
-        for part in plan.participants:
-            ref = plan.ref(part, partition, attempt)
-            action = recovery_action(Decision.ABORT, part.status(ref))
-            if action == RecoveryAction.ABORT:
-                part.abort(ref, None)
-                out.recovered += 1
-            acks.append((branch_id(part.name, partition), Decision.ABORT))
+        acks, aborted = settle_earlier(plan, plan.participants, partition, attempt)
+        out.recovered += aborted
         if attempt in plan.ack_earlier:
             client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
-
 
 
 def _batch_commits(part: Participant, decision: Decision) -> bool:

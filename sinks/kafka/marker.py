@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["add_marker", "committed_marker", "held_consumer", "marker_config",
-           "marker_consumer", "marker_done", "marker_key", "read_marker"]
+           "marker_consumer", "marker_done", "marker_key", "read_marker", "read_marker_now"]
 
 
 def marker_config(p: KafkaParticipant, group: str) -> dict[str, object]:
@@ -78,6 +78,20 @@ def read_marker(p: KafkaParticipant, branch: BranchRef) -> int:
     """The branch's committed marker offset (-1 when none), on a held consumer."""
     with held_consumer(p, branch) as consumer:
         return committed_marker(p, consumer, branch)
+
+
+def read_marker_now(p: KafkaParticipant, branch: BranchRef) -> int:
+    """The branch's committed marker offset (-1 when none) without waiting on a
+    transaction open on its group: a ``read_uncommitted`` consumer gets the group's
+    committed offsets and counts no pending transactional commit."""
+    from confluent_kafka import Consumer
+
+    group = p.marker_group(branch)
+    loose = Consumer({**marker_config(p, group), "isolation.level": "read_uncommitted"})
+    try:
+        return committed_marker(p, loose, branch)
+    finally:
+        loose.close()
 
 
 def committed_marker(

@@ -35,7 +35,7 @@ from twophase.participant import (
     TargetBacklog,
     Verifiable,
 )
-from twophase.sinks.kafka import intask, options, records, staged
+from twophase.sinks.kafka import intask, lanes, options, records, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
     probe_topic,
@@ -58,7 +58,7 @@ from twophase.sinks.kafka.lingering import (
     list_open_transactions,
 )
 from twophase.sinks.kafka.log import LostMarker, judge_log, read_log, settle_lost_markers
-from twophase.sinks.kafka.marker import committed_marker, held_consumer, marker_config
+from twophase.sinks.kafka.marker import committed_marker, held_consumer, read_marker_now
 from twophase.sinks.kafka.producers import cache_key, discard, new_producer
 from twophase.sinks.kafka.readback import read_topic
 from twophase.wire import MAX_TEXT
@@ -295,16 +295,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         transactions (on Kafka a stable read blocks while one is open, even this
         object's own), then, not found, stably for up to 5 s: a transaction whose
         commit is being completed shows within moments, an open one stays absent."""
-        from confluent_kafka import Consumer
-
         self._check_branch(branch)
-        group = self.marker_group(branch)
-        loose = Consumer({**marker_config(self, group), "isolation.level": "read_uncommitted"})
-        try:
-            if committed_marker(self, loose, branch) >= branch.batch_id + 1:
-                return BranchStatus.COMMITTED
-        finally:
-            loose.close()
+        if read_marker_now(self, branch) >= branch.batch_id + 1:
+            return BranchStatus.COMMITTED
         with self._lock:
             prepared = self._prepared.get(branch)
         if prepared is not None and prepared.producer is not None:
@@ -318,7 +311,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def voted_status(self, branch: BranchRef, voted: Handle | None) -> BranchStatus:
         """:meth:`status`, and when the marker reads absent for a branch that voted with
         rows, the partition logs from the voted offsets: tansu can leave a committed
-        transaction's offset marker unapplied, even for good (see docs/kafka.md)."""
+        transaction's offset marker unapplied, even for good (see docs/kafka.md).
+        A staged branch: :func:`.staged.voted_status` (PREPARED while its staged records
+        are there to be copied)."""
+        if staged.is_staged(self, voted):
+            assert voted is not None
+            return staged.voted_status(self, branch, voted)
         found = self.status(branch)
         if (found is BranchStatus.ABSENT and voted is not None and voted.get("offsets")
                 and intask.committed_in_log(self, branch, voted, wait=False)):
@@ -358,13 +356,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         Returns those aborted."""
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None} | set(keep) | staged.POOL.busy()
+                    if p.producer is not None} | set(keep) | lanes.POOL.busy()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         for txn in found:
             head, number = txn.transactional_id.rsplit(".", 1)
             if head.endswith("." + COMMIT_LANE.rstrip(".")):  # a staged copy's lane
-                staged.fence_lane(self, txn.transactional_id)
+                lanes.fence_lane(self, txn.transactional_id)
                 continue
             ref = BranchRef(sink, "lingering", 0, 0, self.name, int(number))
             PRODUCERS.drop(cache_key(self, ref))  # about to be fenced by the init below

@@ -38,17 +38,23 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
-from twophase.sinks.kafka.clients import abandon, healthy, txn_producer
+from twophase.sinks.kafka.clients import healthy
 from twophase.sinks.kafka.config import common_config, validate_topic
 from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe_error, kafka_error
+from twophase.sinks.kafka.lanes import COMMIT_IDS, POOL, Lane, drop, ready, retire
 from twophase.sinks.kafka.lingering import COMMIT_LANE
-from twophase.sinks.kafka.marker import add_marker, committed_marker, held_consumer, read_marker
+from twophase.sinks.kafka.marker import (
+    add_marker,
+    committed_marker,
+    held_consumer,
+    read_marker,
+    read_marker_now,
+)
 from twophase.sinks.kafka.records import produce_all
 
 if TYPE_CHECKING:
@@ -57,7 +63,8 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
-           "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare"]
+           "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare",
+           "voted_status"]
 
 PREPARE_MODES: Final = ("staged", "in_task")
 DEFAULT_PREPARE: Final = "staged"
@@ -67,9 +74,6 @@ STAGING_SUFFIX: Final = ".twophase-staged"
 STAGING_PARTITIONS: Final = 8
 """A created staging topic's least partition count: branches that share a staging
 partition interleave there, and each copy reads past the others' records."""
-COMMIT_IDS: Final = 8
-"""Transactional ids per (sink, participant) for the copies: as many as the driver's
-commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id."""
 _ATTEMPT: Final = "twophase.attempt"
 log = logging.getLogger("twophase.sink")
 _STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
@@ -223,149 +227,6 @@ def prepare(
 
 
 # -- commit (the driver) -------------------------------------------------------------------
-@dataclass
-class _Lane:
-    transactional_id: str
-    producer: Any = None
-    reader: Any = None
-
-
-class _CommitPool:
-    """Per process and (settings, sink, participant): :data:`COMMIT_IDS` transactional
-    producers with stable ids. The first use initialises every id, which aborts any copy
-    a dead process left open on it (its marker offsets would otherwise hold stable reads
-    of the marker until the broker's transaction timeout)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._free: dict[str, list[_Lane]] = {}
-        self._busy: set[str] = set()  # transactional ids of the lanes copying now
-        self._pid = os.getpid()
-
-    def take(self, p: KafkaParticipant, sink: str) -> tuple[str, _Lane]:
-        key = json.dumps([p.config, sink, p.name, p.transaction_timeout_ms],
-                         sort_keys=True, default=str)
-        with self._cond:
-            if self._pid != os.getpid():
-                self._free, self._busy, self._pid = {}, set(), os.getpid()
-            fresh = key not in self._free
-            if fresh:
-                self._free[key] = [_Lane(f"twophase.{sink}.{p.name}.{COMMIT_LANE}{i}")
-                                   for i in range(COMMIT_IDS)]
-            while not self._free[key]:
-                self._cond.wait()
-            lane = self._free[key].pop()
-            self._busy.add(lane.transactional_id)
-            fence, self._free[key] = (self._free[key], []) if fresh else ([], self._free[key])
-        if fence:  # never used in this process: initialise (fence) them all, at once,
-            # out of the free list (a lane initialised twice fences its own producer)
-            threads = [threading.Thread(target=_fence, args=(p, other), daemon=True)
-                       for other in fence]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            with self._cond:
-                self._free[key].extend(fence)
-                self._cond.notify_all()
-        return key, lane
-
-    def give(self, key: str, lane: _Lane) -> None:
-        with self._cond:
-            self._busy.discard(lane.transactional_id)
-            self._free.setdefault(key, []).append(lane)
-            self._cond.notify()
-
-    def busy(self) -> set[str]:
-        """The transactional ids copying in this process now (never fenced from here)."""
-        with self._cond:
-            return set(self._busy)
-
-    def forget(self, transactional_id: str) -> None:
-        """An idle lane of this id is about to be fenced from outside the pool: its
-        clients are dropped, so its next use initialises a new producer."""
-        with self._cond:
-            for free in self._free.values():
-                for lane in free:
-                    if lane.transactional_id == transactional_id:
-                        _drop(lane)
-
-    def close_all(self) -> None:
-        """Close every idle lane's clients (none has a transaction open)."""
-        with self._cond:
-            lanes = [lane for free in self._free.values() for lane in free]
-            self._free = {}
-        for lane in lanes:
-            with contextlib.suppress(Exception):
-                if lane.producer is not None:
-                    lane.producer.close()
-            lane.producer = None
-            _drop(lane)
-
-
-POOL = _CommitPool()
-
-
-def fence_lane(p: KafkaParticipant, transactional_id: str) -> None:
-    """Abort the copy a dead process left open on a lane (``twophase resolve``, a sink
-    starting): a new producer of its id runs ``init_transactions``, so the broker writes
-    the ABORT markers and releases the marker group's pending offsets (until then every
-    stable read of the marker, a redo's first step, waits)."""
-    POOL.forget(transactional_id)
-    lane = _Lane(transactional_id)
-    _ready(p, lane, reader=False)
-    with contextlib.suppress(Exception):
-        lane.producer.close()
-
-
-def _fence(p: KafkaParticipant, lane: _Lane) -> None:
-    with contextlib.suppress(Exception):  # a failure here is met again when the lane is used
-        _ready(p, lane, reader=False)
-
-
-def _ready(p: KafkaParticipant, lane: _Lane, *, reader: bool = True) -> None:
-    """The lane's producer, initialised (a new one fences every older one of the id), and
-    its reader of the staging topic."""
-    from confluent_kafka import Consumer, Producer
-
-    if lane.producer is None:
-        producer = txn_producer(Producer, p.producer_config(lane.transactional_id))
-        try:
-            producer.init_transactions(p.connect_timeout_s)
-        except Exception as exc:
-            raise ParticipantError(
-                f"{p.describe()}: cannot initialise transactional.id "
-                f"{lane.transactional_id!r} at {p.bootstrap}: {describe_error(exc)}") from exc
-        lane.producer = producer
-    if lane.reader is None and reader:
-        lane.reader = Consumer({**common_config(p.config),
-                                "group.id": "twophase.staged-reader",
-                                "enable.auto.commit": False, "auto.offset.reset": "error",
-                                "fetch.wait.max.ms": 10,  # the range is there: no long poll
-                                "fetch.error.backoff.ms": 50,
-                                "isolation.level": "read_committed"})
-
-
-def _drop(lane: _Lane) -> None:
-    """A lane whose producer failed: dropped, not closed (close waits on a fenced
-    producer); the next use initialises a new one, which aborts what this one held."""
-    if lane.producer is not None and getattr(lane.producer, "stuck", False):
-        abandon(lane.producer)
-    lane.producer = None
-    if lane.reader is not None:
-        with contextlib.suppress(Exception):
-            lane.reader.close()
-        lane.reader = None
-
-
-def _retire(lane: _Lane) -> None:
-    """An idle lane (no transaction open) that is not to be used again: closed."""
-    with contextlib.suppress(Exception):
-        lane.producer.close()
-    lane.producer = None
-    _drop(lane)
-
-
 def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None:
     """Copy the staged records and commit the marker in one transaction (see the module
     docstring). A committed marker is success; without a staged handle the branch can
@@ -393,13 +254,13 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             log.info("%s: commit lane %s saw a broker error while idle (%s): a new "
                      "producer is initialised", p.describe(), lane.transactional_id,
                      lane.producer.broker_errors[-1])
-            _retire(lane)
-        _ready(p, lane)
+            retire(lane)
+        ready(p, lane)
         _copy_unless_committed(p, lane, branch, handle)
     except BaseException as exc:
-        _drop(lane)
+        drop(lane)
         try:  # fence now: a copy left open holds the marker group's offsets
-            _ready(p, lane)
+            ready(p, lane)
             fenced = "fenced (its open copy, if any, aborted)"
         except Exception as again:
             fenced = f"not fenced ({again}); its next use fences it"
@@ -413,7 +274,41 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
         POOL.give(key, lane)
 
 
-def _named(p: KafkaParticipant, branch: BranchRef, lane: _Lane, exc: BaseException,
+def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> BranchStatus:
+    """A staged branch's state under its vote: COMMITTED when its marker is; else
+    PREPARED while the staged range is still in the staging topic (its copy needs
+    nothing but the handle, so a finish commits it from the driver without the batch's
+    rows, ``twophase.recover``); ABSENT once the topic's retention took the range's
+    first record, when only a redo from the replayed rows (digest-checked) can write it."""
+    if read_marker_now(p, branch) >= branch.batch_id + 1:
+        return BranchStatus.COMMITTED
+    first = int(handle["first_offset"])
+    if first < 0:
+        return BranchStatus.PREPARED  # nothing staged: the copy commits the marker alone
+    from confluent_kafka import TopicPartition
+
+    staging, partition = handle["staging_topic"], int(handle["staging_partition"])
+    with held_consumer(p, branch) as consumer:
+        try:
+            low, _ = consumer.get_watermark_offsets(
+                TopicPartition(staging, partition), timeout=p.connect_timeout_s,
+                cached=False)
+        except Exception as exc:
+            raise ParticipantError(
+                f"{p.describe()}: cannot read the offsets of staging topic {staging!r} "
+                f"partition {partition} for branch {branch.branch_id} of batch "
+                f"{branch.batch_id}: {describe_error(exc)}") from exc
+    if low <= first:
+        return BranchStatus.PREPARED
+    log.warning("%s: branch %s of batch %d: its staged records (%r partition %d from offset "
+                "%d) are gone, the staging topic now begins at %d (its retention must "
+                "outlast a batch's commit): the branch is written again from the replayed "
+                "batch", p.describe(), branch.branch_id, branch.batch_id, staging, partition,
+                first, low)
+    return BranchStatus.ABSENT
+
+
+def _named(p: KafkaParticipant, branch: BranchRef, lane: Lane, exc: BaseException,
            fenced: str) -> None:
     """A client library's error from a copy (a fenced lane: another process finishing
     the same batch; a broker gone) raised as this participant's, naming the branch, the
@@ -446,18 +341,18 @@ def _commit_in_task(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> N
     second attempt of one partition (a retry, a speculative copy) still fences the first,
     so only one of them commits the branch and the marker check after ``init`` sees
     whether it already did."""
-    lane = _Lane(f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}")
+    lane = Lane(f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}")
     try:
-        _ready(p, lane)
+        ready(p, lane)
         _copy_unless_committed(p, lane, branch, handle)
     except BaseException as exc:
-        _drop(lane)
+        drop(lane)
         _named(p, branch, lane, exc, "dropped; its next use fences it")
         raise
-    _retire(lane)
+    retire(lane)
 
 
-def _copy_unless_committed(p: KafkaParticipant, lane: _Lane, branch: BranchRef,
+def _copy_unless_committed(p: KafkaParticipant, lane: Lane, branch: BranchRef,
                            handle: Handle) -> None:
     """Read the branch's marker on an initialised lane; copy only if it is not committed
     (the driver's pool and a task's own lane alike)."""
@@ -466,7 +361,7 @@ def _copy_unless_committed(p: KafkaParticipant, lane: _Lane, branch: BranchRef,
             _copy(p, lane, consumer, branch, handle)
 
 
-def _copy(p: KafkaParticipant, lane: _Lane, consumer: Any, branch: BranchRef,
+def _copy(p: KafkaParticipant, lane: Lane, consumer: Any, branch: BranchRef,
           handle: Handle) -> None:
 
     producer = lane.producer

@@ -192,3 +192,37 @@ def test_two_processes_committing_one_batch_at_once_commit_each_branch_once(
     finisher.close()
     assert visible(p) == sorted(i for part in range(8) for i in range(part * 1000,
                                                                      part * 1000 + 200))
+
+
+def test_staged_branch_reads_prepared_until_its_records_are_gone(kafka_bootstrap: str) -> None:
+    """A finish commits a staged branch from the driver (twophase.recover) because its
+    voted state reads PREPARED while the staged range is there; once the staging topic's
+    retention took it, ABSENT (only a redo from the replay can write it), and after the
+    copy COMMITTED."""
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    p = staged(kafka_bootstrap)
+    kept, lost = branch(p, batch_id=5, partition=0), branch(p, batch_id=5, partition=1)
+    task = fresh(p)
+    h_lost = task.prepare(lost, SCHEMA, [batch(50, 50)])
+    h_kept = task.prepare(kept, SCHEMA, [batch(0, 50)])
+    task.close()
+    if h_kept["staging_partition"] == h_lost["staging_partition"]:  # staged after it
+        assert int(h_kept["first_offset"]) > int(h_lost["first_offset"]) + 1
+    driver = fresh(p)
+    assert driver.voted_status(kept, h_kept) is BranchStatus.PREPARED
+    assert driver.voted_status(lost, h_lost) is BranchStatus.PREPARED
+    # retention, as the broker applies it: the lost branch's staging partition now
+    # begins past its first staged record
+    where = TopicPartition(h_lost["staging_topic"], int(h_lost["staging_partition"]),
+                           int(h_lost["first_offset"]) + 1)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    [done] = admin.delete_records([where]).values()
+    done.result(30)
+    assert driver.voted_status(lost, h_lost) is BranchStatus.ABSENT
+    assert driver.voted_status(kept, h_kept) is BranchStatus.PREPARED
+    driver.commit(kept, h_kept)
+    assert driver.voted_status(kept, h_kept) is BranchStatus.COMMITTED
+    assert visible(p) == list(range(50))
+    driver.close()
