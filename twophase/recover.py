@@ -21,6 +21,7 @@ stores only when the batch's plan runs.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from twophase.participant import BranchRef
 
 __all__ = ["finish_on_driver", "settle_all_earlier"]
+
+log = logging.getLogger("twophase.sink")
 
 
 def settle_all_earlier(participants: Sequence[Participant], plan: BatchPlan,
@@ -86,6 +89,9 @@ def finish_on_driver(participants: Sequence[Participant], df: DataFrame, plan: B
             elif action == RecoveryAction.COMMIT_BATCH:
                 continue  # a table's: the driver commits the batch and acknowledges
             elif action != RecoveryAction.NOTHING:
+                log.info("sink %s batch %d: %s partition %d needs its rows again (%s): "
+                         "the batch is finished by Spark tasks", plan.key.sink,
+                         plan.key.batch_id, part.describe(), p, action.value)
                 return None
             acks.append((bid, Decision.COMMIT))
             rows = max(rows, int(voted.get("rows", "0")))
@@ -93,6 +99,9 @@ def finish_on_driver(participants: Sequence[Participant], df: DataFrame, plan: B
     for part, ref, voted in todo:
         apply_decision(part, ref, voted, Decision.COMMIT)
     took = time.perf_counter() - t0
+    log.info("sink %s batch %d: finished from the driver: %d branch(es) committed, %d "
+             "already, in %.0f ms", plan.key.sink, plan.key.batch_id, len(todo),
+             len(acks) - len(todo), took * 1000)
     out = BranchOutcome(partition=0, rows=rows, recovered=recovered, commit_s=took,
                         task_s=took, decision=Decision.COMMIT.value,
                         acks=json.dumps(acks_body(plan.epoch, acks, {})["acks"]))
