@@ -213,5 +213,5 @@ class NativePrepare:
                         recovered += 1
                     acks.append((ref.branch_id, Decision.ABORT))
             if attempt in plan.ack_earlier:
-                client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
+                client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks, brief=True)
         return recovered
