@@ -152,11 +152,12 @@ class Committer:
                 pruned += mine.prune_markers(sink, lineage, below)
             except Exception as exc:  # the markers stay: correct, only larger
                 log.warning("sink %s: %s kept its markers of batches below %d: %s (grant "
-                            "the sink's user DELETE on its marker table to prune them)",
+                            "the sink's user DELETE on its marker table to prune them; "
+                            "Kafka: Delete on the staging topic)",
                             sink, part.describe(), below, exc)
         if pruned:
-            log.info("sink %s: pruned %d marker row(s) of batches below %d", sink, pruned,
-                     below)
+            log.info("sink %s: pruned %d marker row(s) or staged record(s) of batches "
+                     "below %d", sink, pruned, below)
         return pruned
 
     def sweep(self, txn: Transaction) -> int:
