@@ -320,7 +320,7 @@ def _hot_routes(svc: _Service) -> HotRoutes:
                          only=[a.branch for a in body.acks] if body.touched else None)
 
     async def decision(key: TxnKey, timeout: float,
-                       until: Literal["decided", "finished"]) -> Response:
+                       until: Literal["decided", "finished"], brief: bool = False) -> Response:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
 
@@ -335,11 +335,11 @@ def _hot_routes(svc: _Service) -> HotRoutes:
                     raise TransactionNotFound.for_key(key)
                 left = end - loop.time()
                 if done(txn) or left <= 0:
-                    return _txn_json(txn)
+                    return _txn_json(txn, brief=brief)
                 with contextlib.suppress(asyncio.TimeoutError):
                     woke = await asyncio.wait_for(fut, min(left, svc.poll))
                     if done(woke):
-                        return _txn_json(woke)
+                        return _txn_json(woke, brief=brief)
             finally:
                 hub.unsubscribe(key, fut)
 
@@ -461,10 +461,13 @@ def _txn_routes(svc: _Service, hot: HotRoutes) -> APIRouter:
         sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
         timeout: Annotated[float, Query(ge=0, le=60)] = 25.0,
         until: Annotated[Literal["decided", "finished"], Query()] = "decided",
+        brief: Annotated[bool, Query()] = False,
     ) -> Response:
         """Long-poll: answers as soon as the transaction is decided (or finished, with
-        ``until=finished``), or after ``timeout`` seconds with the undecided transaction."""
-        return await hot.decision(TxnKey(sink, lineage, checkpoint, attempt), timeout, until)
+        ``until=finished``), or after ``timeout`` seconds with the undecided transaction
+        (``brief=true``: without its branches, state and decision only)."""
+        return await hot.decision(TxnKey(sink, lineage, checkpoint, attempt), timeout, until,
+                                  brief)
 
     @r.get(TXN_PATH, response_model=wire.TxnOut, responses=ERRORS)
     def get_txn(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,

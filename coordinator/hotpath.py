@@ -55,7 +55,8 @@ class HotRoutes:
     begin: Callable[[str, BeginIn], Awaitable[Response]]
     votes: Callable[[TxnKey, VotesIn], Awaitable[Response]]
     acks: Callable[[TxnKey, AcksIn], Awaitable[Response]]
-    decision: Callable[[TxnKey, float, Literal["decided", "finished"]], Awaitable[Response]]
+    decision: Callable[[TxnKey, float, Literal["decided", "finished"], bool],
+                       Awaitable[Response]]
     # the app's exception handlers' mapping: a refusal's answer, or None to re-raise
     refusal: Callable[[Exception], Response | None]
 
@@ -86,11 +87,12 @@ class HotPath:
         if method == "GET" and n == 8 and parts[7] == "decision" and parts[2] == "txns":
             try:
                 key = _key(parts)
-                timeout, until = _decision_query(scope.get("query_string", b""))
+                timeout, until, brief = _decision_query(scope.get("query_string", b""))
             except Exception:  # any doubt: the app answers as it would
                 await self.app(scope, receive, send)
                 return
-            await self._answer(self.routes.decision(key, timeout, until), scope, receive, send)
+            await self._answer(self.routes.decision(key, timeout, until, brief), scope,
+                               receive, send)
             return
         if method != "POST" or not (
             (n == 8 and parts[2] == "txns" and parts[7] in ("votes", "acks"))
@@ -146,9 +148,10 @@ def _canonical_int(adapter: TypeAdapter[int], raw: str) -> int:
     return adapter.validate_python(raw)
 
 
-def _decision_query(raw: bytes) -> tuple[float, Literal["decided", "finished"]]:
-    """``timeout`` and ``until`` only, each at most once, in plain spelling."""
-    timeout, until = 25.0, "decided"
+def _decision_query(raw: bytes) -> tuple[float, Literal["decided", "finished"], bool]:
+    """``timeout``, ``until`` and ``brief`` only, each at most once, in plain spelling
+    (``brief``: ``true`` or ``false``)."""
+    timeout, until, brief = 25.0, "decided", False
     seen: set[bytes] = set()
     for item in raw.split(b"&") if raw else ():
         name, eq, value = item.partition(b"=")
@@ -164,9 +167,11 @@ def _decision_query(raw: bytes) -> tuple[float, Literal["decided", "finished"]]:
             timeout = _TIMEOUT.validate_python(text)
         elif name == b"until" and text in _UNTIL:
             until = text
+        elif name == b"brief" and text in ("true", "false"):
+            brief = text == "true"
         else:
             raise _NotHot
-    return timeout, "decided" if until == "decided" else "finished"
+    return timeout, "decided" if until == "decided" else "finished", brief
 
 
 def _is_json(scope: Scope) -> bool:

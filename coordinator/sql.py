@@ -359,18 +359,34 @@ class Rows:
         limit: int,
         alert: bool | None,
     ) -> list[tuple[p.Transaction, bool, float]]:
-        """(transaction, alert flag, last update), newest first."""
-        t = s.txns
-        q = select(*(t.c[c] for c in TXN_COLS))
+        """(transaction, alert flag, last update), newest first: the page of
+        transactions joined with their branch rows in one statement (one snapshot, one
+        round trip per page, not one per transaction); the join follows the branches'
+        primary key, whose leading columns are the transaction's key."""
+        t, b = s.txns, s.branches
+        page = select(*(t.c[c] for c in TXN_COLS))
         if sink is not None:
-            q = q.where(t.c.sink == sink)
+            page = page.where(t.c.sink == sink)
         if state is not None:
-            q = q.where(t.c.state == p.State(state).value)
+            page = page.where(t.c.state == p.State(state).value)
         if alert is not None:
-            q = q.where(t.c.alert == alert)
-        q = q.order_by(t.c.created.desc(), t.c.attempt.desc()).limit(limit)
-        return [(self._with_branches(conn, r), bool(r.alert), r.updated)
-                for r in conn.execute(q).all()]
+            page = page.where(t.c.alert == alert)
+        pg = page.order_by(t.c.created.desc(), t.c.attempt.desc()).limit(limit).subquery()
+        on = and_(*(b.c[k] == pg.c[k] for k in ("sink", "lineage", "checkpoint", "attempt")))
+        q = (select(*(pg.c[c] for c in TXN_COLS), b.c.branch, b.c.state.label("branch_state"))
+             .select_from(pg.outerjoin(b, on))
+             .order_by(pg.c.created.desc(), pg.c.attempt.desc(), pg.c.sink, pg.c.lineage,
+                       pg.c.checkpoint, b.c.idx))
+        found: dict[tuple[Any, ...], tuple[Any, dict[str, p.BranchState]]] = {}
+        for r in conn.execute(q):
+            key = tuple(r[:4])
+            if key not in found:
+                found[key] = (r, {})
+            if r.branch is not None:  # a transaction has branches; the outer join is a guard
+                found[key][1][r.branch] = wire.decode_branch(
+                    json.loads(r.branch_state), f"{b.name}.{r.branch}")
+        return [(to_txn(r, MappingProxyType(branches)), bool(r.alert), r.updated)
+                for r, branches in found.values()]
 
     @staticmethod
     def history(conn: Connection, key: TxnKey) -> list[dict[str, Any]]:

@@ -285,21 +285,26 @@ class CoordinatorClient:
         return wire.decode_begin(out)
 
     def vote(self, key: TxnKey, epoch: int, votes: Sequence[VoteIn], *,
-             brief: bool = False, into: protocol.Transaction | None = None
-             ) -> protocol.Transaction:
+             brief: bool = False, into: protocol.Transaction | None = None,
+             touched: bool = False) -> protocol.Transaction:
         """Record ``votes``; the answer is the record afterwards. ``brief``: without its
         branches (empty), state and decision only. ``into``: the caller's copy of the
         record: the coordinator answers with only the branches voted on here (O(votes)
-        bytes, not O(branches)), merged into ``into``'s (:func:`merge_touched`)."""
-        body = wire.votes_body(epoch, votes, brief=brief, touched=into is not None)
+        bytes, not O(branches)), merged into ``into``'s (:func:`merge_touched`).
+        ``touched`` without ``into``: that answer as it is, a partial record whose
+        branches are only those voted on here (for a caller that needs no others: a
+        task). An older coordinator may answer with every branch: a superset."""
+        body = wire.votes_body(epoch, votes, brief=brief, touched=touched or into is not None)
         out = self._request("POST", self._txn_path(key) + "/votes", body=body)
         return self._merged(key, into, out)
 
     def await_decision(
-        self, key: TxnKey, timeout: float, *, until: str = "decided"
+        self, key: TxnKey, timeout: float, *, until: str = "decided", brief: bool = False
     ) -> protocol.Transaction:
         """Wait up to ``timeout`` seconds for the decision (``until="finished"``: for every
-        acknowledgement); returns the transaction, undecided if the time ran out."""
+        acknowledgement); returns the transaction, undecided if the time ran out.
+        ``brief``: without its branches (state and decision only; an older coordinator
+        may still send them)."""
         import time
 
         end = time.monotonic() + max(0.0, timeout)
@@ -308,7 +313,8 @@ class CoordinatorClient:
             slice_ = min(left, POLL_SLICE)
             out = self._request(
                 "GET", self._txn_path(key) + "/decision",
-                params={"timeout": f"{slice_:.3f}", "until": until},
+                params={"timeout": f"{slice_:.3f}", "until": until,
+                        **({"brief": "true"} if brief else {})},
                 read_timeout=slice_ + self.timeout,
             )
             txn = wire.decode_txn(out)

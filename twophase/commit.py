@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
 
 from twophase import failpoints
+from twophase.options import MARKER_KEEP_BATCHES
 from twophase.participant import BranchRef, Handle, Participant, is_empty_branch
 from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse_branch_id
 
@@ -50,11 +51,6 @@ connection limit (each thread opens its own connection per participant)."""
 
 ACK_CHUNK: Final = 1000
 """Acknowledgements per request (a request of 1,000 acks is ~60 KiB)."""
-
-MARKER_KEEP_BATCHES: Final = 1000
-"""Batches whose participant markers are kept behind the newest committed one: ten times
-Spark's ``spark.sql.streaming.minBatchesToRetain`` default (100), the farthest back a
-checkpoint can replay; a marker below it answers a question no recovery asks."""
 
 PRUNE_EVERY: Final = 100  # batches between two prunes (one DELETE per participant)
 
@@ -82,10 +78,14 @@ def send_acks(
 class Committer:
     """Applies decisions from the driver, for one sink: :data:`COMMIT_THREADS` lanes, each
     with its own copies of the participants (a participant object holds one connection),
-    kept across batches so a batch's commits reuse the connections of the one before."""
+    kept across batches so a batch's commits reuse the connections of the one before.
+    ``keep``: the batches whose markers :meth:`prune` keeps (the sink's
+    ``marker_keep_batches``, checked by ``twophase.options.check_marker_window``)."""
 
-    def __init__(self, participants: Sequence[Participant]) -> None:
+    def __init__(self, participants: Sequence[Participant],
+                 keep: int = MARKER_KEEP_BATCHES) -> None:
         self.participants = tuple(participants)
+        self.keep = keep
         self._by_name = {p.name: p for p in self.participants}
         self._lanes: list[dict[str, Participant]] = [{} for _ in range(COMMIT_THREADS)]
         self._pool: ThreadPoolExecutor | None = None
@@ -129,11 +129,13 @@ class Committer:
         return after, error
 
     def prune(self, sink: str, lineage: str, batch_id: int, *,
-              keep: int = MARKER_KEEP_BATCHES, every: int = PRUNE_EVERY) -> Future[int] | None:
+              keep: int | None = None, every: int = PRUNE_EVERY) -> Future[int] | None:
         """After ``batch_id`` committed, every ``every`` batches: delete the participants'
-        markers of batches below ``batch_id - keep`` in a background thread (the batch
+        markers of batches below ``batch_id - keep`` (default :attr:`keep`) in a
+        background thread (the batch
         does not wait; a participant refusing, e.g. no DELETE right, is logged with the
         fix). Returns the background work, or None when this batch prunes nothing."""
+        keep = self.keep if keep is None else keep
         if batch_id < keep or batch_id % every:
             return None
         if self._pruner is None:
@@ -150,11 +152,12 @@ class Committer:
                 pruned += mine.prune_markers(sink, lineage, below)
             except Exception as exc:  # the markers stay: correct, only larger
                 log.warning("sink %s: %s kept its markers of batches below %d: %s (grant "
-                            "the sink's user DELETE on its marker table to prune them)",
+                            "the sink's user DELETE on its marker table to prune them; "
+                            "Kafka: Delete on the staging topic)",
                             sink, part.describe(), below, exc)
         if pruned:
-            log.info("sink %s: pruned %d marker row(s) of batches below %d", sink, pruned,
-                     below)
+            log.info("sink %s: pruned %d marker row(s) or staged record(s) of batches "
+                     "below %d", sink, pruned, below)
         return pruned
 
     def sweep(self, txn: Transaction) -> int:

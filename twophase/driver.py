@@ -36,7 +36,7 @@ from twophase.connection import check_coordinator
 from twophase.decide import decide, settle_empty, votes_of
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
-from twophase.options import check_sink_options
+from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
 from twophase.participant import Participant, descriptor_of
 from twophase.plan import (
     check_gang,
@@ -96,7 +96,8 @@ class TransactionalSink:
     barrier stage: before anything is written it needs as many task slots as partitions
     (waiting up to ``cluster_wait`` seconds for executors to register) and no dynamic
     allocation; other sinks run on any cluster shape (docs/cluster.md).
-    """
+    ``marker_keep_batches``: batches whose participant markers are kept (why: see
+    :func:`twophase.options.check_marker_window`)."""
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class TransactionalSink:
         json_logs: bool = False,
         retry_budget_s: float = 120.0,
         preflight: bool = True,
+        marker_keep_batches: int = MARKER_KEEP_BATCHES,
     ) -> None:
         self.name = validate_name("sink name", name)
         if lineage is None and spark_connect_client():
@@ -129,7 +131,8 @@ class TransactionalSink:
             )
         check_sink_options(name, [p.name for p in participants], partitions=partitions,
                            max_attempts=max_attempts, backoff=backoff,
-                           vote_timeout=vote_timeout, retry_budget_s=retry_budget_s)
+                           vote_timeout=vote_timeout, retry_budget_s=retry_budget_s,
+                           marker_keep_batches=marker_keep_batches)
         self.participants = tuple(participants)
         # A participant whose prepared branch dies with its process (Kafka's in-task
         # transaction) needs every task alive until the decision: one barrier stage.
@@ -165,7 +168,7 @@ class TransactionalSink:
             setup_logging("info")
         else:
             default_logging()
-        self._committer = Committer(self.participants)  # the driver's commits (no gang)
+        self._committer = Committer(self.participants, keep=marker_keep_batches)
         self._job = PrepareJob(self.participants, self.split_columns, self.one_branch,
                                self.gang)
         self.history: list[BatchReport] = []

@@ -40,8 +40,8 @@ def acknowledge(
         return
     if plan.driver_acks:
         out.acks = json.dumps(acks_body(plan.epoch, acks, measured)["acks"])
-    else:
-        client.ack(plan.key, plan.epoch, acks, measured)
+    else:  # the answer is not read: brief (the whole record would be O(branches))
+        client.ack(plan.key, plan.epoch, acks, measured, brief=True)
 
 
 
@@ -137,7 +137,9 @@ def check_recorded(
     plan: BatchPlan, txn: Transaction, votes: Sequence[VoteIn], task: str | None
 ) -> None:
     """Before a task commits under COMMIT what it prepared itself (the in-task path), its
-    branches must be the ones the decision was taken on. When Spark runs the stage again
+    branches must be the ones the decision was taken on. ``txn`` needs only the recorded
+    state of the branches of ``votes`` (the vote call's ``touched`` answer: a recorded
+    vote's task and digest never change afterwards). When Spark runs the stage again
     after the decision (a task failed after the last vote), each branch's recorded vote
     is another task attempt's and the rows just prepared are a replay: commit them only
     when their digest is the recorded one, else refuse (``RedoMismatch``) before any of

@@ -7,14 +7,21 @@ from collections.abc import Sequence
 
 from twophase.errors import InvalidRequest
 
-__all__ = ["MAX_PARTICIPANTS", "MAX_PARTITIONS", "MAX_VOTE_TIMEOUT", "bounded_float",
-           "bounded_int", "check_sink_options"]
+__all__ = ["MARKER_KEEP_BATCHES", "MAX_PARTICIPANTS", "MAX_PARTITIONS", "MAX_VOTE_TIMEOUT",
+           "MIN_MARKER_KEEP_BATCHES", "bounded_float", "bounded_int", "check_marker_window",
+           "check_sink_options"]
 
 # The coordinator's bounds (coordinator/models.py refuses more): checked here so that a
 # bad argument fails when the sink is built, not at the first batch.
 MAX_PARTICIPANTS = 64
 MAX_PARTITIONS = 100_000
 MAX_VOTE_TIMEOUT = 7 * 86400.0
+
+MARKER_KEEP_BATCHES = 1000
+"""``marker_keep_batches``' default: ten times Spark's ``minBatchesToRetain`` default."""
+MIN_MARKER_KEEP_BATCHES = 100
+"""Spark's ``spark.sql.streaming.minBatchesToRetain`` default: the fewest batches a
+checkpoint can replay, so the smallest window that covers a replay of a default query."""
 
 
 def bounded_int(what: str, value: object, lo: int, hi: int, *, optional: bool = False) -> None:
@@ -32,9 +39,33 @@ def bounded_float(what: str, value: object, lo: float, hi: float, meaning: str) 
         )
 
 
+def check_marker_window(keep: object) -> None:
+    """``marker_keep_batches``: how many batches behind the newest committed one keep
+    their participants' idempotency markers (older ones are pruned in the background).
+
+    Why markers below the window are never asked for again: a marker answers "did this
+    branch commit?" for a batch that is being run again. The coordinator answers a replay
+    of a committed batch itself, also once retention removed its record (any batch at or
+    below the lineage's last committed one), so the markers matter only when that record
+    is gone too (a lineage switched back, a store lost). Spark replays only batches its
+    checkpoint still retains: ``spark.sql.streaming.minBatchesToRetain`` (default 100)
+    offset and commit log entries. A window at least that long therefore covers every
+    batch a checkpoint can replay; the default keeps ten times as many for queries that
+    raise the setting."""
+    if (not isinstance(keep, int) or isinstance(keep, bool)
+            or not MIN_MARKER_KEEP_BATCHES <= keep <= 2**62):
+        raise InvalidRequest(
+            f"marker_keep_batches must be an int of at least {MIN_MARKER_KEEP_BATCHES} "
+            f"(batches whose participant markers are kept), got {keep!r}: pass at least "
+            "the query's spark.sql.streaming.minBatchesToRetain (default 100), or leave "
+            f"the default {MARKER_KEEP_BATCHES}"
+        )
+
+
 def check_sink_options(
     name: str, participants: Sequence[str], *, partitions: int | None, max_attempts: int,
     backoff: float, vote_timeout: float, retry_budget_s: float,
+    marker_keep_batches: int = MARKER_KEEP_BATCHES,
 ) -> None:
     """``TransactionalSink``'s arguments, refused when the sink is built (``participants``:
     their names), each refusal naming the bound and the fix."""
@@ -58,3 +89,4 @@ def check_sink_options(
                   "seconds the coordinator waits for every vote")
     if not retry_budget_s > 0:
         raise InvalidRequest(f"retry_budget_s must be > 0 seconds, got {retry_budget_s}")
+    check_marker_window(marker_keep_batches)

@@ -57,7 +57,7 @@ def settle_all_earlier(participants: Sequence[Participant], plan: BatchPlan,
             acks += mine
             recovered += aborted
         if attempt in plan.ack_earlier:
-            client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
+            client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks, brief=True)
     return recovered
 
 

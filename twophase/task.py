@@ -86,8 +86,8 @@ def _settle_earlier(
     for attempt in range(1, plan.key.attempt):
         acks, aborted = settle_earlier(plan, plan.participants, partition, attempt)
         out.recovered += aborted
-        if attempt in plan.ack_earlier:
-            client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks)
+        if attempt in plan.ack_earlier:  # the answer is not read: brief
+            client.ack(plan.key._replace(attempt=attempt), plan.epoch, acks, brief=True)
 
 
 def _batch_commits(part: Participant, decision: Decision) -> bool:
@@ -153,7 +153,9 @@ def _run_attempt(
         out.error = next((v.reason or "" for v in votes if not v.yes), "")
         return
     out.prepare_s = time.perf_counter() - t0
-    answer = client.vote(plan.key, plan.epoch, votes)
+    # The answer carries this task's branches only (O(own branches), not O(P)): all that
+    # check_recorded needs, as a recorded vote (its task and digest) never changes after.
+    answer = client.vote(plan.key, plan.epoch, votes, touched=True)
     failpoints.hit("after_vote", None, partition)
 
     t1 = time.perf_counter()
@@ -168,7 +170,7 @@ def _run_attempt(
     out.wait_s = time.perf_counter() - t1
     if decision == Decision.COMMIT:
         try:  # a stage run again after the decision: only the voted rows may commit
-            check_recorded(plan, decided, votes, task)
+            check_recorded(plan, answer, votes, task)
         except RedoMismatch:
             for part, ref, handle in prepared:
                 if not is_empty_branch(handle):
@@ -229,7 +231,7 @@ def _vote_and_abort(
     prepared: list[tuple[Participant, BranchRef, Handle]],
 ) -> None:
     try:
-        client.vote(plan.key, plan.epoch, votes)
+        client.vote(plan.key, plan.epoch, votes, brief=True)  # the answer is not read
     finally:
         for part, ref, handle in prepared:
             if not is_empty_branch(handle):
@@ -245,7 +247,9 @@ def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Transaction:
                 f"no decision for {plan.key.sink} batch {plan.key.batch_id} attempt "
                 f"{plan.key.attempt} within {plan.decision_timeout:.0f}s"
             )
-        txn = client.await_decision(plan.key, timeout=min(remaining, 30.0))
+        # brief: the state and decision only, not every branch of the batch (P tasks
+        # each waiting would fetch O(P) bytes each: O(P^2) in all)
+        txn = client.await_decision(plan.key, timeout=min(remaining, 30.0), brief=True)
         if txn.decision is not None:
             return txn
 

@@ -56,6 +56,9 @@ def required_acls(topic: str, sink: str | None = None, *, staged: bool = True,
             ("WRITE", "a staged prepare writes the branch here"),
             ("READ", "the commit copies the staged records to the topic"),
             ("DESCRIBE", "metadata: partitions and leaders"),
+            ("DELETE", "the driver deletes the staged records of committed batches "
+                       "(without it they stay until the topic's retention, and the "
+                       "driver logs this grant)"),
         )]
     out += [
         RequiredAcl("TRANSACTIONAL_ID", prefix, "PREFIXED", "WRITE",

@@ -439,6 +439,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def describe(self) -> str:
         return f"kafka participant {self.name!r} (topic {self.topic!r})"
 
+    def prune_markers(self, sink: str, lineage: str, below: int) -> int:
+        """Staged: delete the staging topic's leading records of ``sink``'s committed
+        batches below ``below`` (:mod:`.stagedprune`: only records read and found done).
+        The marker groups stay (deleting groups needs DeleteGroups); in-task: nothing."""
+        if not self.durable_prepare:
+            return 0
+        from twophase.sinks.kafka.stagedprune import prune_staged
+
+        return prune_staged(self, sink, lineage, below)
 
     def descriptor(self) -> Descriptor:
         """Topic and settings; secrets left out and named (:func:`.options.descriptor_options`)."""

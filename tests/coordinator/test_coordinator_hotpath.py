@@ -148,6 +148,9 @@ CASES: list[tuple[str, Call, bool]] = [
     ("votes, last (decides)", _post(f"{TXN}/votes", {"epoch": 1, "votes": [
         {"branch": "pg/1", "yes": True}]}), True),
     ("decision, decided", _get(f"{TXN}/decision"), True),
+    ("decision, decided, brief", _get(f"{TXN}/decision?brief=true"), True),
+    ("decision, brief false", _get(f"{TXN}/decision?timeout=0&brief=false"), True),
+    ("decision, brief spelled 1", _get(f"{TXN}/decision?brief=1"), False),
     ("decision, until finished, timeout 0", _get(f"{TXN}/decision",
                                                   params={"timeout": "0.000",
                                                           "until": "finished"}), True),

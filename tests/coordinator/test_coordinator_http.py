@@ -266,3 +266,28 @@ def test_touched_answers_carry_the_named_branches_and_merge_into_the_callers_cop
     done = client.ack(key, epoch, rest, into=after)  # the copy shows branches[0] unacked
     assert done.state == p.State.COMMITTED and done == client.get(key)
     assert done.branches[branches[0]].ack == p.Decision.COMMIT
+
+
+def test_a_tasks_answers_carry_its_own_branches_or_none(client: CoordinatorClient) -> None:
+    """The in-task path's calls: a vote with ``touched`` and no copy to merge into answers
+    with the voted branches only (what ``check_recorded`` reads: the recorded vote, also
+    when another task attempt's vote won); the long-poll with ``brief`` and an ack whose
+    answer is not read carry no branch at all, whatever the batch's size."""
+    epoch, txn = _start(client, parts=3)
+    key, branches = txn.key, list(txn.branches)
+    first = client.vote(key, epoch, [VoteIn(branches[0], True, {"gid": "a"}, task="0.0")],
+                        touched=True)
+    assert list(first.branches) == [branches[0]] and first.decision is None
+    undecided = client.await_decision(key, 0.0, brief=True)
+    assert undecided.branches == {} and undecided.decision is None
+    client.vote(key, epoch, [VoteIn(b, True, {"gid": b}) for b in branches[1:]], brief=True)
+    rerun = client.vote(key, epoch, [VoteIn(branches[0], True, {"gid": "b"}, task="0.1")],
+                        touched=True)  # another task attempt: the first vote stays
+    assert list(rerun.branches) == [branches[0]]
+    assert rerun.branches[branches[0]].task == "0.0"
+    assert rerun.branches[branches[0]].handle == {"gid": "a"}
+    decided = client.await_decision(key, 5, brief=True)
+    assert decided.decision == p.Decision.COMMIT and decided.branches == {}
+    acked = client.ack(key, epoch, [(b, p.Decision.COMMIT) for b in branches], brief=True)
+    assert acked.state == p.State.COMMITTED and acked.branches == {}
+    assert len(client.get(key).branches) == len(branches)

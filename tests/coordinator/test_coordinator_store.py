@@ -318,3 +318,58 @@ def test_listing_indexes_are_added_to_a_store_made_before_them(tmp_path: Path) -
         plan = " ".join(str(r) for r in conn.execute(
             "EXPLAIN QUERY PLAN SELECT count(*) FROM twophase_txns WHERE alert = 1"))
         assert "twophase_txns_alert" in plan, plan
+
+
+def test_the_listing_reads_a_page_with_its_branches_in_one_query(store: Store) -> None:
+    """The console's and the API's listing: one statement per page (the transactions
+    joined with their branch rows), not one per transaction; each listed record equals
+    the one read alone (every branch, in order, with its vote and ack), newest first,
+    under each filter; SQLite's planner joins through the branches' primary key."""
+    from sqlalchemy import event
+
+    sink = new_sink()
+    epoch = store.register(sink).epoch
+    keys = []
+    for ckpt in range(4):  # committed, committing (one partition), preparing, open
+        res = _begin(store, sink, ckpt, epoch, parts=1 if ckpt == 1 else 3)
+        assert res.txn is not None
+        key, bids = res.txn.key, list(res.txn.branches)
+        keys.append(key)
+        if ckpt <= 2:
+            votes = bids if ckpt < 2 else bids[:2]
+            store.apply(key, [p.Vote(b, epoch, True, time.time(), {"gid": b}, task="t")
+                              for b in votes])
+        if ckpt == 0:
+            store.apply(key, [p.Ack(b, epoch, p.Decision.COMMIT, time.time()) for b in bids])
+        time.sleep(0.002)  # distinct creation times: the newest-first order is the truth
+    statements: list[tuple[str, object]] = []
+
+    def seen(conn: object, cursor: object, statement: str, params: object,
+             *rest: object) -> None:
+        if "twophase_" in statement:
+            statements.append((statement, params))
+
+    engine = store.db.read_engine
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        listed = store.list(sink=sink)
+        committed = store.list(sink=sink, state="COMMITTED")
+        top = store.list(sink=sink, limit=2)
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert len(statements) == 3, statements  # one per page, however many transactions
+    assert [r.txn.key for r in listed] == keys[::-1]
+    for row in listed:
+        alone = store.get(row.txn.key)
+        assert row.txn == alone and list(row.txn.branches) == list(alone.branches)
+    assert [len(r.txn.branches) for r in listed] == [6, 6, 2, 6]
+    assert [r.txn.state for r in listed] == [p.State.OPEN, p.State.PREPARING,
+                                             p.State.COMMITTING, p.State.COMMITTED]
+    assert [r.txn.key for r in committed] == [keys[0]] and committed[0].txn == listed[-1].txn
+    assert [r.txn for r in top] == [r.txn for r in listed[:2]]
+    if store.db.is_sqlite:
+        sql, params = statements[0]
+        with store.db.read() as conn:
+            plan = " ".join(str(r) for r in conn.exec_driver_sql(
+                "EXPLAIN QUERY PLAN " + sql, params))  # type: ignore[arg-type]
+        assert "SEARCH twophase_branches" in plan, plan

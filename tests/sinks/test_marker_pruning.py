@@ -86,3 +86,33 @@ def test_a_postgres_user_without_delete_keeps_its_markers_and_says_why(
     assert owner.status(ref) == BranchStatus.COMMITTED
     assert any("kept its markers of batches below 8" in r.getMessage()
                and "DELETE" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_sinks_marker_window_prunes_postgres_markers_below_it(
+    pg_dsn: str, tmp_path: Any
+) -> None:
+    """``TransactionalSink(marker_keep_batches=100)``: the driver's prune after batch 200
+    deletes the markers of batches below 100 and keeps the rest; the default window
+    (1,000) prunes nothing yet at batch 200."""
+    from twophase.driver import TransactionalSink
+
+    part = PostgresParticipant(pg_dsn, f"prune_{uuid.uuid4().hex[:8]}")
+    part.check(SCHEMA)
+    sink, lineage = "windowsink", uuid.uuid4().hex[:16]
+    refs = {b: _commit(part, sink, lineage, b, 0) for b in (0, 99, 100, 150, 200)}
+    store = f"sqlite:///{tmp_path}/c.db"
+    small = TransactionalSink(sink, [part], store, lineage=lineage, marker_keep_batches=100)
+    default = TransactionalSink(sink, [part], store, lineage=lineage)
+    try:
+        assert default._committer.prune(sink, lineage, 200) is None  # 200 < 1,000 kept
+        job = small._committer.prune(sink, lineage, 200)
+        assert job is not None and job.result(timeout=60) == 2  # batches 0 and 99
+    finally:
+        small.close()
+        default.close()
+    try:
+        for b, ref in refs.items():
+            want = BranchStatus.ABSENT if b < 100 else BranchStatus.COMMITTED
+            assert part.status(ref) == want, b
+    finally:
+        part.close()

@@ -64,6 +64,9 @@ API_CASES: list[tuple[str, Callable[[], object], str]] = [
     ("sink-vote-timeout-8-days", _sink(vote_timeout=8 * 86400.0),
      r"vote_timeout .* to 604800, got 691200"),
     ("sink-backoff", _sink(backoff=-1), r"backoff must be a number of seconds .* got -1"),
+    ("sink-marker-keep-batches", _sink(marker_keep_batches=10),
+     r"marker_keep_batches must be an int of at least 100 .* got 10: pass at least the "
+     r"query's spark.sql.streaming.minBatchesToRetain"),
     ("sink-lineage", _sink(lineage="a_b"), r"invalid lineage 'a_b'.*A-Z a-z 0-9 -"),
     ("sink-coordinator-url", _sink(coordinator="ftp://host"),
      r"coordinator='ftp://host' is not understood: use 'http://host:port'"),

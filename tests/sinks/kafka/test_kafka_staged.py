@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,3 +227,57 @@ def test_staged_branch_reads_prepared_until_its_records_are_gone(kafka_bootstrap
     assert driver.voted_status(kept, h_kept) is BranchStatus.COMMITTED
     assert visible(p) == list(range(50))
     driver.close()
+
+
+def test_the_prune_deletes_only_staged_records_of_committed_batches(
+    kafka_bootstrap: str,
+) -> None:
+    """The driver's background prune (``Committer.prune`` -> ``prune_markers``) cuts the
+    staging partition before its first record that is not this sink's, of this lineage,
+    of a batch below the kept window: committed batches' records go; an in-doubt batch's
+    (this sink's, in the window) and another sink's sharing the partition stay, and both
+    are recovered afterwards from their staged records, exactly once."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from twophase.commit import Committer
+
+    p = staged(kafka_bootstrap)
+    lineage = branch(p).lineage
+
+    def stage(batch_id: int, first_id: int, sink: str = "orders", *,
+              commit: bool) -> tuple[Any, dict[str, str]]:
+        ref = branch(p, batch_id=batch_id, sink=sink, lineage=lineage)  # partition 0
+        handle = dict(fresh(p).prepare(ref, SCHEMA, [batch(first_id, 20)]))
+        if commit:
+            fresh(p).commit(ref, handle)
+        return ref, handle
+
+    def prune(batch_id: int) -> int:  # as the driver after batch_id, keeping 1 batch
+        committer = Committer([p])
+        try:
+            job = committer.prune("orders", lineage, batch_id, keep=1, every=1)
+            assert job is not None
+            return int(job.result(timeout=120))
+        finally:
+            committer.close()
+
+    def low(handle: dict[str, str]) -> int:
+        reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "twophase.t"})
+        try:
+            where = TopicPartition(p.staging_topic, int(handle["staging_partition"]))
+            return int(reader.get_watermark_offsets(where, 10)[0])
+        finally:
+            reader.close()
+
+    _, first = stage(0, 0, commit=True)
+    stage(1, 100, commit=True)
+    in_doubt, in_doubt_handle = stage(2, 200, commit=False)  # COMMIT decided, not copied
+    assert prune(3) == 40  # batches 0 and 1 go; batch 2 is in the window (and in doubt)
+    assert low(first) == int(in_doubt_handle["first_offset"])
+    fresh(p).commit(in_doubt, in_doubt_handle)  # the recovery reads what was kept
+    other, other_handle = stage(0, 300, "othersink", commit=False)  # another sink's
+    stage(3, 400, commit=True)
+    assert prune(5) == 20  # batch 2 goes; the cut stops at the other sink's record
+    assert low(first) == int(other_handle["first_offset"])
+    fresh(p).commit(other, other_handle)
+    assert visible(p) == [i for s in (0, 100, 200, 300, 400) for i in range(s, s + 20)]
