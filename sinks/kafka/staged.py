@@ -106,7 +106,12 @@ def check(p: KafkaParticipant) -> int:
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
-    admin = AdminClient(common_config(p.config))  # type: ignore[arg-type]
+    # An AdminClient is a producer to librdkafka, whose metadata request for one topic
+    # lets the broker auto-create it (auto.create.topics.enable, on by default) with
+    # num.partitions (1 by default): the staging topic would get one partition, not
+    # STAGING_PARTITIONS, and every copy would read past every other branch's records.
+    admin = AdminClient({**common_config(p.config),  # type: ignore[arg-type]
+                         "allow.auto.create.topics": False})
     found = _partitions(admin, p.staging_topic, p.connect_timeout_s)
     if found:
         return found

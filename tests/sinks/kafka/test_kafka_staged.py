@@ -46,6 +46,12 @@ def visible(p: KafkaParticipant) -> list[int]:
 def test_staged_commit_from_a_fresh_object_exactly_once(kafka_bootstrap: str) -> None:
     p = staged(kafka_bootstrap)
     assert p.durable_prepare and p.staging_topic == f"{p.topic}.twophase-staged"
+    # created by check() with its own partition count, not auto-created by the broker
+    # (the suite's broker has auto.create.topics.enable and num.partitions=1)
+    from confluent_kafka.admin import AdminClient
+
+    listed = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=10)
+    assert len(listed.topics[p.staging_topic].partitions) >= 8
     b = branch(p, batch_id=3, partition=1)
     task = fresh(p)  # the executor's copy
     handle = task.prepare(b, SCHEMA, [batch(0, 300), batch(300, 200)])
