@@ -239,7 +239,7 @@ class TransactionalSink:
             self._conn.close()
         self._client = self._conn = None
         self._epoch = None
-        self._job.template = None
+        self._job.forget()
 
     # ------------------------------------------------------------------ the batch
     def __call__(self, df: DataFrame, batch_id: int) -> None:
