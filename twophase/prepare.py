@@ -128,7 +128,8 @@ class PrepareJob:
             self._maps = {k: v for k, v in self._maps.items()
                           if v[0] is self.template or v[0] is self._python}
             self._maps[id(base)] = kept
-        return kept[2](df)
+        mapped: DataFrame = kept[2](df)
+        return mapped
 
     def plan(self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
              n_in: int | None) -> BatchPlan:

@@ -154,9 +154,11 @@ class ArrowMap:
     def _column(self, names: tuple[str, ...]) -> Any:
         """The UDF applied to ``names``, unresolved (a JVM Column): each batch's plan
         resolves them by name as ``df[name]`` would; quoted, so a dot is part of a name."""
-        from pyspark.sql.functions import col, pandas_udf
+        from pyspark.sql.functions import col
+        from pyspark.sql.pandas.functions import pandas_udf
         from pyspark.util import PythonEvalType
 
-        udf = pandas_udf(self.func, returnType=self.schema,  # type: ignore[call-overload]
-                         functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
+        make: Any = pandas_udf  # as mapInArrow calls it (an overload pyspark leaves untyped)
+        udf = make(self.func, returnType=self.schema,
+                   functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
         return udf(*[col("`" + n.replace("`", "``") + "`") for n in names])._jc

@@ -335,7 +335,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
             row = conn.execute(sql.SQL("SELECT ({}), {}").format(self._marker_select(), held),
                                (*_marker_key(branch), *prefix)).fetchone()
         except pgerr.UndefinedTable:  # no marker table yet: no marker
-            row = (None, *conn.execute(sql.SQL("SELECT {}").format(held), prefix).fetchone())
+            gids = conn.execute(sql.SQL("SELECT {}").format(held), prefix).fetchone()
+            row = None if gids is None else (None, gids[0])
         assert row is not None
         others = [g for g in row[1] if (o := parse_gid(g)) is not None
                   and o.attempt != branch.attempt
