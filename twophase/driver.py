@@ -242,7 +242,7 @@ class TransactionalSink:
             self._conn.close()
         self._client = self._conn = None
         self._epoch = None
-        self._job.template = None
+        self._job.forget()
 
     # ------------------------------------------------------------------ the batch
     def __call__(self, df: DataFrame, batch_id: int) -> None:
@@ -268,18 +268,18 @@ class TransactionalSink:
             check_spark(self.name, df.sparkSession.version, pyspark.__version__)
             self._spark_checked = True
         lineage = self.lineage or query_lineage(df, self.name)
-        slots = default_partitions(df)
         # The job's own DataFrame, planned once: its split is read from its plan, and the
         # job runs it when it keeps Spark's split (the plan travels as a local property).
         direct = self._job.frame(df)
         laps.lap("frame_s")
         n_in = input_partitions(direct if direct is not None else df, any_split=not self.gang)
         laps.lap("split_s")
-        if n_in is not None and ((self.gang and n_in > slots)
+        if n_in is not None and ((self.gang and n_in > default_partitions(df))
                                  or self.partitions not in (None, n_in)):
             n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
-        # n_in == 0: Spark planned no partition at all, the batch has no rows
-        partitions = self.partitions or (1 if n_in == 0 else n_in or slots)
+        # n_in == 0: Spark planned no partition at all, the batch has no rows (the
+        # application's parallelism, two py4j round trips, only read when needed)
+        partitions = self.partitions or (1 if n_in == 0 else n_in or default_partitions(df))
         self._check_cluster(df, partitions)
         client = self._connect(df)
         if self._epoch is None:

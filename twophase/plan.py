@@ -149,6 +149,12 @@ def input_partitions(df: DataFrame, any_split: bool = False) -> int | None:
     Plans the batch; runs no job."""
     try:
         rdd = df._jdf.queryExecution().toRdd()
+        # With any split allowed, only an empty local relation answers otherwise than the
+        # partition count: one py4j call for the lineage's text instead of a walk of
+        # ~5 calls per RDD (2.2 -> 0.4 ms a batch at 10k rows, timed apart; toRdd's
+        # planning, the rest of this phase, is the job's own, which it reuses).
+        if any_split and "ParallelCollectionRDD" not in rdd.toDebugString():
+            return int(rdd.getNumPartitions())
         stable = _replayed_alike(rdd)
         if stable is None and any_split:
             return int(rdd.getNumPartitions())

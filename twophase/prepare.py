@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from twophase.plan import arrow_schema, jvm_context
 from twophase.protocol import BeginKind, TxnKey
 from twophase.recover import finish_on_driver
 from twophase.report import REPORT_SCHEMA, report_struct, short_error
+from twophase.sparkcompat import ArrowMap
 from twophase.task import run_partition
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ class PrepareJob:
         self._python: BatchPlan | None = None  # the template of the Python job beside it
         self._checked_schema: Any = None
         self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
+        self._last: tuple[Any, Any] = (None, None)  # (this batch's DataFrame, weakly; Arrow)
+        # the task's function per template, pickled once: (template, Arrow schema, map)
+        self._maps: dict[int, tuple[BatchPlan, Any, ArrowMap]] = {}
 
     def fixed_part(self, *, epoch: int, coordinator_url: str, token: str | None,
                    ca_pem: str | None, vote_timeout: float, retry_budget: float,
@@ -75,6 +80,12 @@ class PrepareJob:
             retry_budget=retry_budget, driver_acks=True, token_file=token_file,
         )
         self._python = dataclasses.replace(self.template, participants=self.python)
+
+    def forget(self) -> None:
+        """The sink closed: no template, no function kept for the next batches."""
+        self.template = self._python = None
+        self._maps.clear()
+        self._last = (None, None)
 
     def renew_token(self, token: str | None) -> None:
         """The driver's client re-read a rotated token: the next batches' tasks carry it."""
@@ -97,12 +108,29 @@ class PrepareJob:
         """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
         (a column added from batch N on), so the schema is the batch's own, never the
         lineage's; only the conversion is reused while the Spark schema and the session's
-        time zone stay the same."""
+        time zone stay the same; the zone is read once per DataFrame (a py4j round trip)."""
+        if self._last[0] is not None and self._last[0]() is df:
+            return self._last[1]
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
         key = (df.schema, tz)
         if self._schema_of[0] != key:
             self._schema_of = (key, arrow_schema(df, tz))
+        self._last = (weakref.ref(df), self._schema_of[1])  # the batch's lifetime only
         return self._schema_of[1]
+
+    def _mapped(self, df: DataFrame, base: BatchPlan, batch_schema: Any) -> DataFrame:
+        """``df`` mapped by the task over ``base`` (reading its batch from the job
+        property), with the task's function pickled once while ``base`` and the schema
+        stay (``ArrowMap``): a new token, epoch or schema makes a new one."""
+        kept = self._maps.get(id(base))
+        if kept is None or kept[0] is not base or not kept[1].equals(batch_schema):
+            kept = (base, batch_schema, ArrowMap(self._task(None, batch_schema, base),
+                                                 report_struct(), self.gang))
+            self._maps = {k: v for k, v in self._maps.items()
+                          if v[0] is self.template or v[0] is self._python}
+            self._maps[id(base)] = kept
+        mapped: DataFrame = kept[2](df)
+        return mapped
 
     def plan(self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
              n_in: int | None) -> BatchPlan:
@@ -133,8 +161,7 @@ class PrepareJob:
         if (self.template is None or self.split_columns or self.one_branch
                 or jvm_context(df) is None or self.native):
             return None  # the native path splits the batch itself (``run``)
-        return df.mapInArrow(self._task(None, self.schema(df)), report_struct(),
-                             barrier=self.gang)
+        return self._mapped(df, self.template, self.schema(df))
 
     def _split(self, df: DataFrame, plan: BatchPlan) -> DataFrame:
         """The batch in the plan's partitions."""
@@ -183,17 +210,18 @@ class PrepareJob:
         """The Python job (``template``: its participants, default the sink's)."""
         sc = jvm_context(df)
         batch_schema = self.schema(df)
-        if template is not None:  # the Python participants beside native ones, split
-            job = df.mapInArrow(self._task(None if sc is not None else
-                                           dataclasses.replace(plan, participants=self.python),
-                                           batch_schema, template),
-                                report_struct(), barrier=self.gang)
+        if sc is None:  # Spark Connect: no job property, the plan in the function
+            fixed = plan if template is None else dataclasses.replace(
+                plan, participants=self.python)
+            job = (df if template is not None else self._split(df, plan)).mapInArrow(
+                self._task(fixed, batch_schema), report_struct(), barrier=self.gang)
+        elif template is not None:  # the Python participants beside native ones, split
+            job = self._mapped(df, template, batch_schema)
         elif plan.split == INPUT_SPLIT and direct is not None:
             job = direct
         else:
-            job = self._split(df, plan).mapInArrow(
-                self._task(None if sc is not None else plan, batch_schema),
-                report_struct(), barrier=self.gang)
+            assert self.template is not None
+            job = self._mapped(self._split(df, plan), self.template, batch_schema)
         if sc is not None:
             sc.setLocalProperty(PLAN_PROPERTY, plan_property(plan))
         try:

@@ -10,7 +10,10 @@ The sink runs on Spark 3.5 and 4.x. What it needs, and since when Spark has it:
 - ``foreachBatch`` under Spark Connect: Spark 3.5.0 (SPARK-42944), the same floor;
 - ``to_arrow_schema(schema, timezone=)``: pyspark 4.2. Older ones say UTC for every
   timestamp while the JVM hands ``mapInArrow`` the session's zone, so the zone is set
-  here (:func:`arrow_schema_of`), found by the call's signature.
+  here (:func:`arrow_schema_of`), found by the call's signature;
+- a ``mapInArrow`` function pickled once for every batch (:class:`ArrowMap`): the JVM's
+  ``Dataset.mapInArrow(Column, boolean, ResourceProfile)`` of Spark 4.x, found by calling
+  it; elsewhere (3.5, Spark Connect) the public ``DataFrame.mapInArrow``.
 
 The Python side (``pyspark``) and the JVM (``spark.version``) must be the same minor
 release: a pyspark 4 client in a venv packed for a Spark 3.5 platform fails inside
@@ -26,7 +29,7 @@ from typing import Any
 
 from twophase.errors import EnvironmentProblem
 
-__all__ = ["SPARK_FLOOR", "arrow_schema_of", "check_spark", "spark_version"]
+__all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "spark_version"]
 
 SPARK_FLOOR = (3, 5)
 """The oldest Spark release the sink runs on (``mapInArrow``'s ``barrier=``, Connect's
@@ -103,3 +106,59 @@ def _in_zone(schema: Any, tz: str | None) -> Any:
         return t
 
     return pa.schema([f.with_type(fix(f.type)) for f in schema], metadata=schema.metadata)
+
+
+_COLUMN_MAP: dict[str, bool] = {}  # "ok": whether Dataset.mapInArrow takes a Column here
+
+
+class ArrowMap:
+    """``df.mapInArrow(func, schema, barrier=barrier)`` for every batch, with ``func``
+    pickled and handed to the JVM once.
+
+    ``DataFrame.mapInArrow`` makes a new UDF per call: it pickles the function (the task's
+    closure holds the sink's participants), builds the JVM's Python function and UDF and
+    resolves each column, ~30 py4j round trips a batch. Here the UDF, applied to the
+    columns by name, is made once per SparkContext and column list; each batch costs one
+    round trip (``Dataset.mapInArrow(Column, boolean, ResourceProfile)``), which analyses
+    the batch's plan as before. A pickled function over Spark's broadcast threshold stays
+    one broadcast. Where that JVM method is not there (Spark 3.5 takes a PythonUDF; Spark
+    Connect has no JVM here) this is the public ``mapInArrow``, as before."""
+
+    def __init__(self, func: Any, schema: Any, barrier: bool) -> None:
+        self.func, self.schema, self.barrier = func, schema, barrier
+        self._mapped: tuple[Any, tuple[str, ...], Any] | None = None  # (jsc, names, Column)
+
+    def __call__(self, df: Any) -> Any:
+        jdf = getattr(df, "_jdf", None)
+        if jdf is None or not _COLUMN_MAP.get("ok", True):
+            return df.mapInArrow(self.func, self.schema, barrier=self.barrier)
+        from py4j.protocol import Py4JError, Py4JJavaError
+        from pyspark.sql import DataFrame  # as pyspark's own mapInArrow makes it
+
+        session = df.sparkSession
+        jsc = session.sparkContext._jsc
+        names = tuple(df.columns)
+        try:
+            if self._mapped is None or self._mapped[0] is not jsc or self._mapped[1] != names:
+                self._mapped = (jsc, names, self._column(names))
+            mapped = jdf.mapInArrow(self._mapped[2], self.barrier, None)
+        except (ImportError, Py4JError) as exc:
+            if isinstance(exc, Py4JJavaError) or (isinstance(exc, Py4JError)
+                                                  and "does not exist" not in str(exc)):
+                raise  # Spark refused the plan, or the JVM is gone: its own error
+            _COLUMN_MAP["ok"] = False  # not this pyspark or JVM method: the public one
+            return df.mapInArrow(self.func, self.schema, barrier=self.barrier)
+        _COLUMN_MAP["ok"] = True
+        return DataFrame(mapped, session)
+
+    def _column(self, names: tuple[str, ...]) -> Any:
+        """The UDF applied to ``names``, unresolved (a JVM Column): each batch's plan
+        resolves them by name as ``df[name]`` would; quoted, so a dot is part of a name."""
+        from pyspark.sql.functions import col
+        from pyspark.sql.pandas.functions import pandas_udf
+        from pyspark.util import PythonEvalType
+
+        make: Any = pandas_udf  # as mapInArrow calls it (an overload pyspark leaves untyped)
+        udf = make(self.func, returnType=self.schema,
+                   functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
+        return udf(*[col("`" + n.replace("`", "``") + "`") for n in names])._jc

@@ -110,8 +110,8 @@ def check(p: KafkaParticipant) -> int:
     # lets the broker auto-create it (auto.create.topics.enable, on by default) with
     # num.partitions (1 by default): the staging topic would get one partition, not
     # STAGING_PARTITIONS, and every copy would read past every other branch's records.
-    admin = AdminClient({**common_config(p.config),  # type: ignore[arg-type]
-                         "allow.auto.create.topics": False})
+    conf: Any = {**common_config(p.config), "allow.auto.create.topics": False}
+    admin = AdminClient(conf)
     found = _partitions(admin, p.staging_topic, p.connect_timeout_s)
     if found:
         return found

@@ -304,17 +304,15 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         return {"kind": self.kind, "participant": self.name, "gid": gid,
                 "rows": str(rows), "state": state}
 
+    def _marker_select(self) -> sql.Composed:
+        return sql.SQL("SELECT attempt FROM {} WHERE sink = %s AND lineage = %s AND "
+                       "checkpoint = %s AND participant = %s AND partition = %s"
+                       ).format(self._marker_sql())
+
     def _marker_attempt(self, conn: psycopg.Connection[Any], branch: BranchRef) -> int | None:
         """The attempt whose data landed for this branch, or None (no marker)."""
         try:
-            row = conn.execute(
-                sql.SQL(
-                    "SELECT attempt FROM {} WHERE sink = %s AND lineage = %s AND checkpoint = %s"
-                    " AND participant = %s AND partition = %s"
-                ).format(self._marker_sql()),
-                (branch.sink, branch.lineage, branch.batch_id, branch.participant,
-                 branch.partition),
-            ).fetchone()
+            row = conn.execute(self._marker_select(), _marker_key(branch)).fetchone()
         except pgerr.UndefinedTable:
             return None
         return None if row is None else int(row[0])
@@ -326,25 +324,25 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         ).fetchone()
         return row is not None
 
-    def _other_attempts_prepared(
-        self, conn: psycopg.Connection[Any], branch: BranchRef
-    ) -> list[str]:
-        rows = conn.execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-            " AND left(gid, length(%s)) = %s",
-            (gid_prefix(branch.sink), gid_prefix(branch.sink)),
-        ).fetchall()
-        out = []
-        for (gid,) in rows:
-            other = parse_gid(gid)
-            if (
-                other is not None
-                and other.attempt != branch.attempt
-                and (other.lineage, other.batch_id, other.participant, other.partition)
-                == (branch.lineage, branch.batch_id, branch.participant, branch.partition)
-            ):
-                out.append(gid)
-        return out
+    def _probe(self, conn: psycopg.Connection[Any], branch: BranchRef, gid: str
+               ) -> tuple[int | None, bool, list[str]]:
+        """Before a prepare, in one round trip: the marker's attempt (None: none), whether
+        ``gid`` is prepared, and the gids other attempts of the branch hold prepared."""
+        held = sql.SQL("ARRAY(SELECT gid FROM pg_prepared_xacts WHERE database = "
+                       "current_database() AND left(gid, length(%s)) = %s)")
+        prefix = (gid_prefix(branch.sink),) * 2
+        try:
+            row = conn.execute(sql.SQL("SELECT ({}), {}").format(self._marker_select(), held),
+                               (*_marker_key(branch), *prefix)).fetchone()
+        except pgerr.UndefinedTable:  # no marker table yet: no marker
+            gids = conn.execute(sql.SQL("SELECT {}").format(held), prefix).fetchone()
+            row = None if gids is None else (None, gids[0])
+        assert row is not None
+        others = [g for g in row[1] if (o := parse_gid(g)) is not None
+                  and o.attempt != branch.attempt
+                  and (o.lineage, o.batch_id, o.participant, o.partition)
+                  == (branch.lineage, branch.batch_id, branch.participant, branch.partition)]
+        return (None if row[0] is None else int(row[0])), gid in row[1], others
 
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
@@ -353,11 +351,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         try:
             conn = self._conn_ok()
             # Before any data is consumed: is it there already (a redo), or held elsewhere?
-            def probe(c: psycopg.Connection[Any]) -> tuple[int | None, bool, list[str]]:
-                return (self._marker_attempt(c, branch), self._is_prepared(c, gid),
-                        self._other_attempts_prepared(c, branch))
-
-            marker, prepared, others = self._idempotent("read the branch state", probe)
+            marker, prepared, others = self._idempotent(
+                "read the branch state", lambda c: self._probe(c, branch, gid))
         except TargetProblem:
             raise  # permanent: not a NO vote to retry
         except ParticipantError as exc:
@@ -390,8 +385,7 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
         rows = 0
         stage = "begin"
         try:
-            conn.execute("BEGIN")
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
+            conn.execute(sql.SQL("BEGIN; SET LOCAL lock_timeout = {}").format(  # one round trip
                 sql.Literal(f"{self.LOCK_TIMEOUT_MS}ms")))
             stage = "copy"
             rows = self._write_rows(conn, gid, schema, data)
@@ -595,3 +589,8 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
 
         with self._connect() as conn:  # its own session: the verifier keeps no connection
             return run(conn)
+
+
+def _marker_key(branch: BranchRef) -> tuple[Any, ...]:
+    """The marker row's key of ``branch`` (every attempt's)."""
+    return (branch.sink, branch.lineage, branch.batch_id, branch.participant, branch.partition)

@@ -85,6 +85,10 @@ def test_a_durable_sink_keeps_the_querys_own_split(spark: Any) -> None:
     assert _input_partitions(df.repartition(7), any_split=True) == 7
     assert _input_partitions(df.union(spark.range(5)), any_split=True) == (
         df.rdd.getNumPartitions() + spark.range(5).rdd.getNumPartitions())
+    # local rows: the one case where the answer is not the partition count
+    assert _input_partitions(spark.createDataFrame([], "id long"), any_split=True) == 0
+    rows = spark.createDataFrame([(1,), (2,)], "id long")
+    assert _input_partitions(rows, any_split=True) == rows.rdd.getNumPartitions() > 0
 
 
 def test_an_empty_relation_commits_without_a_spark_job(spark: Any, tmp_path: Path) -> None:
