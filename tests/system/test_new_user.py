@@ -167,7 +167,7 @@ def _administer(work: Path, kafka: LocalKafka, topic: str) -> None:
 def _acls_of(kafka: LocalKafka, principal: str) -> set[str]:
     """Every ACL binding of ``principal`` on the broker (all ALLOW from any host), in the
     security page's ``kafka-acls.sh --add`` spelling."""
-    from confluent_kafka.admin import (
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not in its __all__
         AclBindingFilter,
         AclOperation,
         AclPermissionType,
@@ -176,9 +176,10 @@ def _acls_of(kafka: LocalKafka, principal: str) -> set[str]:
         ResourceType,
     )
 
-    admin = AdminClient(kafka.client_config())
-    found = admin.describe_acls(AclBindingFilter(
-        ResourceType.ANY, None, ResourcePatternType.ANY, principal, None,
+    config: dict[str, str | int | float | bool] = {**kafka.client_config()}
+    anything: Any = None  # a filter's None matches every name and host
+    found = AdminClient(config).describe_acls(AclBindingFilter(
+        ResourceType.ANY, anything, ResourcePatternType.ANY, principal, anything,
         AclOperation.ANY, AclPermissionType.ANY), request_timeout=15).result(timeout=15)
     assert all(b.permission_type.name == "ALLOW" and b.host == "*" for b in found), found
     return {RequiredAcl(b.restype.name.replace("BROKER", "CLUSTER"), b.name,
