@@ -178,7 +178,8 @@ def _acls_of(kafka: LocalKafka, principal: str) -> set[str]:
 
     config: dict[str, str | int | float | bool] = {**kafka.client_config()}
     anything: Any = None  # a filter's None matches every name and host
-    found = AdminClient(config).describe_acls(AclBindingFilter(
+    admin = AdminClient(config)  # held until the answer: a dropped client cancels it
+    found = admin.describe_acls(AclBindingFilter(
         ResourceType.ANY, anything, ResourcePatternType.ANY, principal, anything,
         AclOperation.ANY, AclPermissionType.ANY), request_timeout=15).result(timeout=15)
     assert all(b.permission_type.name == "ALLOW" and b.host == "*" for b in found), found
