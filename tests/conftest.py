@@ -1,6 +1,8 @@
 """Shared fixtures: real parts only.
 
 - ``pg``: one private PostgreSQL server for the whole session (started here, stopped here).
+- ``tls_pg``: a second one that takes TLS connections only, started by the first test
+  that asks for it, kept for the session.
 - ``mariadb`` (a SQLAlchemy URL), ``mariadb_server``: one private MariaDB server
   (Debian's mariadb-server) for the whole session.
 - ``spark``: one local[2] SparkSession for the whole session.
@@ -44,6 +46,19 @@ def pg() -> Iterator[LocalPostgres]:
 @pytest.fixture(scope="session")
 def pg_dsn(pg: LocalPostgres) -> str:
     return pg.dsn
+
+
+@pytest.fixture(scope="session")
+def tls_pg() -> Iterator[LocalPostgres]:
+    """A PostgreSQL that refuses plaintext TCP (``ssl=on``, a certificate for 127.0.0.1
+    signed by a throw-away CA): the secured-targets Spark job and the new user's job
+    connect to it with ``sslmode=verify-full`` (:meth:`LocalPostgres.tls_dsn`)."""
+    server = LocalPostgres(max_prepared_transactions=20, fsync=False, tls=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ TLS is refused by the sink's first batch before anything is written, naming the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,6 @@ from twophase.testing.verify import verify
 __all__ = ["secure_kafka"]
 
 pytestmark = [pytest.mark.spark, pytest.mark.real_kafka]
-
-
-@pytest.fixture(scope="module")
-def tls_pg() -> Iterator[LocalPostgres]:
-    server = LocalPostgres(max_prepared_transactions=20, fsync=False, tls=True)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_job_into_postgres_tls_kafka_sasl_ssl_and_delta_exactly_once(

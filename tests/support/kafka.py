@@ -9,7 +9,10 @@
 - ``secure_kafka`` (session): a second broker whose clients' listener is SASL_SSL (TLS
   with a throw-away CA, SCRAM-SHA-512 or PLAIN) with ACLs enforced; users ``admin``
   (superuser), ``app`` (granted exactly the ACLs docs/user/security.md lists, by
-  :func:`grant_app`) and ``nobody`` (no ACLs). Started by the tests that use it (~4 s).
+  :func:`grant_app`), ``nobody`` (no ACLs) and ``firstjob`` (no ACLs until
+  tests/system/test_new_user.py runs docs/user/first-job.md's ``kafka-acls.sh`` commands:
+  a principal of its own, so that what other tests granted ``app`` cannot hide a missing
+  line). Started by the tests that use it (~4 s).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def kafka_broker() -> Iterator[LocalKafka]:
         broker.stop()
 
 
-SECURE_USERS = {"admin": "admin-secret", "app": "app-secret", "nobody": "nobody-secret"}
+SECURE_USERS = {"admin": "admin-secret", "app": "app-secret", "nobody": "nobody-secret",
+                "firstjob": "firstjob-secret"}
 
 
 @pytest.fixture

@@ -8,15 +8,21 @@ names, paths and credentials. The steps:
    environment (twophase from this checkout in place of the package index, pyspark at
    the release this suite runs on: 4.x in the default suite, 3.5 in the Spark 3.5 job
    through ``tests/spark35.txt``);
-2. run the job with that environment's interpreter (no ``PYSPARK_PYTHON``, no
-   ``PYTHONPATH``, nothing of twophase in the environment) into PostgreSQL, Apache
-   Kafka over SASL_SSL (ACLs enforced, the principal holding exactly the documented
-   ACLs) and Delta on local disk;
-3. ``kill -9`` its driver mid-stream: after a batch committed, while a later batch has
+2. the Kafka administrator's part: the page's ``admin.properties`` and its
+   ``kafka-topics.sh`` / ``kafka-acls.sh`` commands, run by bash as written through
+   Kafka's own tools (:func:`twophase.testing.kafkajars.tool_scripts`: the distribution's
+   main classes on the suite's jars); the principal then holds exactly the rows of
+   docs/user/security.md's ACL table, no more (a principal no other test grants
+   anything, so that nothing but the page's commands gives it a right);
+3. run the job with that environment's interpreter (no ``PYSPARK_PYTHON``, no
+   ``PYTHONPATH``, nothing of twophase in the environment) into PostgreSQL over TLS
+   (``sslmode=verify-full``, the server refusing plaintext), Apache Kafka over SASL_SSL
+   (ACLs enforced) and Delta on local disk;
+4. ``kill -9`` its driver mid-stream: after a batch committed, while a later batch has
    branches prepared in PostgreSQL (or, if that window is missed, between two batches
    before the last);
-4. run the same command again, then the page's check commands;
-5. judge: every id exactly once in PostgreSQL (SQL), in Kafka (a ``read_committed``
+5. run the same command again, then the page's check commands;
+6. judge: every id exactly once in PostgreSQL (SQL), in Kafka (a ``read_committed``
    consumer and the partition-log judge of :func:`twophase.testing.verify.verify`) and
    in Delta (read back by deltalake); nothing prepared anywhere, every transaction
    decided.
@@ -24,6 +30,7 @@ names, paths and credentials. The steps:
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -44,12 +51,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.kafka import create_topic, grant_app, secure_kafka
+from tests.support.kafka import secure_kafka
 from tests.support.user import INTERNAL
 from twophase.sinks.delta import DeltaParticipant
 from twophase.sinks.kafka import KafkaParticipant
+from twophase.sinks.kafka.acls import RequiredAcl
 from twophase.sinks.postgres import PostgresParticipant, gid_prefix, parse_gid
 from twophase.testing.apachekafka import LocalKafka
+from twophase.testing.kafkajars import tool_scripts
+from twophase.testing.localpg import LocalPostgres
 from twophase.testing.servers import clean_env
 from twophase.testing.verify import verify
 
@@ -59,6 +69,8 @@ pytestmark = [pytest.mark.real_kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "user" / "first-job.md"
+SECURITY = ROOT / "docs" / "user" / "security.md"
+PRINCIPAL = "firstjob"  # the page's `app`: a user of secure_kafka that only this test grants
 FILES, ROWS = 6, 40  # one input file per micro-batch
 COMMITTED = re.compile(r"INFO twophase\.sink: sink orders batch (\d+) committed: (\d+) rows")
 
@@ -118,6 +130,62 @@ def _install(work: Path, pyspark: str) -> tuple[Path, str]:
     assert found[:2] == [str(site / "site-packages" / "twophase" / "__init__.py"), pyspark], \
         found  # this environment's own twophase, the pyspark asked for
     return python, f"pyspark {found[1]}, pyarrow {found[2]}, numpy {found[3]}"
+
+
+def _administer(work: Path, kafka: LocalKafka, topic: str) -> None:
+    """The Kafka administrator's part of the page, step 2: its ``admin.properties`` and
+    its commands, run by bash with Kafka's tools first on PATH; then what the principal
+    holds must be the security page's ACL table, row for row."""
+    admin = kafka.client_config()
+    (work / "admin.properties").write_text(localize(doc_block("admin-config"), {
+        'password="..."': f'password="{admin["sasl.password"]}"',
+        "/etc/ssl/kafka-ca.pem": admin["ssl.ca.location"],
+    }))
+    script = localize(doc_block("kafka-admin"), {
+        "broker1:9093": admin["bootstrap.servers"],
+        "User:app": f"User:{PRINCIPAL}",
+        "--replication-factor 3": "--replication-factor 1",  # one broker
+    })
+    script, n = re.subn(r"(?<=--topic )orders(?=[\s.])", topic, script)
+    assert n >= 2, script  # the topic and its staging topic
+    tools = tool_scripts(work / "kafka" / "bin")
+    env = user_env(PATH=f"{tools}{os.pathsep}{os.environ.get('PATH', '')}")
+    out = subprocess.run(["bash", "-euc", script], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, f"the page's Kafka commands failed:\n{script}\n" \
+                                f"{out.stdout[-3000:]}{out.stderr[-3000:]}"
+    table = {row.split("`")[1].replace("User:app", f"User:{PRINCIPAL}")
+             for row in SECURITY.read_text(encoding="utf-8").splitlines()
+             if row.startswith("| `--allow-principal")}
+    table = {re.sub(r"(?<=--topic )orders(?=[\s.]|$)", topic, row) for row in table}
+    assert len(table) >= 10, table  # the table is still where this test reads it
+    granted = _acls_of(kafka, f"User:{PRINCIPAL}")
+    assert granted == table, {"granted, not in the table": sorted(granted - table),
+                              "in the table, not granted": sorted(table - granted)}
+
+
+def _acls_of(kafka: LocalKafka, principal: str) -> set[str]:
+    """Every ACL binding of ``principal`` on the broker (all ALLOW from any host), in the
+    security page's ``kafka-acls.sh --add`` spelling."""
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not in its __all__
+        AclBindingFilter,
+        AclOperation,
+        AclPermissionType,
+        AdminClient,
+        ResourcePatternType,
+        ResourceType,
+    )
+
+    config: dict[str, str | int | float | bool] = {**kafka.client_config()}
+    anything: Any = None  # a filter's None matches every name and host
+    admin = AdminClient(config)  # held until the answer: a dropped client cancels it
+    found = admin.describe_acls(AclBindingFilter(
+        ResourceType.ANY, anything, ResourcePatternType.ANY, principal, anything,
+        AclOperation.ANY, AclPermissionType.ANY), request_timeout=15).result(timeout=15)
+    assert all(b.permission_type.name == "ALLOW" and b.host == "*" for b in found), found
+    return {RequiredAcl(b.restype.name.replace("BROKER", "CLUSTER"), b.name,
+                        b.resource_pattern_type.name, b.operation.name, "").describe(principal)
+            for b in found}
 
 
 def _prepared(dsn: str) -> list[str]:
@@ -201,7 +269,7 @@ def _kafka_read_committed(config: dict[str, str], topic: str, expect: int) -> Co
 
 
 def test_a_new_user_installs_runs_kills_and_recovers_the_documented_job(
-    work: Path, pg_dsn: str, secure_kafka: LocalKafka
+    work: Path, tls_pg: LocalPostgres, secure_kafka: LocalKafka
 ) -> None:
     timings: dict[str, float] = {}
     started = time.monotonic()
@@ -212,10 +280,11 @@ def test_a_new_user_installs_runs_kills_and_recovers_the_documented_job(
     # the Kafka administrator's part (page, step 2): the topics, the documented ACLs
     topic = f"orders-{uuid.uuid4().hex[:8]}"
     table = f"orders_{uuid.uuid4().hex[:8]}"
-    app = secure_kafka.client_config("app")
-    create_topic(secure_kafka.client_config(), topic, partitions=2)
-    create_topic(secure_kafka.client_config(), f"{topic}.twophase-staged", partitions=2)
-    grant_app(secure_kafka, topic)
+    t0 = time.monotonic()
+    _administer(work, secure_kafka, topic)
+    timings["Kafka administration"] = time.monotonic() - t0
+    app = secure_kafka.client_config(PRINCIPAL)
+    pg_dsn = tls_pg.tls_dsn()
     incoming = work / "data" / "incoming" / "orders"
     incoming.mkdir(parents=True)
     for i in range(FILES):
@@ -225,8 +294,11 @@ def test_a_new_user_installs_runs_kills_and_recovers_the_documented_job(
 
     # the user's values in the copied blocks
     store = f"sqlite:///{work}/var/lib/"
-    (work / "orders_job.py").write_text(localize(doc_block("job"), {
-        "postgresql://app@db.internal:5432/shop": pg_dsn,
+    assert tls_pg.ca_cert is not None
+    (work / "orders_job.py").write_text(job := localize(doc_block("job"), {
+        "postgresql://app@db.internal:5432/shop": tls_pg.dsn,
+        "/etc/ssl/db-ca.pem": str(tls_pg.ca_cert),
+        '"sasl.username": "app"': f'"sasl.username": "{PRINCIPAL}"',
         'table="orders"': f'table="{table}"',
         'KafkaParticipant("orders"': f'KafkaParticipant("{topic}"',
         "broker1:9093,broker2:9093": app["bootstrap.servers"],
@@ -234,6 +306,10 @@ def test_a_new_user_installs_runs_kills_and_recovers_the_documented_job(
         '"/data/': f'"{work}/data/',
         "sqlite:////var/lib/": store,
     }))
+    # the page's DSN is TLS, the server's certificate and host name verified
+    [dsn] = [ast.literal_eval(kw.value) for node in ast.walk(ast.parse(job))
+             if isinstance(node, ast.Call) for kw in node.keywords if kw.arg == "dsn"]
+    assert dsn == pg_dsn, (dsn, pg_dsn)
     run = doc_block("run").strip().splitlines()
     assert run[0].startswith("export KAFKA_PASSWORD="), run
     command = shlex.split(run[-1])

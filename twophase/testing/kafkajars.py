@@ -7,6 +7,11 @@ dependency into one folder, the classpath of ``java kafka.Kafka``. The folder is
 the pom's content, so a changed pom builds a new one and an unchanged one is reused.
 
 ``$TWOPHASE_KAFKA_LIBS`` names a ready folder of jars instead (an offline machine).
+
+The same jars hold Kafka's command-line tools (``kafka-tools``): :func:`tool_scripts`
+writes ``kafka-topics.sh`` and ``kafka-acls.sh`` that run the main classes the Kafka
+distribution's ``bin/`` scripts run, so a test can run an administrator's commands as a
+page prints them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -27,11 +33,13 @@ __all__ = [
     "ENV_LIBS",
     "KAFKA_VERSION",
     "POM",
+    "TOOLS",
     "KafkaJarsUnavailable",
     "cache_dir",
     "java_binary",
     "kafka_libs",
     "maven_copy",
+    "tool_scripts",
 ]
 
 ENV_LIBS = "TWOPHASE_KAFKA_LIBS"
@@ -138,6 +146,46 @@ def maven_copy(pom: Path, root: Path, target: Path, *, what: str, env: str,
             f"Central reachable?):\n{(done.stdout + done.stderr)[-3000:]}")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+
+
+TOOLS: dict[str, str] = {
+    "kafka-topics.sh": "org.apache.kafka.tools.TopicCommand",
+    "kafka-acls.sh": "org.apache.kafka.tools.AclCommand",
+}
+"""The scripts of Kafka 4.x's ``bin/`` and the main class each runs (through
+``kafka-run-class.sh``); both classes are in ``kafka-tools-<version>.jar``."""
+
+_TOOLS_LOG4J2 = """status = warn
+appender.err.type = Console
+appender.err.name = err
+appender.err.target = SYSTEM_ERR
+appender.err.layout.type = PatternLayout
+appender.err.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = warn
+rootLogger.appenderRef.err.ref = err
+"""
+
+
+def tool_scripts(folder: Path) -> Path:
+    """Write :data:`TOOLS` into ``folder`` (made if missing) as executable scripts that
+    run Kafka's main class on the resolved jars, with warnings on stderr as the
+    distribution's tools log; returns ``folder``, to put first on ``PATH``."""
+    libs = kafka_libs()
+    if not any(libs.glob("kafka-tools-*.jar")):
+        raise KafkaJarsUnavailable(
+            f"{libs} holds no kafka-tools jar (Kafka's command-line tools): point "
+            f"${ENV_LIBS} at a folder that has it, or unset it to resolve {POM.name}")
+    folder.mkdir(parents=True, exist_ok=True)
+    log4j = folder / "tools-log4j2.properties"
+    log4j.write_text(_TOOLS_LOG4J2)
+    java = [java_binary(), "-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+            f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{libs}/*"]
+    for script, main in TOOLS.items():
+        path = folder / script
+        path.write_text(f"#!/bin/sh\n# Apache Kafka {KAFKA_VERSION}'s bin/{script}: the same "
+                        f"main class, on Maven's jars\nexec {shlex.join(java)} {main} \"$@\"\n")
+        path.chmod(0o755)
+    return folder
 
 
 if __name__ == "__main__":  # `python -m twophase.testing.kafkajars`: resolve now (CI)
