@@ -21,11 +21,16 @@ prepare does not open one in the task:
   is an error. Transactional ids come from a pool of :data:`COMMIT_IDS` per (sink,
   participant), all initialised when a process first commits: a copy cut by a crash is
   aborted by the next process's ``init_transactions`` and copied again, and a branch
-  whose marker is committed is skipped. A batch finished by Spark tasks after a restart
-  copies from each task on a lane of the branch's own (``commit.p<partition>``,
-  :func:`_commit_in_task`): the workers' pools would fence each other.
+  whose marker is committed is skipped (the pool: :mod:`.lanes`).
+- **recovery**: a branch reads PREPARED while its staged range is in the staging topic
+  (:func:`voted_status`), so a restart finishes a COMMIT-decided batch from the driver
+  (``twophase.recover``) without the batch's rows. Only a branch whose records retention
+  took is written again from the replay, by Spark tasks: each copies on a lane of the
+  branch's own (``commit.p<partition>``, :func:`_commit_in_task`), as the workers' pools
+  would fence each other.
 - **abort**: nothing is visible and nothing is held (no transaction, no lock): the staged
-  records are never copied and leave with the staging topic's retention.
+  records are never copied; the driver's background prune deletes those of committed
+  batches below the marker window (:mod:`.stagedprune`), retention the rest.
 """
 
 from __future__ import annotations
