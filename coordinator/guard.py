@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
 from twophase import wire
-from twophase.coordinator.roles import OPEN_PATHS, TokenSet, role_for
+from twophase.coordinator.roles import OPEN_PATHS, TokenSet, role_for, sink_of
 from twophase.errors import TwophaseError
 
 __all__ = ["MAX_BODY", "OPEN_PATHS", "Guard"]
@@ -28,8 +28,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 class Guard:
     """Refuses a request without a known bearer token (401), with a data token on an
-    operator route (403) or with a body larger than ``max_body`` (413), answering in the
-    service's error layout."""
+    operator route or on a sink outside its scope (403), or with a body larger than
+    ``max_body`` (413), answering in the service's error layout."""
 
     def __init__(self, app: ASGIApp, tokens: TokenSet, max_body: int) -> None:
         self.app = app
@@ -84,17 +84,26 @@ class Guard:
                 "missing bearer token: send 'Authorization: Bearer <token>' (jobs: a data "
                 "token, operators: an operator token, from the daemon's --token-file or "
                 "--token; docs/coordinator-api.md, Security)")
-        role = self.tokens.role_of(got)
-        if role is None:
+        grant = self.tokens.grant_of(got)
+        if grant is None:
             return 401, "unauthorized", (
                 "unknown bearer token: it is not among the daemon's tokens (mistyped, or "
                 "rotated out of its --token-file); send a current token: jobs a 'data' "
                 "line, operators an 'operator' line of that file, or the daemon's --token")
-        if role == "data" and role_for(method, path) != "data":
+        if grant.role != "data":
+            return None
+        if role_for(method, path) != "data":
             return 403, "forbidden", (
                 f"{method} {path} needs an operator token; this is a data token (for the "
                 "jobs' begin, votes, acks and decisions only): send an operator token (an "
                 "'operator' line of the daemon's --token-file, or its --token)")
+        sink = sink_of(path)
+        if not grant.allows(sink):
+            return 403, "forbidden", (
+                f"{method} {path} acts on sink {sink!r}; this data token is scoped to sinks "
+                f"{' '.join(grant.sinks)} (its line in the daemon's --token-file): give "
+                f"this job a data token whose line names {sink!r}, or add {sink!r} to "
+                "this token's line")
         return None
 
 

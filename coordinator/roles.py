@@ -10,22 +10,28 @@ asserts every route of the app is in the table).
 Tokens come from ``--token`` (one operator token, as before roles existed) and from a
 token file of ``ROLE TOKEN`` lines, re-read when it changes (a ``stat`` at most every
 ``CHECK_EVERY`` seconds, so a request costs no file read), which is how tokens rotate
-without a restart: add the new token, move the jobs to it, remove the old one.
+without a restart: add the new token, move the jobs to it, remove the old one. A data
+line may end with the sinks its token may act on (``data TOKEN orders pay*``: names or
+``fnmatch`` globs), so one job's token cannot begin, vote, ack or decide another's
+batches; without them a data token acts on every sink.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import logging
 import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Final, Literal
 
 from twophase.errors import InvalidRequest
 
-__all__ = ["CHECK_EVERY", "ROUTE_ROLES", "Role", "TokenSet", "parse_token_file", "role_for"]
+__all__ = ["CHECK_EVERY", "ROUTE_ROLES", "Grant", "Role", "TokenSet", "parse_token_file",
+           "role_for", "sink_of"]
 
 log = logging.getLogger("twophase.coordinator.roles")
 
@@ -85,13 +91,39 @@ def role_for(method: str, path: str) -> Role:
     return "operator"
 
 
+def sink_of(path: str) -> str | None:
+    """The sink a data route acts on (``/v1/sinks/{sink}/...``, ``/v1/txns/{sink}/...``);
+    None for a path that names none."""
+    parts = path.split("/")
+    if len(parts) > 3 and parts[1] == "v1" and parts[2] in ("sinks", "txns") and parts[3]:
+        return parts[3]
+    return None
+
+
 CHECK_EVERY: Final = 1.0  # seconds between two stat() calls of the token file
 ROLES: Final = ("data", "operator")
+_SCOPE_RE: Final = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]{1,64}$")
 
 
-def parse_token_file(path: str) -> dict[str, str]:
-    """``token -> role`` from a file of ``ROLE TOKEN`` lines (``#`` comments, blank
-    lines); several tokens per role are what makes an overlap window possible."""
+@dataclass(frozen=True)
+class Grant:
+    """A token's role and, for a data token, the sinks it may act on (names or
+    ``fnmatch`` globs; empty: every sink)."""
+
+    role: Role
+    sinks: tuple[str, ...] = ()
+
+    def allows(self, sink: str | None) -> bool:
+        """Whether this token may act on ``sink`` (None: a route naming no sink)."""
+        if not self.sinks or sink is None:
+            return True
+        return any(fnmatch.fnmatchcase(sink, pattern) for pattern in self.sinks)
+
+
+def parse_token_file(path: str) -> dict[str, Grant]:
+    """``token -> grant`` from a file of ``ROLE TOKEN [SINK ...]`` lines (``#``
+    comments, blank lines; sinks on data lines only); several tokens per role are what
+    makes an overlap window possible."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.read().splitlines()
@@ -101,26 +133,35 @@ def parse_token_file(path: str) -> dict[str, str]:
             "file of 'data <token>' / 'operator <token>' lines (--token-file, "
             "$TWOPHASE_TOKEN_FILE)"
         ) from exc
-    tokens: dict[str, str] = {}
+    tokens: dict[str, Grant] = {}
     for n, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
         parts = text.split()
-        if len(parts) != 2 or parts[0] not in ROLES:
+        if len(parts) < 2 or parts[0] not in ROLES or (parts[0] == "operator"
+                                                        and len(parts) > 2):
             raise InvalidRequest(
-                f"token file {path}, line {n}: expected 'data <token>' or 'operator "
-                f"<token>', got {len(parts)} word(s) starting {parts[0][:12]!r}"
+                f"token file {path}, line {n}: expected 'data <token>' (optionally followed "
+                f"by the sinks it may act on, names or globs) or 'operator <token>', got "
+                f"{len(parts)} word(s) starting {parts[0][:12]!r}"
             )
-        role, token = parts
+        role, token, sinks = parts[0], parts[1], tuple(parts[2:])
+        bad = [s for s in sinks if not _SCOPE_RE.match(s)]
+        if bad:
+            raise InvalidRequest(
+                f"token file {path}, line {n}: {bad[0][:70]!r} is not a sink name or glob "
+                "(1-64 characters from A-Z a-z 0-9 _ . - and the glob characters * ? [ ] !)")
         if len(token) < 16:
             raise InvalidRequest(f"token file {path}, line {n}: a {role} token needs at "
                                  "least 16 characters (e.g. python -c 'import secrets; "
                                  "print(secrets.token_urlsafe(24))')")
-        if tokens.get(token, role) != role:
-            raise InvalidRequest(f"token file {path}, line {n}: the same token is listed "
-                                 "as data and as operator; give each role its own")
-        tokens[token] = role
+        if token in tokens:
+            raise InvalidRequest(
+                f"token file {path}, line {n}: the same token is listed "
+                + ("as data and as operator; give each role its own"
+                   if tokens[token].role != role else "twice; list its sinks on one line"))
+        tokens[token] = Grant("data" if role == "data" else "operator", sinks)
     return tokens
 
 
@@ -132,18 +173,18 @@ class TokenSet:
 
     def __init__(self, token: str | None = None, token_file: str | None = None,
                  *, check_every: float = CHECK_EVERY, data_token: str | None = None) -> None:
-        self.fixed: dict[str, str] = {}
+        self.fixed: dict[str, Grant] = {}
         if token:
-            self.fixed[token] = "operator"
+            self.fixed[token] = Grant("operator")
         if data_token:
-            self.fixed[data_token] = "data"
+            self.fixed[data_token] = Grant("data")
         self.token_file = token_file
         self.check_every = check_every
         self._lock = threading.Lock()
         self._seen: tuple[int, int, int] | None = None
         self._next_check = 0.0
-        self._from_file: dict[str, str] = {}
-        self._current: list[tuple[bytes, Role]] = []
+        self._from_file: dict[str, Grant] = {}
+        self._current: list[tuple[bytes, Grant]] = []
         if token_file is not None:
             self._from_file = parse_token_file(token_file)
             self._seen = _signature(token_file)
@@ -160,19 +201,23 @@ class TokenSet:
         self._refresh()
         return self._count()
 
+    def grant_of(self, authorization: bytes) -> Grant | None:
+        """The grant of an ``Authorization`` header's bearer token; None: unknown."""
+        self._refresh()
+        found: Grant | None = None
+        for expected, grant in self._current:  # compare with every token: constant time
+            if hmac.compare_digest(authorization, expected):
+                found = grant
+        return found
+
     def role_of(self, authorization: bytes) -> Role | None:
         """The role of an ``Authorization`` header's bearer token; None: unknown."""
-        self._refresh()
-        found: Role | None = None
-        for expected, role in self._current:  # compare with every token: constant time
-            if hmac.compare_digest(authorization, expected):
-                found = role
-        return found
+        grant = self.grant_of(authorization)
+        return None if grant is None else grant.role
 
     def _rebuild(self) -> None:
         merged = {**self._from_file, **self.fixed}
-        self._current = [(f"Bearer {tok}".encode(), role)  # type: ignore[misc]
-                         for tok, role in merged.items()]
+        self._current = [(f"Bearer {tok}".encode(), grant) for tok, grant in merged.items()]
 
     def _refresh(self) -> None:
         if self.token_file is None or time.monotonic() < self._next_check:
@@ -198,8 +243,8 @@ class TokenSet:
 
     def _count(self) -> dict[str, int]:
         out = dict.fromkeys(ROLES, 0)
-        for _tok, role in self._current:
-            out[role] += 1
+        for _tok, grant in self._current:
+            out[grant.role] += 1
         return out
 
 

@@ -350,3 +350,52 @@ def probe_transactional_write(
                     f"kafka-acls.sh --add --allow-principal User:<you> --operation "
                     f"{op.title()} --topic {topic}" for op in missing),
                 host=host, kind=Failure.AUTHORIZATION)
+
+
+GROUP_ACL_HINT = ("kafka-acls.sh --add --allow-principal User:<you> --operation Read "
+                  "--operation Describe --group twophase. --resource-pattern-type prefixed")
+"""The binding the marker groups need (docs/user/security.md, :mod:`.acls`)."""
+
+
+def probe_group(who: str, config: Mapping[str, object], group: str, topic: str, *,
+                timeout: float) -> None:
+    """The consumer-group ACLs a marker needs, on ``group`` (a probe group under the
+    marker groups' prefix ``twophase.``): Read, by committing offset 0 of (topic, 0)
+    for it (OffsetCommit: the check a marker's offset commit meets; the probe group
+    keeps that offset, no marker group is touched), and Describe, by reading it back
+    (OffsetFetch: what reading a marker does). DescribeGroups' authorized operations
+    cannot say it: a group that does not exist yet reports none. Only an authorization
+    error refuses; any other (a coordinator still loading) leaves the answer to the
+    first batch. Admin requests only: no consumer, no transaction."""
+    import socket
+
+    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+
+    admin, _ = _admin(config)
+    refused: list[str] = []
+
+    def denied(value: object) -> bool:
+        err = value.args[0] if isinstance(value, BaseException) and value.args else value
+        return getattr(err, "name", lambda: "")() == "GROUP_AUTHORIZATION_FAILED"
+
+    calls = (("READ", admin.alter_consumer_group_offsets, TopicPartition(topic, 0, 0)),
+             ("DESCRIBE", admin.list_consumer_group_offsets, TopicPartition(topic, 0)))
+    for op, call, tp in calls:
+        try:
+            [future] = call([ConsumerGroupTopicPartitions(group, [tp])],
+                            request_timeout=timeout).values()
+            answer = future.result(timeout=timeout)
+            if any(denied(p.error) for p in answer.topic_partitions or ()):
+                refused.append(op)
+        except Exception as exc:
+            if denied(exc):
+                refused.append(op)
+    if refused:
+        raise TargetProblem(
+            who, f"Kafka at {config['bootstrap.servers']} does not allow this principal "
+            f"{', '.join(refused)} on consumer group {group!r} (GROUP_AUTHORIZATION_FAILED): "
+            "the marker groups twophase.<sink>.<lineage>.<participant>.<partition> need "
+            "Read (the marker is an offset commit in the transaction) and Describe "
+            "(reading it)",
+            f"grant the principal Read and Describe on the groups by prefix "
+            f"({GROUP_ACL_HINT})", host=socket.gethostname(), kind=Failure.AUTHORIZATION)

@@ -6,8 +6,10 @@ Kept apart from the clients so the rules that protect the protocol (a derived
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Final
 
 from twophase.errors import InvalidRequest
@@ -15,9 +17,12 @@ from twophase.errors import InvalidRequest
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TRANSACTION_MAX_TIMEOUT_MS",
+    "KAFKA_CONFIG_ENV",
+    "KAFKA_PASSWORD_ENV",
     "RECORD_OVERHEAD_BYTES",
     "TEST_BROKER_CLUSTER_ID",
     "common_config",
+    "load_client_config",
     "validate_config",
     "validate_topic",
 ]
@@ -94,6 +99,56 @@ def common_config(config: Mapping[str, object]) -> dict[str, object]:
     """The connection and security settings, for consumers and admin clients (producer
     settings would make them warn or fail)."""
     return {k: v for k, v in config.items() if k.startswith(_COMMON_PREFIXES)}
+
+
+KAFKA_CONFIG_ENV: Final = "TWOPHASE_KAFKA_CONFIG"
+"""The default of every CLI subcommand's ``--kafka-config``: a properties file of
+librdkafka settings."""
+
+KAFKA_PASSWORD_ENV: Final = "TWOPHASE_KAFKA_SASL_PASSWORD"  # noqa: S105 - a variable's name
+"""``sasl.password`` for the settings of ``--kafka-config``, kept out of the file."""
+
+_NEEDS_PASSWORD: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def load_client_config(path: str | Path, flag: str = "--kafka-config"
+                       ) -> dict[str, str]:
+    """librdkafka settings from a properties file (``key=value`` or ``key: value`` lines,
+    ``#``/``!`` comments), ``sasl.password`` from :data:`KAFKA_PASSWORD_ENV` when set
+    (it wins over the file's, so the secret can stay out of the file). Errors name the
+    file, the line and the fix; a SASL sign-in with no password is refused here rather
+    than as a broker's authentication failure."""
+    fix = (f"Fix: pass {flag} the path of a readable file of librdkafka settings, one "
+           "key=value a line (e.g. security.protocol=SASL_SSL), or unset "
+           f"${KAFKA_CONFIG_ENV}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        cause = getattr(exc, "strerror", None) or str(exc)
+        raise InvalidRequest(f"cannot read the Kafka settings {path} ({flag}): {cause}. "
+                             f"{fix}") from None
+    out: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        cut = min((i for i in (line.find("="), line.find(":")) if i > 0), default=-1)
+        if cut < 0:
+            raise InvalidRequest(f"{path} line {number} ({flag}) is not key=value: "
+                                 f"{line[:60]!r}. {fix}")
+        out[line[:cut].strip()] = line[cut + 1:].strip()
+    password = os.environ.get(KAFKA_PASSWORD_ENV)
+    if password:
+        out["sasl.password"] = password
+    if (out.get("security.protocol", "").upper().startswith("SASL")
+            and out.get("sasl.mechanism", "GSSAPI").upper() in _NEEDS_PASSWORD
+            and not out.get("sasl.password")):
+        raise InvalidRequest(
+            f"{path} ({flag}) signs in with SASL {out['sasl.mechanism']} but no "
+            f"sasl.password is given. Fix: set ${KAFKA_PASSWORD_ENV} to the password of "
+            f"sasl.username {out.get('sasl.username', '?')!r} (or add sasl.password= to "
+            "the file)")
+    return out
 
 
 TEST_BROKER_CLUSTER_ID = "twophase-tansu"

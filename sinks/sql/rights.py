@@ -25,6 +25,45 @@ def _first_line(exc: BaseException) -> str:
     return str(orig).strip().splitlines()[0][:300] if str(orig).strip() else type(exc).__name__
 
 
+def _account(conn: sa.Connection, backend: str, fallback: str) -> str:
+    """The account as a GRANT names it: ``'user'@'host'`` (MySQL, MariaDB: the row of
+    mysql.user the server matched, CURRENT_USER()) or the role (PostgreSQL)."""
+    try:
+        if backend == "postgresql":
+            return f'"{conn.execute(sa.text("SELECT current_user")).scalar()}"'
+        found = str(conn.execute(sa.text("SELECT CURRENT_USER()")).scalar())
+    except sa.exc.DBAPIError:
+        return fallback
+    user, _, host = found.rpartition("@")
+    return f"'{user}'@'{host}'" if user else fallback
+
+
+def _create_grant(conn: sa.Connection, backend: str, user: str) -> str:
+    """``GRANT CREATE`` on the database (MySQL, MariaDB) or the current schema."""
+    query = "SELECT DATABASE()" if backend == "mysql" else "SELECT current_schema()"
+    try:
+        name = conn.execute(sa.text(query)).scalar()
+    except sa.exc.DBAPIError:
+        name = None
+    if backend == "mysql":
+        target = f"`{name}`.*" if name else "<database>.*"
+        return f"GRANT CREATE ON {target} TO {user}"
+    schema = f'"{name}"' if name else "<schema>"
+    return f"GRANT CREATE ON SCHEMA {schema} TO {user}"
+
+
+def _xa_recover_grant(conn: sa.Connection, user: str) -> str:
+    """The grant that lets ``user`` run XA RECOVER on this server."""
+    try:
+        version = str(conn.execute(sa.text("SELECT VERSION()")).scalar())
+    except sa.exc.DBAPIError:
+        version = ""
+    if "mariadb" in version.lower():  # sql/xa.cc: XA RECOVER checks no privilege
+        return ("MariaDB requires no privilege for XA RECOVER: let the statement through "
+                "whatever refused it (a proxy or a managed service's filter)")
+    return f"GRANT XA_RECOVER_ADMIN ON *.* TO {user} (MySQL 8 and later)"
+
+
 def _two_phase(conn: sa.Connection, backend: str, user: str) -> list[tuple[str, str]]:
     if backend == "postgresql":
         n = conn.execute(sa.text("SELECT current_setting('max_prepared_transactions')::int")
@@ -40,7 +79,7 @@ def _two_phase(conn: sa.Connection, backend: str, user: str) -> list[tuple[str, 
     except sa.exc.DBAPIError as exc:
         out.append((f"XA RECOVER is refused ({_first_line(exc)}): a restarted job could not "
                     "find its prepared branches",
-                    f"GRANT XA_RECOVER_ADMIN ON *.* TO {user} (MySQL 8 and later)"))
+                    _xa_recover_grant(conn, user)))
     xid = f"twophase-probe-{uuid.uuid4().hex[:12]}"
     try:
         conn.execute(sa.text(f"XA START '{xid}'"))
@@ -60,11 +99,16 @@ def _create(conn: sa.Connection, backend: str, user: str, missing: Sequence[str]
         return [(f"table(s) {', '.join(missing)} do not exist and create=False",
                  "create them beforehand, or pass create=True with the CREATE right")]
     probe = f"twophase_probe_{uuid.uuid4().hex[:12]}"
+    # MySQL/MariaDB: a table with a duplicate column fails (ER_DUP_FIELDNAME) after the
+    # CREATE privilege check and before anything exists, so the probe needs no DROP
+    # right (not one the participant needs); PostgreSQL: the creator owns and may drop it
+    columns = "x INTEGER, x INTEGER" if backend == "mysql" else "x INTEGER"
     try:
-        conn.execute(sa.text(f"CREATE TABLE {probe} (x INTEGER)"))
+        conn.execute(sa.text(f"CREATE TABLE {probe} ({columns})"))
     except sa.exc.DBAPIError as exc:
-        grant = ("GRANT CREATE ON <database>.* TO " + user if backend == "mysql"
-                 else f"GRANT CREATE ON SCHEMA <schema> TO {user}")
+        if backend == "mysql" and _errno(exc) == _ER_DUP_FIELDNAME:
+            return []
+        grant = _create_grant(conn, backend, user)
         return [(f"the user may not create tables in {where} ({_first_line(exc)}), and "
                  f"table(s) {', '.join(missing)} do not exist yet",
                  f"{grant}, or create the tables beforehand")]
@@ -72,11 +116,19 @@ def _create(conn: sa.Connection, backend: str, user: str, missing: Sequence[str]
     return []
 
 
+_ER_DUP_FIELDNAME = 1060
+
+
+def _errno(exc: sa.exc.DBAPIError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
 def check_rights(who: str, conn: sa.Connection, backend: str, tables: Sequence[str],
                  create: bool) -> None:
     """Raise :class:`TargetProblem` naming every missing right and its grant.
     ``conn`` is an autocommit connection; ``tables`` those the participant writes."""
-    user = conn.engine.url.username or "<user>"
+    user = _account(conn, backend, conn.engine.url.username or "<user>")
     problems = _two_phase(conn, backend, user)
     inspector = sa.inspect(conn)
     missing = [t for t in tables if not inspector.has_table(t)]

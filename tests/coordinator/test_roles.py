@@ -19,7 +19,7 @@ from twophase.coordinator.roles import ROUTE_ROLES, TokenSet, role_for
 from twophase.errors import CoordinatorError, InvalidRequest
 from twophase.protocol import Decision, State, TxnKey
 from twophase.testing.servers import LocalDaemon
-from twophase.wire import VoteIn
+from twophase.wire import VoteIn, votes_body
 
 SINK = "orders"
 KEY = TxnKey(SINK, "L-roles", 0, 1)
@@ -224,3 +224,72 @@ def test_an_embedded_coordinator_ships_only_its_data_token(tmp_path: Path) -> No
         assert conn.client(operator=True).admin_abort(KEY, "driver gone").decision \
             == Decision.ABORT
         shipped.close()
+
+
+def test_a_data_token_scoped_to_a_sink_is_refused_on_another(tmp_path: Path) -> None:
+    """A data line naming sinks (names or globs) lets its token act on those only: every
+    data route of another sink is 403 naming the scope and the fix, and nothing happens;
+    widening the line takes effect without a restart (the file is re-read)."""
+    a, b, operator = _tok(), _tok(), _tok()
+    tokens = tmp_path / "tokens"
+    _write(tokens, f"data {a} orders\ndata {b} pay* refunds\noperator {operator}\n")
+    d = LocalDaemon(f"sqlite:///{tmp_path / 'tp.db'}", None, tmp_path / "d.log",
+                    token_file=str(tokens)).start()
+    try:
+        pay = TxnKey("payments", "L-scope", 0, 1)
+        with CoordinatorClient(d.url, a, retry_budget=5) as job_a, \
+                CoordinatorClient(d.url, b, retry_budget=5) as job_b:
+            epoch = job_a.register(SINK)  # its own sink: the whole batch path
+            job_a.begin(SINK, KEY.lineage, 0, epoch, ["pg"], 1, 60)
+            pay_epoch = job_b.register("payments")  # a glob's sink
+            job_b.begin("payments", pay.lineage, 0, pay_epoch, ["pg"], 1, 60)
+            job_b.vote(pay, pay_epoch, [VoteIn("pg/0", True, {})])
+            refused = [
+                lambda: job_b.register(SINK),
+                lambda: job_b.begin(SINK, KEY.lineage, 1, epoch, ["pg"], 1, 60),
+                lambda: job_b.vote(KEY, epoch, [VoteIn("pg/0", True, {})]),
+                lambda: job_b.ack(KEY, epoch, [("pg/0", Decision.COMMIT)]),
+                lambda: job_b.await_decision(KEY, 0.1),
+                lambda: job_b.get(KEY),
+                lambda: job_a.begin("payments", pay.lineage, 1, pay_epoch, ["pg"], 1, 60),
+                lambda: job_a.ack(pay, pay_epoch, [("pg/0", Decision.COMMIT)]),
+            ]
+            for call in refused:
+                with pytest.raises(CoordinatorError) as err:
+                    call()
+                assert err.value.status == 403, err.value
+            r = httpx.post(d.url + TXN + "/votes", timeout=10,
+                           headers={"Authorization": f"Bearer {b}"},
+                           json=votes_body(epoch, [VoteIn("pg/0", True, {})]))
+            assert r.status_code == 403 and r.json() == {"error": "forbidden", "message": (
+                f"POST {TXN}/votes acts on sink 'orders'; this data token is scoped to "
+                "sinks pay* refunds (its line in the daemon's --token-file): give this job "
+                "a data token whose line names 'orders', or add 'orders' to this token's "
+                "line")}
+            assert job_a.get(KEY).state == State.OPEN  # no refused call changed anything
+            assert job_b.get(pay).state == State.COMMITTING
+            # the scope widens without a restart: the file is re-read
+            _write(tokens, f"data {a} orders payments\ndata {b} pay* refunds\n"
+                           f"operator {operator}\n")
+            _until(lambda: httpx.get(d.url + "/v1/txns/payments/L-scope/0/1", timeout=10,
+                                     headers={"Authorization": f"Bearer {a}"}
+                                     ).status_code == 200)
+            assert job_a.ack(pay, pay_epoch, [("pg/0", Decision.COMMIT)]).state \
+                == State.COMMITTED
+    finally:
+        d.stop()
+
+
+def test_scoped_token_lines_are_checked(tmp_path: Path) -> None:
+    bad = tmp_path / "tokens"
+    bad.write_text(f"operator {_tok()} orders\n")
+    with pytest.raises(InvalidRequest, match=r"line 1: expected 'data <token>' \(optionally "
+                       r"followed by the sinks it may act on"):
+        TokenSet(None, str(bad))
+    bad.write_text(f"data {_tok()} orders/x\n")
+    with pytest.raises(InvalidRequest, match=r"line 1: 'orders/x' is not a sink name or glob"):
+        TokenSet(None, str(bad))
+    same = _tok()
+    bad.write_text(f"data {same} orders\ndata {same} payments\n")
+    with pytest.raises(InvalidRequest, match="listed twice; list its sinks on one line"):
+        TokenSet(None, str(bad))

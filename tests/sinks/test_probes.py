@@ -76,7 +76,7 @@ def test_sql_probe_names_a_missing_create_right(pg_dsn: str) -> None:
     text = str(err.value)
     assert "may not create tables in the current schema" in text, text
     assert "orders, twophase_markers, twophase_markers_xids do not exist yet" in text, text
-    assert f"Fix: GRANT CREATE ON SCHEMA <schema> TO {role}, or create the tables" in text
+    assert f'Fix: GRANT CREATE ON SCHEMA "s_{role}" TO "{role}", or create the tables' in text
     assert err.value.kind is Failure.AUTHORIZATION
     p.close()
     p = SqlAlchemyParticipant(url, "orders", create=False)
@@ -101,11 +101,18 @@ def test_sql_probe_names_a_server_without_two_phase_commit(tmp_path: Path) -> No
 def test_sql_probe_passes_mariadb_xa_and_names_a_missing_create_right(
     mariadb_server: Any,
 ) -> None:
+    """A MariaDB user lacking CREATE is refused before the first write with the exact
+    GRANT (its account and database), and that very statement lets the probe pass. XA
+    needs no grant on MariaDB (sql/xa.cc checks none for XA RECOVER): a user holding
+    nothing but its login runs XA START/END/ROLLBACK and XA RECOVER, so the XA refusal
+    cannot be provoked by withholding a privilege here (it is tested on PostgreSQL)."""
+    import re
     import uuid
 
     import pymysql
 
     user = f"nc{uuid.uuid4().hex[:8]}"
+    bare = f"nx{uuid.uuid4().hex[:8]}"
     root = pymysql.connect(unix_socket=str(mariadb_server.socket_path), user="root",
                            autocommit=True)
     try:
@@ -113,14 +120,45 @@ def test_sql_probe_passes_mariadb_xa_and_names_a_missing_create_right(
             cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")
             cur.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON "
                         f"{mariadb_server.database}.* TO '{user}'@'%'")
+            cur.execute(f"CREATE USER '{bare}'@'%' IDENTIFIED BY 'pw'")  # USAGE only
+        ok = SqlAlchemyParticipant(mariadb_server.url, f"probe_{user}")
+        ok.probe()  # root: XA START/END/ROLLBACK and XA RECOVER work, CREATE allowed
+        ok.close()
+        url = mariadb_server.url.replace("://root@", f"://{user}:pw@")
+        p = SqlAlchemyParticipant(url, f"probe_{user}")
+        with pytest.raises(TargetProblem) as err:
+            p.probe()
+        text = str(err.value)
+        assert "XA" not in text, text
+        grant = f"GRANT CREATE ON `{mariadb_server.database}`.* TO '{user}'@'%'"
+        assert re.search(r"may not create tables in this database \(\(1142, \"CREATE command "
+                         rf"denied to user '{user}'.*Fix: {re.escape(grant)}, or create the "
+                         r"tables beforehand", text), text
+        assert err.value.kind is Failure.AUTHORIZATION
+        p.close()
+        with root.cursor() as cur:
+            cur.execute(grant)  # the fix as printed (a database grant reaches new sessions)
+        p = SqlAlchemyParticipant(url, f"probe_{user}")
+        p.probe()  # without DROP (not a right the participant needs): nothing left behind
+        p.close()
+        with root.cursor() as cur:
+            cur.execute(f"SHOW TABLES FROM `{mariadb_server.database}` "
+                        "LIKE 'twophase\\_probe\\_%'")
+            assert cur.fetchall() == ()
+        xa = pymysql.connect(host="127.0.0.1", port=mariadb_server.port, user=bare,
+                             password="pw", autocommit=True)
+        try:
+            with xa.cursor() as cur:
+                cur.execute("SHOW GRANTS")
+                [(only,)] = cur.fetchall()  # the login alone: no privilege at all
+                assert only.startswith(f"GRANT USAGE ON *.* TO `{bare}`@`%`"), only
+                cur.execute("XA RECOVER")
+                cur.fetchall()
+                cur.execute(f"XA START 'probe-{bare}'")
+                cur.execute(f"XA END 'probe-{bare}'")
+                cur.execute(f"XA ROLLBACK 'probe-{bare}'")
+        finally:
+            xa.close()
     finally:
         root.close()
-    ok = SqlAlchemyParticipant(mariadb_server.url, f"probe_{user}")
-    ok.probe()  # root: XA START/END/ROLLBACK and XA RECOVER work, CREATE allowed
-    ok.close()
-    url = mariadb_server.url.replace("://root@", f"://{user}:pw@")
-    p = SqlAlchemyParticipant(url, f"probe_{user}")
-    with pytest.raises(TargetProblem, match=rf"may not create tables in this database.*Fix: "
-                       rf"GRANT CREATE ON <database>.\* TO {user}"):
-        p.probe()
-    p.close()
+

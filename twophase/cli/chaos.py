@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from twophase.cli.common import descriptor
+from twophase.cli.common import add_kafka_config_flag, descriptor, kafka_settings
 
 EPILOG = """\
 examples:
@@ -114,6 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the Kafka participant's prepare: staged (the default, barrier-free: "
                    "records staged in a topic, copied by the driver) or in_task (a barrier "
                    "stage; docs/kafka.md) (default staged)")
+    add_kafka_config_flag(p)
     p.add_argument("--broker-down-max", type=float, default=5.0, metavar="SECONDS",
                    help="victim broker: it stays down a random 0..SECONDS after each kill "
                    "(default 5)")
@@ -187,6 +188,20 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print("twophase chaos: --participant adds to the demo job; with --job, list the "
               "descriptors in the config's \"participants\"", file=sys.stderr)
         return 2
+    if args.kafka_config:
+        if not (args.kafka_bootstrap or (job is not None and job.kafka_bootstrap)):
+            print("twophase chaos: --kafka-config (or $TWOPHASE_KAFKA_CONFIG) is for a "
+                  "secured broker of yours: pass it with --kafka-bootstrap HOST:PORT or a "
+                  "--job naming kafka_bootstrap (the private brokers are plaintext)",
+                  file=sys.stderr)
+            return 2
+        try:
+            kafka_settings(args)  # a bad file refused before any server starts
+        except ValueError as exc:
+            print(f"twophase chaos: {exc}", file=sys.stderr)
+            return 2
+        if job is not None:
+            job.kafka_config_file = args.kafka_config
     if args.kafka_cluster is not None and args.kafka_cluster < 3:
         print("twophase chaos: --kafka-cluster needs 3 or more nodes (replication 3 with "
               "min.insync.replicas 2 survives one node down)", file=sys.stderr)
@@ -292,7 +307,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             coordinator_mode=args.coordinator_mode, pg_dsn=pg_dsn,
             files=not args.no_files, files_path=files_path, files_options=files_options,
             kafka_bootstrap=kafka, kafka_reuse=args.kafka_reuse,
-            kafka_prepare=args.kafka_prepare, sql_url=sql_url,
+            kafka_prepare=args.kafka_prepare, kafka_config_file=args.kafka_config,
+            sql_url=sql_url,
             delta_path=delta_path, iceberg_local=iceberg, participants=extra, job=job,
             broker=broker if "broker" in victims else None,
             broker_down_max_s=args.broker_down_max,

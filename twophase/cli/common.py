@@ -2,10 +2,11 @@
 
 ``--coordinator URL`` (alias ``--store``, default ``$TWOPHASE_COORDINATOR``), ``--token``
 (default ``$TWOPHASE_TOKEN``) and ``--token-file`` are added here for ``txns``, ``sinks``,
-``force`` and ``resolve``. The commands that only read (and ``force``, which settles what a store
-already holds) never create a store: a SQLite path that does not exist is a typo, and is
-refused before anything is opened (SQLite itself would create the file, and the store
-its folder).
+``force`` and ``resolve``; ``--kafka-config FILE`` (default ``$TWOPHASE_KAFKA_CONFIG``)
+for every command that makes Kafka clients (``resolve``, ``demo``, ``chaos``). The
+commands that only read (and ``force``, which settles what a store already holds) never
+create a store: a SQLite path that does not exist is a typo, and is refused before
+anything is opened (SQLite itself would create the file, and the store its folder).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from twophase.protocol import Decision, Transaction, TxnKey
 
 COORDINATOR_ENV: Final = "TWOPHASE_COORDINATOR"
+# twophase.sinks.kafka.config's names, not imported: --help must work without confluent-kafka
+KAFKA_CONFIG_ENV: Final = "TWOPHASE_KAFKA_CONFIG"
+KAFKA_PASSWORD_ENV: Final = "TWOPHASE_KAFKA_SASL_PASSWORD"  # noqa: S105 - a variable's name
 
 
 def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +43,35 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None, metavar="PATH",
                    help="read the bearer token from this file (the token alone; default: "
                    "$TWOPHASE_CLIENT_TOKEN_FILE)")
+
+
+def add_kafka_config_flag(p: argparse.ArgumentParser) -> None:
+    """``--kafka-config FILE``, the same in every command that makes Kafka clients."""
+    p.add_argument("--kafka-config", default=os.environ.get(KAFKA_CONFIG_ENV), metavar="FILE",
+                   help="librdkafka settings for every Kafka client of this command, one "
+                   "key=value a line (security.protocol=SASL_SSL, sasl.mechanism, "
+                   "sasl.username, ssl.ca.location, ...); sasl.password from "
+                   f"${KAFKA_PASSWORD_ENV} (default: ${KAFKA_CONFIG_ENV})")
+
+
+def kafka_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings of ``--kafka-config`` (empty without it); a file that cannot be read
+    or used raises ``InvalidRequest`` naming it and the fix."""
+    if not args.kafka_config:
+        return {}
+    from twophase.sinks.kafka.config import load_client_config
+
+    return load_client_config(args.kafka_config)
+
+
+def kafka_hint(args: argparse.Namespace, message: str) -> str:
+    """Where the settings of a Kafka TLS or SASL error (its message names ``sasl.`` or
+    ``ssl.`` settings "in config=") came from, to add to it; else empty."""
+    path = getattr(args, "kafka_config", None)
+    if not path or path in message or not ("sasl." in message or "ssl." in message):
+        return ""
+    return (f" (this command's Kafka settings: --kafka-config {args.kafka_config}, "
+            f"sasl.password from ${KAFKA_PASSWORD_ENV} when set)")
 
 
 def require_store(url: str, command: str) -> None:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from twophase.cli.common import add_kafka_config_flag, kafka_settings
 from twophase.errors import InvalidRequest
 
 EPILOG = """\
@@ -90,6 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="add a Kafka topic; 'local' starts a private Apache Kafka broker "
                    "(jars resolved once through Maven; Kafka is judged from its partition "
                    "logs and a read_committed consumer)")
+    add_kafka_config_flag(p)
     p.add_argument("--kafka", action="store_true",
                    help="read the events from a Kafka topic of this run (demo_events-ID) "
                    "with Spark's Kafka source and write Kafka (demo_orders) and PostgreSQL, "
@@ -131,6 +133,17 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     if args.batches < 1 or args.rows_per_batch < 1:
         console.print("twophase demo: --batches and --rows-per-batch must be >= 1")
+        return 2
+    if args.kafka_config and (args.kafka or args.kafka_bootstrap in (None, "local")):
+        console.print("twophase demo: --kafka-config (or $TWOPHASE_KAFKA_CONFIG) is for a "
+                      "secured broker of yours: pass it with --kafka-bootstrap HOST:PORT and "
+                      "without --kafka (Spark's Kafka source takes Java client settings, "
+                      "not librdkafka's)")
+        return 2
+    try:
+        kafka_settings(args)  # a bad file refused before any server starts
+    except ValueError as exc:
+        console.print(f"twophase demo: {exc}")
         return 2
     if args.coordinator and args.coordinator_mode == "daemon":
         console.print("twophase demo: pass --coordinator URL (a daemon of yours) or "
@@ -193,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             files_path=None if args.kafka else str(work / "output"),
             kafka_bootstrap=kafka,
             kafka_topic="demo_orders",
+            kafka_config_file=args.kafka_config,
             partitions=args.partitions,
             # a topic of this run's own: a rerun on the same broker reads only its events
             source_topic=f"demo_events-{secrets.token_hex(4)}" if args.kafka else None,

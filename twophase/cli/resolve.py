@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-from twophase.cli.common import add_coordinator_flags, descriptor
+from twophase.cli.common import (
+    add_coordinator_flags,
+    add_kafka_config_flag,
+    descriptor,
+    kafka_hint,
+    kafka_settings,
+)
 
 EPILOG = """\
 examples:
@@ -17,6 +24,8 @@ examples:
   twophase resolve orders --coordinator sqlite:///tp.db \\
       --pg-dsn postgresql://u@db/app --pg-table orders --files-path /data/orders
   twophase resolve orders --coordinator http://coord:7070 --participant @lake.json
+  TWOPHASE_KAFKA_SASL_PASSWORD=... twophase resolve orders --coordinator sqlite:///tp.db \\
+      --kafka-bootstrap broker:9093 --kafka-config client.properties
 
 By default the participants are rebuilt from the descriptors the coordinator recorded
 when the sink's writer registered (kind, target, non-secret options). Secrets are never
@@ -24,8 +33,10 @@ stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
 TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
 TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
 all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
---files-*, --kafka-* and --participant flags name the participants by hand instead
+--files-*, --kafka-bootstrap/--kafka-topic and --participant flags name them by hand
 (a descriptor as the daemon lists it: GET /v1/sinks/SINK/participants).
+--kafka-config FILE lays librdkafka settings (TLS, SASL) over every Kafka participant,
+by hand or rebuilt; its sasl.password comes from TWOPHASE_KAFKA_SASL_PASSWORD.
 
 Every unfinished transaction of the sink is settled by the recovery rule: a COMMIT
 decision commits what is prepared, anything else aborts it (presumed abort), and
@@ -66,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="a Kafka participant by hand: its bootstrap servers")
     p.add_argument("--kafka-topic", default=None, metavar="TOPIC",
                    help="its topic (default: the sink name)")
+    add_kafka_config_flag(p)
     p.add_argument("--job", default=None, metavar="CONFIG.json",
                    help="the participants of a `twophase chaos --job` config file")
     p.add_argument("--dry-run", action="store_true",
@@ -100,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
                          create=False) as conn:
                 report = _resolve(conn.client(operator=True), args)
     except (TwophaseError, ValueError, OSError, ImportError) as exc:
+        msg = str(exc) + kafka_hint(args, str(exc))
         if args.json:
-            print(json.dumps({"ok": False, "error": str(exc)}))
-        print(f"twophase resolve: {exc}", file=sys.stderr)
+            print(json.dumps({"ok": False, "error": msg}))
+        print(f"twophase resolve: {msg}", file=sys.stderr)
         return 1
     _print(args, report)
     return 0 if report.ok else 1
@@ -117,20 +130,53 @@ def _resolve(source: Any, args: argparse.Namespace) -> Any:
     if args.secrets:
         with open(args.secrets, encoding="utf-8") as fh:
             secrets = json.load(fh)
+    kafka = kafka_settings(args)
     by_hand = (args.job or args.pg_dsn or args.files_path or args.kafka_bootstrap
                or args.participant)
     if by_hand:
-        participants = _by_hand(args, secrets)
+        participants = _by_hand(args, secrets, kafka)
     else:
-        participants = participants_from(source.participants(args.sink), secrets)
+        participants = participants_from(
+            [with_kafka_settings(d, kafka) for d in source.participants(args.sink)], secrets)
     try:
+        _reach_kafka(participants)
         return resolve_sink(source, args.sink, participants, dry_run=args.dry_run)
     finally:
         for part in participants:
             part.close()
 
 
-def _by_hand(args: argparse.Namespace, secrets: dict[str, Any] | None) -> list[Any]:
+def _reach_kafka(participants: list[Any]) -> None:
+    """Each Kafka participant's brokers answer with its settings, asked first: a wrong
+    password or CA is then named at once, not seen as a marker read timing out (which
+    reads like a transaction left open) after connect_timeout_s."""
+    if not any(type(p).__name__ == "KafkaParticipant" for p in participants):
+        return
+    from twophase.sinks.kafka import KafkaParticipant
+    from twophase.sinks.kafka.admin import probe_topic
+    from twophase.sinks.kafka.config import common_config
+
+    for p in participants:
+        if isinstance(p, KafkaParticipant):
+            probe_topic(p.describe(), common_config(p.config), p.topic,
+                        timeout=p.connect_timeout_s)
+
+
+def with_kafka_settings(d: Mapping[str, Any], kafka: Mapping[str, str]) -> Mapping[str, Any]:
+    """A Kafka descriptor with ``--kafka-config``'s settings laid over its recorded ones
+    (the operator's host may keep the CA elsewhere); a password given there is no longer
+    asked of ``TWOPHASE_SECRET_...``. Other kinds, or no settings: unchanged."""
+    if not kafka or d.get("kind") != "kafka":
+        return d
+    options = {**d.get("options", {}), **{f"config.{k}": v for k, v in kafka.items()}}
+    given = set(kafka)
+    options["secrets"] = ",".join(k for k in str(options.get("secrets") or "").split(",")
+                                  if k and k not in given)
+    return {**d, "options": options}
+
+
+def _by_hand(args: argparse.Namespace, secrets: dict[str, Any] | None,
+             kafka: dict[str, str]) -> list[Any]:
     """Participants named by flags (or a chaos job config) instead of the recorded
     descriptors; built from the participants' own classes, no test tooling."""
     from twophase.participant import rebuild
@@ -138,7 +184,10 @@ def _by_hand(args: argparse.Namespace, secrets: dict[str, Any] | None) -> list[A
     if args.job:
         from twophase.testing.job import JobConfig, build_participants
 
-        return build_participants(JobConfig.load(args.job))
+        cfg = JobConfig.load(args.job)
+        if args.kafka_config:
+            cfg.kafka_config_file = args.kafka_config
+        return build_participants(cfg)
     parts: list[Any] = []
     if args.pg_dsn:
         from twophase.sinks.postgres import PostgresParticipant
@@ -152,9 +201,10 @@ def _by_hand(args: argparse.Namespace, secrets: dict[str, Any] | None) -> list[A
         from twophase.sinks.kafka import KafkaParticipant
 
         parts.append(KafkaParticipant(topic=args.kafka_topic or args.sink,
-                                      config={"bootstrap.servers": args.kafka_bootstrap}))
+                                      config={**kafka,
+                                              "bootstrap.servers": args.kafka_bootstrap}))
     for text in args.participant:
-        d = descriptor(text)
+        d = with_kafka_settings(descriptor(text), kafka)
         parts.append(rebuild(d, None if secrets is None else secrets.get(d["name"])))
     return parts
 

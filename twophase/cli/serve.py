@@ -22,8 +22,9 @@ examples:
 
 Roles: a token file holds lines 'data <token>' (the jobs: begin, votes, acks, decisions)
 and 'operator <token>' (everything: force, abort, resolve, the console), several per
-role; the daemon re-reads it when it changes (within a second), so tokens rotate without
-a restart. --token / $TWOPHASE_TOKEN is one operator token (docs/coordinator-api.md).
+role; 'data <token> orders pay*' scopes a data token to those sinks (names or globs).
+The daemon re-reads the file when it changes (within a second), so tokens and scopes
+change without a restart. --token / $TWOPHASE_TOKEN is one operator token (docs/coordinator-api.md).
 
 Several daemons may share one PostgreSQL store (no leader: every change is a
 compare-and-set). SQLite allows one daemon per file.
@@ -63,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "$TWOPHASE_TOKEN); jobs should get a data token from --token-file")
     p.add_argument("--token-file", default=os.environ.get("TWOPHASE_TOKEN_FILE"),
                    metavar="PATH",
-                   help="file of 'data <token>' / 'operator <token>' lines, re-read when it "
-                   "changes: rotate tokens without a restart (default: $TWOPHASE_TOKEN_FILE)")
+                   help="file of 'data <token> [SINK ...]' / 'operator <token>' lines (a data "
+                   "line's sinks scope its token), re-read when it changes: rotate tokens "
+                   "without a restart (default: $TWOPHASE_TOKEN_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without a token (anyone reaching the port can decide)")
     p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")

@@ -149,6 +149,7 @@ class _Chaos:
                 kafka_topic=f"chaos-{tag}",
                 kafka_reuse=o.kafka_reuse,
                 kafka_prepare=o.kafka_prepare,
+                kafka_config_file=o.kafka_config_file,
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
                 delta_path=o.delta_path,

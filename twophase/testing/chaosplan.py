@@ -88,6 +88,7 @@ class ChaosOptions:
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
     kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...)
+    kafka_config_file: str | None = None  # librdkafka settings (TLS, SASL): a properties file
     # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
     # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
     # A KafkaCluster (--kafka-cluster 3): a kill takes the node leading a partition of the

@@ -65,6 +65,9 @@ class JobConfig:
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
     kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...): "staged" or "in_task"
+    # librdkafka settings (TLS, SASL) from a properties file, read where the participant
+    # is made; the password from TWOPHASE_KAFKA_SASL_PASSWORD, never in this config
+    kafka_config_file: str | None = None
     # SqlAlchemyParticipant, one per URL (mysql+pymysql://..., postgresql+psycopg://...)
     sql_urls: list[str] | None = None
     sql_table: str = "orders"
@@ -183,10 +186,13 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
                                                native=cfg.files_native))
     if cfg.kafka_bootstrap:
         from twophase.sinks.kafka import KafkaParticipant
+        from twophase.sinks.kafka.config import load_client_config
 
+        settings = load_client_config(cfg.kafka_config_file, "kafka_config_file") \
+            if cfg.kafka_config_file else {}
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
-                             config={"bootstrap.servers": cfg.kafka_bootstrap},
+                             config={**settings, "bootstrap.servers": cfg.kafka_bootstrap},
                              reuse_clients=cfg.kafka_reuse, prepare=cfg.kafka_prepare)
         )
     if cfg.sql_urls:
