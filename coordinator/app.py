@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
@@ -30,8 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twophase import __version__, wire
 from twophase import protocol as p
+from twophase.coordinator.apidoc import docs_page, openapi_with_roles
 from twophase.coordinator.background import Background, Settings
-from twophase.coordinator.guard import MAX_BODY, OPEN_PATHS, Guard
+from twophase.coordinator.guard import MAX_BODY, Guard
 from twophase.coordinator.hotpath import HotPath, HotRoutes
 from twophase.coordinator.hub import DecisionHub
 from twophase.coordinator.metrics import Metrics
@@ -51,7 +51,7 @@ from twophase.coordinator.models import (
     SinkName,
     VotesIn,
 )
-from twophase.coordinator.roles import TokenSet, role_for
+from twophase.coordinator.roles import TokenSet
 from twophase.coordinator.store import Store
 from twophase.coordinator.ui import StoreDecisions, ui_routes
 from twophase.errors import InvalidRequest, StoreError, TransactionNotFound, TwophaseError
@@ -133,7 +133,7 @@ def create_app(
     app.include_router(_txn_routes(svc, hot))
     app.include_router(_admin_routes(svc))
     app.include_router(ui_routes(svc.store, svc.metrics))
-    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    app.openapi = openapi_with_roles(app)  # type: ignore[method-assign]
     if hot_path:
         # inside the guard: the token and the body limit apply to it as to every route
         app.add_middleware(HotPath, routes=hot)
@@ -364,7 +364,7 @@ def _ops_routes(svc: _Service) -> APIRouter:
     @r.get("/docs", response_class=Response, include_in_schema=False)
     def docs(request: Request) -> Response:
         """Every route, in one page that loads nothing from elsewhere (works offline)."""
-        return Response(_docs_page(request.app), media_type="text/html; charset=utf-8")
+        return Response(docs_page(request.app), media_type="text/html; charset=utf-8")
 
     @r.get("/metrics", response_class=Response)
     def prometheus() -> Response:
@@ -553,51 +553,3 @@ def _admin_routes(svc: _Service) -> APIRouter:
         return bg.tick()
 
     return r
-
-
-def _docs_page(app: FastAPI) -> str:
-    """The API's routes from its own OpenAPI document, as plain HTML (no scripts)."""
-    from html import escape
-
-    rows = []
-    for path, ops in sorted(app.openapi().get("paths", {}).items()):
-        for method, op in ops.items():
-            rows.append(f"<tr><td><code>{escape(method.upper())}</code></td>"
-                        f"<td><code>{escape(path)}</code></td>"
-                        f"<td>{escape(str(op.get('summary', '')))}</td></tr>")
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>twophase coordinator API"
-        "</title></head><body><h1>twophase coordinator API</h1>"
-        "<p>The full description is the OpenAPI document at "
-        "<a href='/openapi.json'>/openapi.json</a> (load it into any OpenAPI viewer); "
-        "the reference is docs/coordinator-api.md. Calls other than /healthz, /metrics, "
-        "/openapi.json and /docs need <code>Authorization: Bearer TOKEN</code>: a data "
-        "token for the jobs' per-batch calls, an operator token for everything else "
-        "(each operation's <code>x-twophase-role</code>).</p>"
-        "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th>"
-        "</tr>" + "".join(rows) + "</table></body></html>"
-    )
-
-
-def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """The generated document plus bearer security (none on the open paths)."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version,
-                                 description=app.description, routes=app.routes)
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}
-            }
-            schema["security"] = [{"bearer": []}]
-            for path, ops in schema.get("paths", {}).items():
-                for method, op in ops.items():
-                    # the role each call needs (roles.ROUTE_ROLES; docs/coordinator-api.md)
-                    op["x-twophase-role"] = role_for(method.upper(), path)
-            for path in OPEN_PATHS:
-                for op in schema.get("paths", {}).get(path, {}).values():
-                    op["security"] = []
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return openapi
