@@ -48,7 +48,8 @@ def prune_staged(p: KafkaParticipant, sink: str, lineage: str, below: int) -> in
     from twophase.sinks.kafka.staged import _partitions
 
     topic, timeout = p.staging_topic, p.connect_timeout_s
-    admin = AdminClient(common_config(p.config))  # type: ignore[arg-type]
+    conf: Any = {**common_config(p.config), "allow.auto.create.topics": False}
+    admin = AdminClient(conf)  # never creates the topic it asks about (staged.check)
     n = _partitions(admin, topic, timeout)
     if not n:
         return 0
