@@ -38,7 +38,6 @@ from twophase.participant import (
 from twophase.sinks.kafka import intask, lanes, options, records, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
-    probe_group,
     probe_topic,
     probe_transactional_write,
     unstable_records,
@@ -213,9 +212,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         exists already, is readable by this principal with at least one partition (run on
         the driver and on every executor; :meth:`check` creates a missing topic). With
         ``probe_write`` (the default) also a transactional write: ``init_transactions``
-        on ``twophase.probe.<name>``, the topics' Write/Read/Describe ACLs as the broker
-        reports them (no record is written), and Read and Describe on the consumer group
-        ``twophase.probe.<name>``, under the marker groups' prefix (:func:`.admin.probe_group`)."""
+        on ``twophase.probe.<name>`` and the topics' Write/Read/Describe ACLs as the broker
+        reports them (no record is written)."""
         for topic in (self.topic, self.staging_topic) if self.durable_prepare else (self.topic,):
             probe_topic(self.describe(), self._common_config(), topic,
                         timeout=self.connect_timeout_s)
@@ -229,8 +227,6 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 "--allow-principal User:<you> --operation Write --operation Describe "
                 "--transactional-id twophase. --resource-pattern-type prefixed",
                 timeout=self.connect_timeout_s)
-            probe_group(self.describe(), self._common_config(), f"twophase.probe.{self.name}",
-                        self.topic, timeout=self.connect_timeout_s)
 
     def _check_columns(self, schema: pa.Schema) -> None:
         records.check_columns(self, schema)

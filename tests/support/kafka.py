@@ -84,33 +84,6 @@ def grant(broker: LocalKafka, user: str, acls: list[tuple[str, str, str, str]]) 
         future.result(timeout=15)
 
 
-def new_user(broker: LocalKafka) -> tuple[str, dict[str, str]]:
-    """A SCRAM-SHA-512 user of the test's own on a SASL_SSL broker (no ACLs yet: grant
-    them), and its client settings; waits until the broker accepts its sign-in."""
-    from confluent_kafka.admin import (
-        AdminClient,
-        ScramCredentialInfo,
-        ScramMechanism,
-        UserScramCredentialUpsertion,
-    )
-
-    name, password = f"u{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    admin = AdminClient(broker.client_config())
-    upsert = UserScramCredentialUpsertion(
-        name, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096), password.encode())
-    for future in admin.alter_user_scram_credentials([upsert]).values():
-        future.result(timeout=15)
-    config = {**broker.client_config(), "sasl.username": name, "sasl.password": password}
-    deadline = time.monotonic() + 15
-    while True:  # the credential reaches the broker through the metadata log
-        try:
-            AdminClient(config).list_topics(timeout=2)
-            return name, config
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-
-
 def grant_app(broker: LocalKafka, topic: str, user: str = "app") -> None:
     """Give ``user`` the ACLs a deployment's principal needs to write ``topic`` (and its
     staging topic) through the Kafka participant: the list

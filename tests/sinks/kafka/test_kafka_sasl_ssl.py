@@ -13,14 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.kafka import (
-    create_topic,
-    grant,
-    grant_app,
-    new_user,
-    secure_kafka,
-    unique_topic,
-)
+from tests.support.kafka import create_topic, grant, grant_app, secure_kafka, unique_topic
 from twophase.errors import ParticipantError, TargetProblem
 from twophase.participant import BranchStatus
 from twophase.sinks.kafka import KafkaParticipant
@@ -166,36 +159,6 @@ def test_probe_names_missing_topic_acls(secure_kafka: LocalKafka) -> None:
                        rf"topic '{topic}'.*Fix: grant it: kafka-acls.sh --add "
                        r"--allow-principal User:<you> --operation Write --topic"):
         p.probe()
-
-
-def test_probe_names_missing_consumer_group_acls(secure_kafka: LocalKafka) -> None:
-    """The marker groups' Read (an offset commit) and Describe
-    (reading the marker) are probed on a group under the same prefix; each missing one
-    is named with the kafka-acls line that grants it, and with both the probe passes."""
-    from twophase.sinks.kafka.acls import required_acls
-
-    topic = unique_topic("secnogroup")
-    create_topic(secure_kafka.client_config(), topic)
-    user, config = new_user(secure_kafka)
-    acls = [(a.resource_type, a.name, a.pattern, a.operation)
-            for a in required_acls(topic, staged=False)]
-    grant(secure_kafka, user, [a for a in acls if a[0] != "GROUP"])
-    p = KafkaParticipant(topic, config, connect_timeout_s=10, prepare="in_task")
-    fix = (r"Fix: grant the principal Read and Describe on the groups by prefix "
-           r"\(kafka-acls.sh --add --allow-principal User:<you> --operation Read --operation "
-           r"Describe --group twophase. --resource-pattern-type prefixed\)")
-    with pytest.raises(TargetProblem, match=r"does not allow this principal READ, DESCRIBE on "
-                       rf"consumer group 'twophase.probe.kafka-{topic}' "
-                       r"\(GROUP_AUTHORIZATION_FAILED\).*" + fix):
-        p.probe()
-    # Describe alone (Kafka's Read implies Describe, so not the other way round)
-    grant(secure_kafka, user, [a for a in acls if a[0] == "GROUP" and a[3] == "DESCRIBE"])
-    with pytest.raises(TargetProblem, match=r"does not allow this principal READ on "
-                       r"consumer group .*" + fix):
-        p.probe()
-    grant(secure_kafka, user, [a for a in acls if a[0] == "GROUP" and a[3] == "READ"])
-    p.probe()
-    p.close()
 
 
 def test_the_security_page_lists_exactly_the_acls_the_code_needs() -> None:
