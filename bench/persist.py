@@ -68,6 +68,11 @@ def _setup(base: Setup, v: str) -> Setup:
     return base
 
 
+def _phase(runs: list[Run], key: str) -> float:
+    """p50 (ms) of one phase the sink measured (``BatchReport.phases``), warm-ups left out."""
+    return 1000 * statistics.median(ph.get(key, 0.0) for r in runs for ph in r.phases[1:])
+
+
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load {one:.1f} {five:.1f} {fifteen:.1f}"
@@ -123,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                    for v in variants}
             print(f"{label(size)}: batch p50 " + ", ".join(
                 f"{v} {1000 * p50[v]:.0f} ms" for v in variants), flush=True)
+            print(f"{label(size)}: the sink's job p50 [its longest outcome: a Python task, "
+                  "or N's and R's native write] " + ", ".join(
+                      f"{v} {_phase(runs[v], 'job_s'):.0f} [{_phase(runs[v], 'task_s'):.0f}]"
+                      " ms" for v in variants if v != "A"), flush=True)
             for x, y in (("P", "A"), ("N", "A"), ("R", "A"), ("N", "P"), ("N", "R")):
                 if x in runs and y in runs:
                     rs = [rate(a) / rate(b) for a, b in zip(runs[x], runs[y], strict=True)]
