@@ -23,7 +23,7 @@ staged branches by name from the driver, as for any barrier-free sink
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask
 (``native_preferred``), because there the rows cross into Python anyway and the Python
-path was measured faster (``bench/persist.py``: native beside PostgreSQL at 0.60-0.76
+path was measured faster (``bench/persist.py``: native beside PostgreSQL at 0.45-0.80
 of the Python path's rows/s, 10k-1M rows per batch). Persist policy: with one consumer
 (the Python job alone, or one native write) nothing is cached; with more, the split
 batch is persisted (``MEMORY_AND_DISK``) for the attempt and unpersisted after it, so
