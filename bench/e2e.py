@@ -224,6 +224,9 @@ class Setup:
     kafka: str | None = None  # bootstrap servers of the private broker
     kafka_reuse: bool = False
     kafka_prepare: str = "staged"  # B's KafkaParticipant(prepare=...)
+    files_native: bool | None = None  # B's StagedFileParticipant(native=...)
+    persist: bool | None = None  # B's persist policy (None: the sink's; bench/persist.py)
+    where: str | None = None  # a filter both sides apply to the batch (bench/persist.py)
 
 
 def _relation_partitions(df: Any) -> int | None:
@@ -269,7 +272,8 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
                                   "task_s": max((r["task_s"] for r in out), default=0.0)})
             return sum(int(r["rows"]) for r in out)
     else:
-        parts: list[Any] = [pg, StagedFileParticipant(str(out_dir), "parquet")]
+        parts: list[Any] = [pg, StagedFileParticipant(str(out_dir), "parquet",
+                                                      native=setup.files_native)]
         if setup.kafka:
             from twophase.sinks.kafka import KafkaParticipant
 
@@ -280,6 +284,8 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
             f"e2e{tag}", parts, coordinator=f"sqlite:///{work / f'coord-{tag}.db'}",
             vote_timeout=120.0,
         )
+        if setup.persist is not None:
+            sink._job.persist = setup.persist  # the persist policy's override
 
         def write(df: Any, batch_id: int) -> int:
             assert sink is not None
@@ -290,7 +296,8 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
     def timed(df: Any, batch_id: int) -> None:
         """What Spark calls per micro-batch: the writer, timed from inside."""
         t0 = time.perf_counter()
-        result.rows.append(write(df, batch_id))
+        result.rows.append(write(df if setup.where is None else df.where(setup.where),
+                                 batch_id))
         t1 = time.perf_counter()
         result.starts.append(t0)
         result.ends.append(t1)

@@ -22,11 +22,15 @@ staged branches by name from the driver, as for any barrier-free sink
 
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask
-(``native_preferred``). Persist policy: the batch's input is computed once per consumer
-(each native write, and the Python job when Python participants remain). With one
-consumer nothing is cached; with more, the split batch is persisted
-(``MEMORY_AND_DISK``) for the attempt and unpersisted after it, so a source is read
-once (docs/decisions.md, 2026-11-26).
+(``native_preferred``), because there the rows cross into Python anyway and the Python
+path was measured faster (``bench/persist.py``: native beside PostgreSQL at 0.45-0.80
+of the Python path's rows/s, 10k-1M rows per batch). Persist policy: with one consumer
+(the Python job alone, or one native write) nothing is cached; with more, the split
+batch is persisted (``MEMORY_AND_DISK``) for the attempt and unpersisted after it, so
+every participant gets the same rows from one computation (recomputing was measured
+faster on a plain file read, but a plan with ``rand()`` or ``uuid()`` would hand each
+consumer other rows); ``PrepareJob.persist`` overrides it for the bench
+(docs/decisions.md, 2026-11-26, "the persist policy measured").
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def split_native(participants: Sequence[Participant], gang: bool
     """(native, Python) participants of a sink. Automatic: every participant goes native
     when all of them take files Spark wrote (the batch is then read by Spark's writers
     alone); in a sink with Python participants too, only those that ask for it
-    (``native_preferred``: the batch is then persisted for both). Never under a barrier
+    (``native_preferred``: the batch is then persisted for both), since the rows reach
+    Python anyway and a second job over them was measured slower. Never under a barrier
     stage (an in-task participant: its tasks wait for the decision, and a native write
     has no task to wait in)."""
     if gang:

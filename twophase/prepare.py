@@ -62,6 +62,9 @@ class PrepareJob:
         # the native data path's participants, and the Python job's of a new attempt
         self.native, self.python = split_native(self.participants, gang)
         self._native = NativePrepare(self.native) if self.native else None
+        # the persist policy (None): persist when two consumers read the split batch;
+        # False recomputes it per consumer (bench/persist.py measures what that costs)
+        self.persist: bool | None = None
         self._python: BatchPlan | None = None  # the template of the Python job beside it
         self._checked_schema: Any = None
         self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
@@ -187,7 +190,8 @@ class PrepareJob:
         from pyspark import StorageLevel
 
         split = self._split(df, plan)
-        persisted = len(self.native) + bool(self.python) > 1  # the persist policy
+        persisted = (len(self.native) + bool(self.python) > 1  # the persist policy
+                     if self.persist is None else self.persist)
         if persisted:
             split = split.persist(StorageLevel.MEMORY_AND_DISK)
         try:

@@ -84,3 +84,44 @@ def test_native_and_python_participants_in_one_sink(spark: Any, tmp_path: Path) 
     assert len(n_names) == len(p_names) == 6
     assert n_rows.column("id").to_pylist() == p_rows.column("id").to_pylist()
     assert spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0  # unpersisted
+
+
+class SeesPersisted(StagedFileParticipant):
+    """A native files participant that counts, at ``adopt`` (on the driver, after Spark's
+    write, before the batch is unpersisted), the RDDs Spark holds persisted."""
+
+    seen: list[int]
+
+    def adopt(self, key: Any, partitions: int) -> dict[int, Handle]:
+        from pyspark import SparkContext
+
+        sc = SparkContext._active_spark_context
+        assert sc is not None
+        self.seen.append(sc._jsc.sc().getPersistentRDDs().size())
+        return super().adopt(key, partitions)
+
+
+def test_the_persist_policy_and_its_override(spark: Any, tmp_path: Path) -> None:
+    """Two consumers (the native write and the Python job): the batch is persisted; one
+    (files alone) or the override ``persist = False``: not (bench/persist.py measures
+    both)."""
+    seen = []
+    for tag, persist, beside in (("both", None, True), ("over", False, True),
+                                 ("alone", None, False)):
+        native = SeesPersisted(str(tmp_path / f"n-{tag}"), native=True)
+        native.seen = []
+        parts: list[StagedFileParticipant] = [native]
+        if beside:
+            parts.append(StagedFileParticipant(str(tmp_path / f"p-{tag}"), native=False))
+        sink = TransactionalSink("nat", parts, f"sqlite:///{tmp_path / f'{tag}.db'}",
+                                 lineage="lin-1", preflight=False)
+        if persist is not None:
+            sink._job.persist = persist
+        try:
+            sink(spark.sql(QUERY.format(n=30)), 0)
+            assert sink.history[-1].outcome == "committed"
+        finally:
+            sink.close()
+        seen.append(native.seen)
+    assert seen == [[1], [0], [0]]
+    assert spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0  # unpersisted
