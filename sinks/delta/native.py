@@ -1,9 +1,12 @@
 """The native data path for Delta (``twophase.participant.SparkWritten``): Spark's own
 Parquet writer writes an attempt's rows into ``<batch folder>/_spark-<participant>-
-<attempt>``, and :func:`adopt` renames each task's file to the branch file name the
-Python path gives it (``<participant>-<partition>-<attempt>-00000.parquet``) and votes
-the add action's size, row count and statistics, read from the file's Parquet footer
-(:func:`stats_from_parquet`, which a recovery without the vote reads the same way). The
+<attempt>`` (a partitioned table's with ``partitionBy``: Hive-style ``col=value/``
+folders), and :func:`adopt` renames each task's files to the branch file names the
+Python path gives them (``<participant>-<partition>-<attempt>-<seq>.parquet``, flat in
+the batch folder) and votes each add action's partition values (from the folder names),
+size, row count and statistics, read from the file's Parquet footer
+(:func:`stats_from_parquet`, which a recovery without the vote reads the same way; the
+partition values then from the branch's values record, :func:`values_name`). The
 batch's one commit (add actions, the app transaction, the commit info), ``status``,
 ``abort`` and the sweeps stay as they are; a write folder is PREPARED until adopted.
 

@@ -140,6 +140,7 @@ def test_delta_partitioned_adopts_hive_folders_as_partition_values(tmp_path: Pat
         "s=__HIVE_DEFAULT_PARTITION__/day=2026-01-01": {0: [5]},  # a null value
     })
     assert part.status(_ref(part, 1)) == BranchStatus.PREPARED
+    assert part.in_doubt("nat") == [_ref(part, 0)]  # a kill here: found by name
     handles = part.adopt(KEY, 2)
     assert not where.exists()
     assert (handles[0]["rows"], handles[1]["rows"]) == ("3", "2")
