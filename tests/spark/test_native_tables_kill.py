@@ -1,8 +1,8 @@
 """Exactly-once into Iceberg and Delta on the native data path when the driver dies: the
 reference job (its own driver process, real Spark local[2]) writes one sink of a Delta
 table partitioned by ``customer`` (Spark's ``partitionBy`` folders, about 20 values a
-branch, a file each) and an Iceberg table, both prepared by Spark's own Parquet writer. The driver is
-SIGKILLed with COMMIT decided, after the Delta table's commit and before the Iceberg
+branch, a file each) and an Iceberg table, both prepared by Spark's own Parquet writer.
+The driver is SIGKILLed with COMMIT decided, after the Delta table's commit and before the Iceberg
 table's (the restart commits Iceberg and finds Delta's marker); the slow case adds a
 kill after Spark wrote the attempt's folders (no vote: swept by name), one before any
 table's commit and one after the last table's commit, ack not sent. Each run restarts
