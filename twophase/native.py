@@ -69,7 +69,7 @@ Python path's, hold microseconds with the UTC flag, and so do these."""
 
 _WRITE_OPTIONS: Final = {
     "compression": "snappy",  # pyarrow's default, the Python path's
-    "maxRecordsPerFile": "0",  # one file per task: a branch is one file
+    "maxRecordsPerFile": "0",  # one file per task (and partition value)
     # no _SUCCESS file in the write folder (a Hadoop option passed through the writer)
     "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
 }
@@ -129,9 +129,12 @@ class NativePrepare:
                     fmt = part.native_format()
                     assert fmt is not None
                     failpoints.hit("before_prepare", part.name)
-                    (split.write.mode("overwrite").format(fmt)
-                     .options(**{**_WRITE_OPTIONS, **part.native_options()})
-                     .save(part.native_location(plan.key)))
+                    writer = (split.write.mode("overwrite").format(fmt)
+                              .options(**{**_WRITE_OPTIONS, **part.native_options()}))
+                    by = list(part.native_partition_by())
+                    if by:  # Hive-style folders: one file per task and value
+                        writer = writer.partitionBy(*by)
+                    writer.save(part.native_location(plan.key))
                     # written, not adopted: a kill here leaves the write folder
                     failpoints.hit("after_prepare", part.name)
             for part in self.participants:

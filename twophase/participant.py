@@ -33,7 +33,7 @@ import abc
 import importlib
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -421,6 +421,11 @@ class SparkWritten(abc.ABC):
     def native_options(self) -> Mapping[str, str]:
         """Writer options of the native write (compression, ...) beyond twophase's own."""
         return {}
+
+    def native_partition_by(self) -> Sequence[str]:
+        """Columns the native write partitions by (``df.write.partitionBy``: Hive-style
+        ``col=value/`` folders, the columns left out of the files); none by default."""
+        return ()
 
     @abc.abstractmethod
     def native_location(self, key: TxnKey) -> str:

@@ -1,9 +1,12 @@
 """The native data path for Delta (``twophase.participant.SparkWritten``): Spark's own
 Parquet writer writes an attempt's rows into ``<batch folder>/_spark-<participant>-
-<attempt>``, and :func:`adopt` renames each task's file to the branch file name the
-Python path gives it (``<participant>-<partition>-<attempt>-00000.parquet``) and votes
-the add action's size, row count and statistics, read from the file's Parquet footer
-(:func:`stats_from_parquet`, which a recovery without the vote reads the same way). The
+<attempt>`` (a partitioned table's with ``partitionBy``: Hive-style ``col=value/``
+folders), and :func:`adopt` renames each task's files to the branch file names the
+Python path gives them (``<participant>-<partition>-<attempt>-<seq>.parquet``, flat in
+the batch folder) and votes each add action's partition values (from the folder names),
+size, row count and statistics, read from the file's Parquet footer
+(:func:`stats_from_parquet`, which a recovery without the vote reads the same way; the
+partition values then from the branch's values record, :func:`values_name`). The
 batch's one commit (add actions, the app transaction, the commit info), ``status``,
 ``abort`` and the sweeps stay as they are; a write folder is PREPARED until adopted.
 
@@ -13,22 +16,27 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import unquote
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import spark_parts, write_dir
+from twophase.sinks.batchfiles import SPARK_PART, spark_parts, write_dir
 from twophase.sinks.delta.arrow import arrow_schema_of, delta_schema, pyarrow_module
 from twophase.sinks.delta.writer import HANDLE_CHARS, STAT_CHARS, Stats
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from pyarrow import fs as pafs
 
     from twophase.participant import Handle
     from twophase.sinks.delta.participant import DeltaParticipant
 
-__all__ = ["adopt", "misfits", "stats_from_parquet"]
+__all__ = ["NULL_VALUE", "adopt", "misfits", "native_misfit", "stats_from_parquet", "values_name",
+           "with_values"]
+
+NULL_VALUE: Final = "__HIVE_DEFAULT_PARTITION__"  # Spark's folder name for a null value
 
 
 def _same(file: pa.DataType, table: pa.DataType) -> bool:
@@ -94,49 +102,142 @@ def stats_from_parquet(meta: pq.FileMetaData) -> str:
     return st.json()
 
 
+def _leaves(where: str, parts: list[str], describe: str
+            ) -> list[tuple[str, dict[str, str | None]]]:
+    """(folder, partition values) of each folder Spark's ``partitionBy`` filled, by name:
+    ``col=value`` per partition column in the table's order, the value unescaped as
+    Spark escapes it (``%XX``), ``__HIVE_DEFAULT_PARTITION__`` (a null or empty value)
+    read as null. Without partition columns: the write folder itself."""
+    if not parts:
+        return [(where, {})]
+    out = []
+    for folder, _dirs, files in os.walk(where):
+        segs = [] if folder == where else os.path.relpath(folder, where).split(os.sep)
+        if not any(SPARK_PART.match(n) for n in files):
+            continue
+        cols = [seg.partition("=")[0] for seg in segs]
+        if [unquote(c) for c in cols] != parts or not all("=" in seg for seg in segs):
+            raise ParticipantError(
+                f"{describe}: Spark's write left data files in {folder}, not in the "
+                f"table's partition folders {'/'.join(f'{c}=...' for c in parts)}; the "
+                "table's partitioning changed during the batch? Fix: retry the batch, or "
+                "pass native=False")
+        values = {}
+        for c, seg in zip(parts, segs, strict=True):
+            v = unquote(seg.partition("=")[2])
+            values[c] = None if v in (NULL_VALUE, "") else v
+        out.append((folder, values))
+    return sorted(out)
+
+
+def values_name(participant: str, partition: int, attempt: int) -> str:
+    """The record of a branch's partition values beside its files (hidden: no reader or
+    vacuum takes it), written only when the vote cannot list the files: a file Spark
+    wrote keeps its partition values in its folder's name, which the rename drops."""
+    return f".{participant}-{partition:05d}-{attempt}.values.json"
+
+
+def _save_values(folder: str, name: str, files: list[list[Any]]) -> None:
+    body = json.dumps({f[0]: f[3] for f in files}, separators=(",", ":")).encode()
+    tmp = f"{folder}/{name}.part"
+    with open(tmp, "wb") as out:
+        out.write(body)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, f"{folder}/{name}")
+
+
+def with_values(fs: pafs.FileSystem, folder: str, participant: str, partition: int,
+                attempt: int, files: list[tuple[Any, ...]], parts: list[str]
+                ) -> list[tuple[Any, ...]]:
+    """The branch's files as found by name, each with its partition values: a file Spark
+    wrote has none in its footer; they are in the branch's values record. Refuses a
+    partitioned table's file whose values are nowhere (it would land in no partition)."""
+    if not parts or all(f[3] for f in files):
+        return files
+    try:
+        with fs.open_input_stream(f"{folder}/{values_name(participant, partition, attempt)}"
+                                  ) as f:
+            saved: dict[str, dict[str, str | None]] = json.loads(f.read())
+    except FileNotFoundError:
+        saved = {}
+    out = []
+    for name, size, rows, values, stats in files:
+        values = values or saved.get(name)
+        if not values:
+            raise ParticipantError(
+                f"{folder}/{name}: a data file of a partitioned table without partition "
+                "values (no vote lists it and no values record names it); the batch "
+                "cannot commit it. Fix: twophase resolve aborts the attempt, and the "
+                "batch is written again")
+        out.append((name, size, rows, values, stats))
+    return out
+
+
+def native_misfit(part: DeltaParticipant) -> str:
+    """Why Spark's Parquet writer cannot fill the participant's table ("" when it can)."""
+    from deltalake import DeltaTable
+
+    if part.remote:
+        return "the table is on object storage, which the native path does not write"
+    if not DeltaTable.is_deltatable(part.path):
+        return ""
+    generated = [f.name for f in part._table().schema().fields
+                 if "delta.generationExpression" in (f.metadata or {})]
+    if generated:
+        return (f"the table has generated columns ({', '.join(generated)}), which Spark's "
+                "Parquet writer does not compute")
+    return ""
+
+
 def adopt(part: DeltaParticipant, dt: Any, key: TxnKey, partitions: int) -> dict[int, Handle]:
     """Spark's ``part-NNNNN-*.parquet`` files of attempt ``key`` (one per task, NNNNN its
-    partition) become the branches' files: checked against the table, renamed, the batch
-    folder fsynced, the write folder removed last."""
+    partition, and per partition value in Hive-style folders for a partitioned table)
+    become the branches' files, named as the Python path names them (its partition values
+    in the vote): checked against the table's columns that are not partition columns,
+    renamed, the batch folder fsynced, the write folder removed last."""
     import shutil
 
     import pyarrow.parquet as pq
 
     folder = part._join(part.path, part._rel(key.sink, key.lineage, key.batch_id))
     where = f"{folder}/{write_dir(part.name, key.attempt)}"
-    try:
-        names = sorted(os.listdir(where))
-    except OSError as exc:
-        raise ParticipantError(f"{part.describe()}: Spark's write left no folder "
-                               f"{where}: {exc}") from exc
-    if dt.metadata().partition_columns:
-        raise ParticipantError(f"{part.describe()}: the table is partitioned, which the "
-                               "native path does not write; pass native=False")
+    if not os.path.isdir(where):
+        raise ParticipantError(f"{part.describe()}: Spark's write left no folder {where}")
+    parts = list(dt.metadata().partition_columns)
     committed = part._committed(dt, key.sink, key.lineage, key.batch_id)
-    table = arrow_schema_of(dt)
+    table = pyarrow_module().schema([f for f in arrow_schema_of(dt) if f.name not in parts])
+    files: dict[int, list[list[Any]]] = {}
     handles: dict[int, Handle] = {}
-    for partition, n in spark_parts(names, partitions, part.describe()):
-        meta = pq.read_metadata(f"{where}/{n}")
-        if not meta.num_rows:
-            continue
-        if committed:  # the marker: an earlier run committed the batch, keep nothing
-            handles[partition] = {"files": "[]", "rows": "0", "committed": "yes"}
-            continue
-        problems = misfits(meta.schema.to_arrow_schema(), table)
-        if problems:
-            raise ParticipantError(
-                f"{part.describe()}: the Parquet file Spark wrote ({n}) does not fit the "
-                f"table: {'; '.join(problems)}. Fix: cast the stream's columns to the "
-                "table's types before the sink, or pass native=False (the Python path "
-                "converts them)")
-        name = f"{part.name}-{partition:05d}-{key.attempt}-00000.parquet"
-        os.replace(f"{where}/{n}", f"{folder}/{name}")
-        size = os.path.getsize(f"{folder}/{name}")
-        listed = json.dumps([[name, size, meta.num_rows, {}, stats_from_parquet(meta)]],
-                            separators=(",", ":"))
-        # too long to vote: the batch commit reads the footer (the same statistics)
+    for leaf, values in _leaves(where, parts, part.describe()):
+        names = [n for n in os.listdir(leaf) if os.path.isfile(f"{leaf}/{n}")]
+        for partition, n in spark_parts(names, partitions, part.describe()):
+            meta = pq.read_metadata(f"{leaf}/{n}")
+            if not meta.num_rows:
+                continue
+            if committed:  # the marker: an earlier run committed the batch, keep nothing
+                handles[partition] = {"files": "[]", "rows": "0", "committed": "yes"}
+                continue
+            problems = misfits(meta.schema.to_arrow_schema(), table)
+            if problems:
+                raise ParticipantError(
+                    f"{part.describe()}: the Parquet file Spark wrote ({n}) does not fit "
+                    f"the table: {'; '.join(problems)}. Fix: cast the stream's columns to "
+                    "the table's types before the sink, or pass native=False (the Python "
+                    "path converts them)")
+            mine = files.setdefault(partition, [])
+            name = f"{part.name}-{partition:05d}-{key.attempt}-{len(mine):05d}.parquet"
+            os.replace(f"{leaf}/{n}", f"{folder}/{name}")
+            mine.append([name, os.path.getsize(f"{folder}/{name}"), meta.num_rows, values,
+                         stats_from_parquet(meta)])
+    for partition, mine in files.items():
+        listed = json.dumps(mine, separators=(",", ":"))
+        rows = sum(f[2] for f in mine)
+        if len(listed) > HANDLE_CHARS and parts:
+            _save_values(folder, values_name(part.name, partition, key.attempt), mine)
+        # too long to vote: the batch commit reads the footers (the same statistics)
         handles[partition] = {"files": listed if len(listed) <= HANDLE_CHARS else "*",
-                              "rows": str(meta.num_rows)}
+                              "rows": str(rows)}
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -337,8 +337,9 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
     # ------------------------------------------------------------------ native path
     def native_format(self) -> str | None:
         """Parquet, unless ``native=False``, or (automatic) a subclass with its own
-        ``prepare``, or a table Spark's plain Parquet writer cannot fill: partitioned
-        (Delta keeps partition values out of the files), or on object storage."""
+        ``prepare``, or a table Spark's plain Parquet writer cannot fill: with generated
+        columns, or on object storage. A partitioned table is written with
+        ``partitionBy`` (:meth:`native_partition_by`)."""
         if self.native is False or (self.native is None and
                                     type(self).prepare is not DeltaParticipant.prepare):
             return None
@@ -351,17 +352,20 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
         return None if self._native_why else "parquet"
 
     def _native_misfit(self) -> str:
-        from deltalake import DeltaTable
+        from twophase.sinks.delta.native import native_misfit
 
-        if self.remote:
-            return "the table is on object storage, which the native path does not write"
-        if self.partition_by or (DeltaTable.is_deltatable(self.path) and
-                                 self._table().metadata().partition_columns):
-            return "the table is partitioned, which the native path does not write"
-        return ""
+        return native_misfit(self)
 
     def native_preferred(self) -> bool:
         return self.native is True
+
+    def native_partition_by(self) -> list[str]:
+        """The table's partition columns (the sink's ``partition_by`` before it exists)."""
+        from deltalake import DeltaTable
+
+        if DeltaTable.is_deltatable(self.path):
+            return list(self._table().metadata().partition_columns)
+        return list(self.partition_by or ())
 
     def native_location(self, key: TxnKey) -> str:
         folder = self._join(self.path, self._rel(key.sink, key.lineage, key.batch_id))
@@ -430,7 +434,7 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
             dt = self._table()
             if self._committed(dt, key.sink, key.lineage, key.batch_id):
                 return  # by this attempt, or (the log says which) another process
-            actions = self._actions(key, handles)
+            actions = self._actions(key, handles, list(dt.metadata().partition_columns))
             props = CommitProperties(
                 custom_metadata=dict(zip(_META, (key.sink, key.lineage, str(key.batch_id),
                                                  str(key.attempt), self.name,
@@ -455,8 +459,11 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
             "continuously); the driver finishes the batch again"
         )
 
-    def _actions(self, key: TxnKey, handles: Mapping[int, Handle]) -> list[Any]:
+    def _actions(self, key: TxnKey, handles: Mapping[int, Handle], parts: list[str]
+                 ) -> list[Any]:
         from deltalake.transaction import AddAction
+
+        from twophase.sinks.delta.native import with_values
 
         rel = self._rel(key.sink, key.lineage, key.batch_id)
         now = int(time.time() * 1000)
@@ -468,7 +475,8 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
             else:  # a recovery without the vote, or too many to vote: found by name
                 fs, folder, names, _ = self._branch_files(key.sink, key.lineage,
                                                           key.batch_id, key.attempt, partition)
-                files = [from_footer(fs, folder, n) for n in names]
+                files = with_values(fs, folder, self.name, partition, key.attempt,
+                                    [from_footer(fs, folder, n) for n in names], parts)
             for name, size, _rows, values, stats in files:
                 if not isinstance(name, str) or not FILE_NAME.match(name):
                     raise ParticipantError(f"{self.describe()}: a handle names {name!r}, "
@@ -501,9 +509,12 @@ class DeltaParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten):
         if self._taken(dt, self._history(dt, branch.sink), branch.sink, branch.lineage,
                        branch.batch_id, branch.attempt, branch.partition):
             return  # the files are the table's now
+        from twophase.sinks.delta.native import values_name
+
         fs, folder, names, temps = self._branch_files(
             branch.sink, branch.lineage, branch.batch_id, branch.attempt, branch.partition)
-        for base in names + temps:
+        # the values record first: left alone, it would be litter no sweep finds
+        for base in [values_name(self.name, branch.partition, branch.attempt), *names, *temps]:
             with contextlib.suppress(FileNotFoundError):
                 fs.delete_file(f"{folder}/{base}")
         where = self._write_dir(branch)

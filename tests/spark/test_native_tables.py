@@ -6,12 +6,14 @@ path's table (a misfit, the crash windows: tests/sinks/test_native_adopt.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.sinks.iceberg.iceberg_support import local_catalog
@@ -104,3 +106,61 @@ def test_delta_native_reads_back_as_the_python_path(spark: Any, tmp_path: Path) 
         n_rows.column("id").to_pylist()
     assert native.in_doubt("nat") == []
     assert native.read_back("id").prepared == 0
+
+
+PARTED = ("SELECT id, element_at(array('a b', 'x/y=z', NULL, '', 'p%q'), "
+          "CAST(id % 5 + 1 AS INT)) AS s, date_add(date'2026-01-01', CAST(id % 2 AS INT)) AS d, "
+          "CAST(id % 3 AS INT) AS k, CAST(id AS STRING) AS name FROM range(0, {n}, 1, 3)")
+
+
+def _adds(path: str) -> list[tuple[str, str, list[str]]]:
+    """(partition values, statistics, the file's columns) of every add action in the log."""
+    out = []
+    for f in sorted((Path(path) / "_delta_log").glob("*.json")):
+        for line in f.read_text().splitlines():
+            if line.startswith('{"add"'):
+                a = json.loads(line)["add"]
+                names = pq.read_schema(f"{path}/{a['path']}").names
+                out.append((json.dumps(a["partitionValues"], sort_keys=True), a["stats"], names))
+    return sorted(out)
+
+
+def test_delta_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path) -> None:
+    """Spark's ``partitionBy`` folders become the add actions' partition values: a value
+    with a space, '/', '=', '%', an empty string and a null (both null, as in Spark),
+    dates and ints; the same rows, values, statistics and files' columns as the Python
+    path's table."""
+    from deltalake import DeltaTable
+
+    tables = {}
+    for tag, cls, native in (("p", DeltaParticipant, False), ("n", NativeDelta, True)):
+        part = cls(str(tmp_path / tag), name="dl", partition_by=["s", "d", "k"], native=native)
+        sink = TransactionalSink("nat", [part], f"sqlite:///{tmp_path / f'{tag}.db'}",
+                                 lineage="lin-1", preflight=False)
+        try:
+            sink(spark.sql(PARTED.format(n=60)), 0)
+            sink(spark.sql(PARTED.format(n=60)).where("id >= 40"), 1)
+        finally:
+            sink.close()
+        assert [(r.outcome, r.rows) for r in sink.history] == [("committed", 60),
+                                                               ("committed", 20)]
+        tables[tag] = part
+    n_dt, p_dt = (DeltaTable(tables[t].path) for t in "np")
+    n_rows = n_dt.to_pyarrow_table().sort_by("id")
+    assert n_rows.equals(p_dt.to_pyarrow_table().sort_by("id"))
+    assert n_rows.num_rows == 80
+    assert set(n_rows.column("s").to_pylist()) == {"a b", "x/y=z", None, "p%q"}
+    n_adds = _adds(tables["n"].path)
+    assert n_adds == _adds(tables["p"].path)
+    assert {tuple(a[2]) for a in n_adds} == {("id", "name")}  # no partition column
+    assert {json.loads(a[0])["s"] for a in n_adds} == {"a b", "x/y=z", None, "p%q"}
+    assert n_dt.transaction_version("twophase-nat-lin-1") == 1
+    assert [h.get("twophase.batch") for h in reversed(n_dt.history())
+            if "twophase.batch" in h] == ["0", "1"]  # one version per batch
+    assert sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [n_dt.file_uris()]).fetchall()) == \
+        n_rows.column("id").to_pylist()
+    # a partition filter reads only its files (delta-rs prunes on the partition values)
+    assert n_dt.to_pyarrow_table(filters=[("s", "=", "x/y=z")]).num_rows == 16
+    assert tables["n"].in_doubt("nat") == []
+    assert not list(Path(tables["n"].path).rglob("_spark-*"))

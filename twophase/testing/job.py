@@ -73,6 +73,7 @@ class JobConfig:
     sql_table: str = "orders"
     delta_path: str | None = None  # DeltaParticipant: a local folder or s3://bucket/prefix
     delta_options: dict[str, str] | None = None  # its storage_options (s3:// only)
+    delta_partition_by: list[str] | None = None  # DeltaParticipant(partition_by=...)
     iceberg_table: str | None = None  # IcebergParticipant: "namespace.name"
     iceberg_catalog: dict[str, str] | None = None  # pyiceberg load_catalog properties
     # Any participant kind rebuilt by kind (the twophase.participants entry points, e.g. a
@@ -206,7 +207,7 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
         parts.append(DeltaParticipant(cfg.delta_path, storage_options=cfg.delta_options,
                                       mode="complete" if cfg.aggregate == "complete"
-                                      else "append"))
+                                      else "append", partition_by=cfg.delta_partition_by))
     if cfg.iceberg_table:
         from twophase.sinks.iceberg import IcebergParticipant
 
