@@ -10,10 +10,11 @@ validated :class:`~twophase.participant.BranchRef`, so the names are safe path p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -29,6 +30,7 @@ __all__ = [
     "spark_parts",
     "write_dir",
     "write_dirs",
+    "write_record",
 ]
 
 DATA_DIR: Final = "twophase"
@@ -155,3 +157,23 @@ def write_dirs(fs: pafs.FileSystem, root: str) -> Iterator[tuple[str, int, str, 
         m = WRITE_DIR.match(parts[-1]) if len(parts) == 3 else None
         if m and parts[1].isdigit():
             yield parts[0], int(parts[1]), m["participant"], int(m["attempt"])
+
+
+def write_record(fs: pafs.FileSystem, folder: str, name: str, record: dict[str, Any],
+                 local: bool) -> None:
+    """A small JSON record beside a batch's files (an Iceberg run's ``.done``, a native
+    Delta branch's partition values), durable under its name: on local
+    disk written under a ``.tmp`` name, fsynced and renamed; an object store shows an
+    object only once its upload completed. The folder's fsync is the caller's (one for
+    many records)."""
+    data = json.dumps(record).encode()
+    if local:
+        tmp = f"{folder}/.{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fs.move(tmp, f"{folder}/{name}")
+    else:
+        with fs.open_output_stream(f"{folder}/{name}") as out:
+            out.write(data)

@@ -21,7 +21,7 @@ from urllib.parse import unquote
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import SPARK_PART, spark_parts, write_dir
+from twophase.sinks.batchfiles import SPARK_PART, fsync_dir, spark_parts, write_dir, write_record
 from twophase.sinks.delta.arrow import arrow_schema_of, delta_schema, pyarrow_module
 from twophase.sinks.delta.writer import HANDLE_CHARS, STAT_CHARS, Stats
 
@@ -137,16 +137,6 @@ def values_name(participant: str, partition: int, attempt: int) -> str:
     return f".{participant}-{partition:05d}-{attempt}.values.json"
 
 
-def _save_values(folder: str, name: str, files: list[list[Any]]) -> None:
-    body = json.dumps({f[0]: f[3] for f in files}, separators=(",", ":")).encode()
-    tmp = f"{folder}/{name}.part"
-    with open(tmp, "wb") as out:
-        out.write(body)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, f"{folder}/{name}")
-
-
 def with_values(fs: pafs.FileSystem, folder: str, participant: str, partition: int,
                 attempt: int, files: list[tuple[Any, ...]], parts: list[str]
                 ) -> list[tuple[Any, ...]]:
@@ -234,14 +224,14 @@ def adopt(part: DeltaParticipant, dt: Any, key: TxnKey, partitions: int) -> dict
         listed = json.dumps(mine, separators=(",", ":"))
         rows = sum(f[2] for f in mine)
         if len(listed) > HANDLE_CHARS and parts:
-            _save_values(folder, values_name(part.name, partition, key.attempt), mine)
+            import pyarrow.fs as pafs
+
+            write_record(pafs.LocalFileSystem(), folder,
+                         values_name(part.name, partition, key.attempt),
+                         {f[0]: f[3] for f in mine}, local=True)
         # too long to vote: the batch commit reads the footers (the same statistics)
         handles[partition] = {"files": listed if len(listed) <= HANDLE_CHARS else "*",
                               "rows": str(rows)}
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(folder)
     shutil.rmtree(where)
     return handles

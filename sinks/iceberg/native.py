@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import fsync_dir, spark_parts, write_dir
-from twophase.sinks.iceberg.writer import write_record
+from twophase.sinks.batchfiles import fsync_dir, spark_parts, write_dir, write_record
 
 if TYPE_CHECKING:
     import pyarrow as pa

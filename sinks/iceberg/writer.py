@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from twophase.sinks.batchfiles import fsync_dir, part_path, seal_part
+from twophase.sinks.batchfiles import fsync_dir, part_path, seal_part, write_record
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -96,25 +95,6 @@ def transform_values(transform: str, arr: pa.Array) -> pa.Array:
         return day
     return pc.year(day) if transform == "year" else pc.add(pc.multiply(pc.year(day), 12),
                                                             pc.month(day))
-
-
-def write_record(fs: pafs.FileSystem, folder: str, name: str, record: dict[str, Any],
-                 local: bool) -> None:
-    """A run's ``.done`` record (its files and rows), durable under its name: on local
-    disk written under a ``.tmp`` name, fsynced and renamed; an object store shows an
-    object only once its upload completed. The folder's fsync is the caller's (one for
-    many records)."""
-    data = json.dumps(record).encode()
-    if local:
-        tmp = f"{folder}/.{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        fs.move(tmp, f"{folder}/{name}")
-    else:
-        with fs.open_output_stream(f"{folder}/{name}") as out:
-            out.write(data)
 
 
 class BranchWriter:
