@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COUNT = {"py4j": 0, "py4j_s": 0.0, "http": 0}
+COUNT = {"py4j": 0, "py4j_s": 0.0, "http": 0, "http_s": 0.0}
+REQUESTS: dict[str, list[float]] = defaultdict(list)  # coordinator requests by route, seconds
 
 
 def _count_py4j() -> None:
@@ -49,20 +50,33 @@ def _count_py4j() -> None:
         cls.send_command = send  # type: ignore[method-assign]
 
 
+def _route(request: Any) -> str:
+    """A request's route, by its last path segment (begin, votes, acks, a record: get)."""
+    last = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+    return last if last in ("begin", "votes", "acks", "abandon", "decision",
+                            "register") else "get"
+
+
 def _count_http() -> None:
-    """Every coordinator request of the driver's client."""
+    """Every coordinator request of the driver's client, and its time by route."""
     import httpx
 
     original = httpx.Client.send
 
     def send(self: Any, *a: Any, **kw: Any) -> Any:
-        COUNT["http"] += 1
-        return original(self, *a, **kw)
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a, **kw)
+        finally:
+            took = time.perf_counter() - t0
+            COUNT["http"] += 1
+            COUNT["http_s"] += took
+            REQUESTS[_route(a[0] if a else kw["request"])].append(took)
 
     httpx.Client.send = send  # type: ignore[method-assign]
 
 
-def _per_phase(store: list[dict[str, tuple[int, float, int]]]) -> None:
+def _per_phase(store: list[dict[str, tuple[int, float, int, float]]]) -> None:
     """Each lap of a batch records the counters' growth in its phase."""
     try:
         from twophase.report import Laps
@@ -73,16 +87,16 @@ def _per_phase(store: list[dict[str, tuple[int, float, int]]]) -> None:
 
     def init(self: Any, started: float) -> None:
         original_init(self, started)
-        self._mark = (COUNT["py4j"], COUNT["py4j_s"], COUNT["http"])
+        self._mark = (COUNT["py4j"], COUNT["py4j_s"], COUNT["http"], COUNT["http_s"])
         self._calls = {}
         store.append(self._calls)
 
     def lap(self: Any, phase: str) -> None:
         original_lap(self, phase)
-        now = (COUNT["py4j"], COUNT["py4j_s"], COUNT["http"])
-        c, s, h = self._calls.get(phase, (0, 0.0, 0))
+        now = (COUNT["py4j"], COUNT["py4j_s"], COUNT["http"], COUNT["http_s"])
+        c, s, h, hs = self._calls.get(phase, (0, 0.0, 0, 0.0))
         self._calls[phase] = (c + now[0] - self._mark[0], s + now[1] - self._mark[1],
-                              h + now[2] - self._mark[2])
+                              h + now[2] - self._mark[2], hs + now[3] - self._mark[3])
         self._mark = now
 
     Laps.__init__ = init  # type: ignore[method-assign]
@@ -109,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _count_py4j()
     _count_http()
-    calls: list[dict[str, tuple[int, float, int]]] = []
+    calls: list[dict[str, tuple[int, float, int, float]]] = []
     _per_phase(calls)
     work = Path(tempfile.mkdtemp(prefix="twophase-calls-"))
     pg = LocalPostgres(fsync=True).start()
@@ -132,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                 for k, v in ph.items():
                     phases[k].append(v)
             for batch in calls[mark + 1:]:
-                for k, (c, s, h) in batch.items():
+                for k, (c, s, h, hs) in batch.items():
                     phases[f"{k}#py4j"].append(c)
                     phases[f"{k}#py4j_s"].append(s)
                     phases[f"{k}#http"].append(h)
+                    phases[f"{k}#http_s"].append(hs)
         import twophase
 
         print(f"driver_calls: twophase from {Path(twophase.__file__).parent}, size "
@@ -149,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:16s} p50 {1000 * statistics.median(phases[k]):7.2f} ms; py4j "
                   f"{statistics.median(phases.get(k + '#py4j', [0])):5.0f} calls "
                   f"({1000 * statistics.median(phases.get(k + '#py4j_s', [0])):6.2f} ms); "
-                  f"coordinator {statistics.median(phases.get(k + '#http', [0])):3.0f}")
+                  f"coordinator {statistics.median(phases.get(k + '#http', [0])):3.0f} "
+                  f"({1000 * statistics.median(phases.get(k + '#http_s', [0])):5.2f} ms)")
+        print("  coordinator requests p50 (ms, every batch of every run): " + ", ".join(
+            f"{route} {1000 * statistics.median(took):.2f} (x{len(took)})"
+            for route, took in sorted(REQUESTS.items())))
         spark.stop()
     finally:
         pg.stop()

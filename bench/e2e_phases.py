@@ -34,4 +34,35 @@ def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str
             f"commit {p50('commit_s'):.1f}], decide {p50('decide_s'):.1f}, driver's commit "
             f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
             f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
-            f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}")
+            f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}\n"
+            + mean_line(title, runs))
+
+
+def mean_line(title: str, runs: Mapping[str, Sequence[Any]]) -> str:
+    """B minus A by phase in means over the measured batches (ms), which add up where
+    p50s do not: B's batch mean is the sum of its phases' means, A's is its job's (the
+    job's DataFrame, Spark's part and the slowest task), so every millisecond of the
+    added mean is named (the phases B has and A has not, the job's two parts)."""
+    b_ph = [ph for r in runs["B"] for ph in r.phases[1:]]
+    a_ph = [ph for r in runs["A"] for ph in r.phases[1:]]
+    b_t = [t for r in runs["B"] for t in r.times[1:]]
+    a_t = [t for r in runs["A"] for t in r.times[1:]]
+
+    def mean(key: str, of: list[dict[str, float]]) -> float:
+        return 1000 * statistics.fmean(ph.get(key, 0.0) for ph in of)
+
+    def spark(of: list[dict[str, float]]) -> float:
+        return mean("job_s", of) - mean("task_s", of)
+
+    own = ("frame_s", "split_s", "setup_s", "begin_s", "plan_s", "settle_s", "decide_s",
+           "driver_commit_s", "relay_s", "batch_commit_s", "driver_s")
+    parts = {k[:-2]: mean(k, b_ph) for k in own if mean(k, b_ph) >= 0.05}
+    parts["job: Spark's part"] = spark(b_ph) - spark(a_ph)
+    parts["job: slowest task"] = mean("task_s", b_ph) - mean("task_s", a_ph)
+    b_mean, a_mean = 1000 * statistics.fmean(b_t), 1000 * statistics.fmean(a_t)
+    named = sum(parts.values())
+    parts["outside the phases (B's batch minus its phases, minus A's outside its job)"] = (
+        (b_mean - a_mean) - named)
+    cells = ", ".join(f"{k} {v:+.1f}" for k, v in parts.items())
+    return (f"{title}: added mean {b_mean - a_mean:+.1f} ms (A {a_mean:.1f}, B {b_mean:.1f})"
+            f" = {cells}")

@@ -1,0 +1,56 @@
+"""The driver's finish of a recovered batch runs its statuses and commits in lanes
+(``twophase.recover``): a batch of many partitions is committed whole, each branch by a
+participant no other thread uses, and a failure is raised, not lost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from twophase import recover
+from twophase.finish import apply_decision
+from twophase.participant import BranchStatus, Participant
+from twophase.protocol import Decision
+from twophase.sinks.files import StagedFileParticipant
+from twophase.testing.conformance import SCHEMA, _prepare, make_branch
+
+
+def _prepared(tmp_path: Path, n: int) -> tuple[StagedFileParticipant, list[recover._Item]]:
+    part = StagedFileParticipant(str(tmp_path / "out"), name="files")
+    part.check(SCHEMA)
+    lineage = "lanes0000000000a"
+    items: list[recover._Item] = []
+    for p in range(n):
+        ref = make_branch(part, lineage=lineage, partition=p)
+        items.append((part, ref, _prepare(part, ref)))
+    return part, items
+
+
+def test_a_many_partition_finish_commits_every_branch_in_lanes(tmp_path: Path) -> None:
+    part, items = _prepared(tmp_path, 3 * recover.BRANCHES_PER_LANE)
+    seen: dict[int, set[int]] = {}  # thread -> ids of the participant objects it used
+
+    def status(p: Participant, ref: object, handle: object) -> BranchStatus:
+        seen.setdefault(threading.get_ident(), set()).add(id(p))
+        return p.voted_status(ref, handle)  # type: ignore[arg-type]
+
+    statuses = recover._in_lanes(items, status)
+    assert statuses == [BranchStatus.PREPARED] * len(items)
+    assert len(seen) == 3  # one lane per BRANCHES_PER_LANE branches
+    objects = [ids for ids in seen.values()]
+    assert all(len(ids) == 1 for ids in objects)  # a lane keeps to its own participant
+    assert len(set.union(*objects)) == 3 and id(part) in set.union(*objects)
+    recover._in_lanes(items, lambda p, r, h: apply_decision(p, r, h, Decision.COMMIT))
+    assert [part.status(ref) for _, ref, _ in items] == [BranchStatus.COMMITTED] * len(items)
+    assert len(list((tmp_path / "out").glob("*.parquet"))) == len(items)
+
+
+def test_a_failed_commit_in_a_lane_is_raised(tmp_path: Path) -> None:
+    part, items = _prepared(tmp_path, 2 * recover.BRANCHES_PER_LANE)
+    broken = items[5][1]
+    part.abort(broken, items[5][2])  # its staged file is gone: its commit must fail
+    with pytest.raises(Exception, match="neither the staged nor the final file exists"):
+        recover._in_lanes(items, lambda p, r, h: apply_decision(p, r, h, Decision.COMMIT))
+    assert part.status(items[0][1]) is BranchStatus.COMMITTED  # the other lane went on
