@@ -5,13 +5,14 @@ participant no other thread uses, and a failure is raised, not lost."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from twophase import recover
 from twophase.finish import apply_decision
-from twophase.participant import BranchStatus, Participant
+from twophase.participant import BranchRef, BranchStatus, Handle, Participant
 from twophase.protocol import Decision
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.conformance import SCHEMA, _prepare, make_branch
@@ -30,18 +31,22 @@ def _prepared(tmp_path: Path, n: int) -> tuple[StagedFileParticipant, list[recov
 
 def test_a_many_partition_finish_commits_every_branch_in_lanes(tmp_path: Path) -> None:
     part, items = _prepared(tmp_path, 3 * recover.BRANCHES_PER_LANE)
-    seen: dict[int, set[int]] = {}  # thread -> ids of the participant objects it used
+    used: Counter[int] = Counter()  # participant object -> branches it was asked about
+    threads: dict[int, set[int]] = {}  # participant object -> threads that used it
+    lock = threading.Lock()
 
-    def status(p: Participant, ref: object, handle: object) -> BranchStatus:
-        seen.setdefault(threading.get_ident(), set()).add(id(p))
-        return p.voted_status(ref, handle)  # type: ignore[arg-type]
+    def status(p: Participant, ref: BranchRef, handle: Handle) -> BranchStatus:
+        with lock:
+            used[id(p)] += 1
+            threads.setdefault(id(p), set()).add(threading.get_ident())
+        return p.voted_status(ref, handle)
 
     statuses = recover._in_lanes(items, status)
     assert statuses == [BranchStatus.PREPARED] * len(items)
-    assert len(seen) == 3  # one lane per BRANCHES_PER_LANE branches
-    objects = [ids for ids in seen.values()]
-    assert all(len(ids) == 1 for ids in objects)  # a lane keeps to its own participant
-    assert len(set.union(*objects)) == 3 and id(part) in set.union(*objects)
+    # one lane per BRANCHES_PER_LANE branches, each with a participant of its own (the
+    # first lane the sink's own), and no participant used by two threads
+    assert sorted(used.values()) == [recover.BRANCHES_PER_LANE] * 3
+    assert id(part) in used and all(len(t) == 1 for t in threads.values())
     recover._in_lanes(items, lambda p, r, h: apply_decision(p, r, h, Decision.COMMIT))
     assert [part.status(ref) for _, ref, _ in items] == [BranchStatus.COMMITTED] * len(items)
     assert len(list((tmp_path / "out").glob("*.parquet"))) == len(items)
