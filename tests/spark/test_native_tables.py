@@ -164,3 +164,65 @@ def test_delta_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path)
     assert n_dt.to_pyarrow_table(filters=[("s", "=", "x/y=z")]).num_rows == 16
     assert tables["n"].in_doubt("nat") == []
     assert not list(Path(tables["n"].path).rglob("_spark-*"))
+
+
+ICE_PARTED = ("SELECT id, element_at(array('a b', 'x/y=z', NULL, '', 'p%q'), "
+              "CAST(id % 5 + 1 AS INT)) AS s, IF(id % 7 = 3, NULL, "
+              "timestamp_seconds(id * 30000 - 200000)) AS ts, "
+              "date_add(date'1969-12-30', CAST(id * 20 AS INT)) AS d, "
+              "CAST(id % 2 AS INT) AS k, CAST(id AS STRING) AS name FROM range(0, {n}, 1, 3)")
+ICE_BY = ["s", "day(ts)", "month(d)", "year(d)", "k"]
+
+
+def _ice_files(part: IcebergParticipant) -> list[tuple[tuple[Any, ...], int]]:
+    """(partition record, rows) of every data file of the table's current snapshot."""
+    return sorted(((tuple(t.file.partition), t.file.record_count)  # type: ignore[arg-type]
+                   for t in part._load().scan().plan_files()), key=repr)
+
+
+def test_iceberg_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path) -> None:
+    """Spark partitions by the derived columns (an identity string's MD5, the ordinals of
+    day, month and year, in a session time zone that is not UTC: Iceberg's transforms
+    are UTC's) and keeps the source columns: the same rows and the same partition value
+    and row count per data file as the Python path's table, values with a space, '/',
+    '=', '%', an empty string (not null) and nulls, timestamps and dates before 1970."""
+    tables = {}
+    zone = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        for tag, cls, native in (("p", IcebergParticipant, False), ("n", NativeIceberg, True)):
+            part = cls("ns.t", local_catalog(tmp_path / tag), name="ice", partition_by=ICE_BY,
+                       native=native)
+            sink = TransactionalSink("nat", [part], f"sqlite:///{tmp_path / f'{tag}.db'}",
+                                     lineage="lin-1", preflight=False)
+            try:
+                sink(spark.sql(ICE_PARTED.format(n=40)), 0)
+                sink(spark.sql(ICE_PARTED.format(n=40)).where("id >= 30"), 1)
+            finally:
+                sink.close()
+            assert [(r.outcome, r.rows) for r in sink.history] == [("committed", 40),
+                                                                   ("committed", 10)]
+            tables[tag] = part
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", zone)
+    n_tbl, p_tbl = (tables[t]._load() for t in "np")
+    n_rows = n_tbl.scan().to_arrow().sort_by("id")
+    assert n_rows.equals(p_tbl.scan().to_arrow().sort_by("id"))
+    assert n_rows.num_rows == 50
+    files = _ice_files(tables["n"])
+    assert files == _ice_files(tables["p"])
+    assert len(files) > 40  # a file per task and partition value
+    assert {f[0][0] for f in files} == {"a b", "x/y=z", None, "", "p%q"}
+    assert min(f[0][1] for f in files if f[0][1] is not None) < 0  # a day before 1970
+    assert None in {f[0][1] for f in files}
+    paths = [t.file.file_path.removeprefix("file://") for t in n_tbl.scan().plan_files()]
+    assert {tuple(pq.read_schema(p).names) for p in paths} == {
+        ("id", "s", "ts", "d", "k", "name")}  # the source columns kept, no derived one
+    assert sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [paths]).fetchall()) == \
+        n_rows.column("id").to_pylist()
+    pruned = list(n_tbl.scan(row_filter="s == 'x/y=z'").plan_files())  # by partition value
+    assert 0 < len(pruned) < len(paths) // 3
+    assert n_tbl.scan(row_filter="s == 'x/y=z'").to_arrow().num_rows == 10
+    assert tables["n"].in_doubt("nat") == []
+    assert not list((tmp_path / "n").rglob("_spark-*"))
