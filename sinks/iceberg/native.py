@@ -1,7 +1,7 @@
 """The native data path for Iceberg (``twophase.participant.SparkWritten``): Spark's own
 Parquet writer writes an attempt's rows into a folder of the batch's folder, and
-:func:`adopt` makes each task's file a prepare run of its branch, as the Python path
-leaves one (``<participant>-<partition>-<attempt>-<run>-00000.parquet`` and the run's
+:func:`adopt` makes each task's files a prepare run of its branch, as the Python path
+leaves one (``<participant>-<partition>-<attempt>-<run>-<seq>.parquet`` and the run's
 ``.done`` record), so the commit (one snapshot carrying the marker), ``status``,
 ``abort`` and the sweeps stay as they are.
 

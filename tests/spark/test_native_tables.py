@@ -6,6 +6,7 @@ path's table (a misfit, the crash windows: tests/sinks/test_native_adopt.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -182,29 +183,24 @@ def _ice_files(part: IcebergParticipant) -> list[tuple[tuple[Any, ...], int]]:
 
 def test_iceberg_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path) -> None:
     """Spark partitions by the derived columns (an identity string's MD5, the ordinals of
-    day, month and year, in a session time zone that is not UTC: Iceberg's transforms
-    are UTC's) and keeps the source columns: the same rows and the same partition value
-    and row count per data file as the Python path's table, values with a space, '/',
-    '=', '%', an empty string (not null) and nulls, timestamps and dates before 1970."""
+    day, month and year) and keeps the source columns: the same rows and the same
+    partition value and row count per data file as the Python path's table, values with
+    a space, '/', '=', '%', an empty string (not null) and nulls, timestamps and dates
+    before 1970."""
     tables = {}
-    zone = spark.conf.get("spark.sql.session.timeZone")
-    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
-    try:
-        for tag, cls, native in (("p", IcebergParticipant, False), ("n", NativeIceberg, True)):
-            part = cls("ns.t", local_catalog(tmp_path / tag), name="ice", partition_by=ICE_BY,
-                       native=native)
-            sink = TransactionalSink("nat", [part], f"sqlite:///{tmp_path / f'{tag}.db'}",
-                                     lineage="lin-1", preflight=False)
-            try:
-                sink(spark.sql(ICE_PARTED.format(n=40)), 0)
-                sink(spark.sql(ICE_PARTED.format(n=40)).where("id >= 30"), 1)
-            finally:
-                sink.close()
-            assert [(r.outcome, r.rows) for r in sink.history] == [("committed", 40),
-                                                                   ("committed", 10)]
-            tables[tag] = part
-    finally:
-        spark.conf.set("spark.sql.session.timeZone", zone)
+    for tag, cls, native in (("p", IcebergParticipant, False), ("n", NativeIceberg, True)):
+        part = cls("ns.t", local_catalog(tmp_path / tag), name="ice", partition_by=ICE_BY,
+                   native=native)
+        sink = TransactionalSink("nat", [part], f"sqlite:///{tmp_path / f'{tag}.db'}",
+                                 lineage="lin-1", preflight=False)
+        try:
+            sink(spark.sql(ICE_PARTED.format(n=40)), 0)
+            sink(spark.sql(ICE_PARTED.format(n=40)).where("id >= 30"), 1)
+        finally:
+            sink.close()
+        assert [(r.outcome, r.rows) for r in sink.history] == [("committed", 40),
+                                                               ("committed", 10)]
+        tables[tag] = part
     n_tbl, p_tbl = (tables[t]._load() for t in "np")
     n_rows = n_tbl.scan().to_arrow().sort_by("id")
     assert n_rows.equals(p_tbl.scan().to_arrow().sort_by("id"))
@@ -226,3 +222,41 @@ def test_iceberg_partitioned_native_as_the_python_path(spark: Any, tmp_path: Pat
     assert n_tbl.scan(row_filter="s == 'x/y=z'").to_arrow().num_rows == 10
     assert tables["n"].in_doubt("nat") == []
     assert not list((tmp_path / "n").rglob("_spark-*"))
+
+
+def test_iceberg_transforms_in_spark_as_pyiceberg(spark: Any) -> None:
+    """The derived columns' Spark SQL against pyiceberg's own transforms, at the edges
+    (a microsecond before 1970 and before a day, an hour, a month, a year), in a session
+    time zone that is not UTC (Iceberg's ``timestamptz`` transforms are UTC's); a
+    ``timestamp`` without zone (TIMESTAMP_NTZ) and a ``date`` too."""
+    from pyiceberg import types as t
+    from pyiceberg.transforms import parse_transform
+
+    from twophase.sinks.iceberg.native import _expr
+
+    instants = ["1969-12-31 23:59:59.999999", "1970-01-01 00:00:00", "1968-02-29 13:30:00",
+                "2024-12-31 23:59:59.999999", "2025-01-01 00:00:00", "2026-03-29 01:59:59"]
+    cases = [("ts", t.TimestamptzType(), "TIMESTAMP'{}Z'"),
+             ("ntz", t.TimestampType(), "TIMESTAMP_NTZ'{}'"),
+             ("d", t.DateType(), "DATE'{}'")]
+    epoch = dt.datetime(1970, 1, 1)
+    zone = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        for column, ice_type, literal in cases:
+            for name in ("year", "month", "day", "hour"):
+                expr = _expr(name, column, ice_type)
+                if ice_type == t.DateType() and name == "hour":
+                    assert expr is None
+                    continue
+                assert expr is not None
+                values = [v[:10] if column == "d" else v for v in instants]
+                rows = ", ".join(f"({literal.format(v)})" for v in values)
+                got = [r[0] for r in spark.sql(
+                    f"SELECT {expr} FROM VALUES {rows} AS v({column})").collect()]
+                unit = dt.timedelta(days=1) if column == "d" else dt.timedelta(microseconds=1)
+                raw = [(dt.datetime.fromisoformat(v) - epoch) // unit for v in values]
+                want = [parse_transform(name).transform(ice_type)(x) for x in raw]
+                assert got == want, (column, name, values)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", zone)
