@@ -82,8 +82,8 @@ def test_partitioned_adopt_reads_derived_folders_and_commits_partition_values(
     assert (handles[0]["rows"], handles[1]["rows"]) == ("3", "3")
     part.commit_batch(KEY, handles)
     tbl = part._load()
-    got = sorted((tuple(t.file.partition), t.file.record_count)  # type: ignore[arg-type]
-                 for t in tbl.scan().plan_files())
+    got = sorted(((tuple(t.file.partition), t.file.record_count)  # type: ignore[arg-type]
+                  for t in tbl.scan().plan_files()), key=repr)
     assert got == sorted([(("a b", 20418, 1), 2), (("a b", 20418, 1), 1),
                           (("x/y=z%", -1, None), 1), ((None, None, 2), 1), (("", 0, 2), 1)],
                          key=repr)
