@@ -171,7 +171,8 @@ ICE_PARTED = ("SELECT id, element_at(array('a b', 'x/y=z', NULL, '', 'p%q'), "
               "CAST(id % 5 + 1 AS INT)) AS s, IF(id % 7 = 3, NULL, "
               "timestamp_seconds(id * 30000 - 200000)) AS ts, "
               "date_add(date'1969-12-30', CAST(id * 20 AS INT)) AS d, "
-              "add_months(date'1969-11-30', CAST(id AS INT)) AS m, CAST(id % 2 AS INT) AS k, CAST(id AS STRING) AS name FROM range(0, {n}, 1, 3)")
+              "add_months(date'1969-11-30', CAST(id AS INT)) AS m, CAST(id % 2 AS INT) AS k, "
+              "CAST(id AS STRING) AS name FROM range(0, {n}, 1, 3)")
 ICE_BY = ["s", "day(ts)", "year(d)", "month(m)", "k"]
 
 
