@@ -9,7 +9,8 @@ Per attempt, on the driver, in place of those participants' share of the prepare
 2. ``df.write.format(fmt).save(participant.native_location(key))``: one Spark task per
    branch partition (the batch split as the Python path splits it), timestamps as
    Parquet ``TIMESTAMP_MICROS`` (what pyarrow writes, not Spark's default INT96), one
-   file per task;
+   file per task (and partition value: ``native_partition_by``, over the participant's
+   derived ``native_columns`` when it has some);
 3. ``participant.adopt(key, P)``: the files become the staged branches, by name;
 4. the votes go back as the Python tasks' do (one outcome per partition), and the driver
    decides and commits as for any other batch.
@@ -129,7 +130,10 @@ class NativePrepare:
                     fmt = part.native_format()
                     assert fmt is not None
                     failpoints.hit("before_prepare", part.name)
-                    writer = (split.write.mode("overwrite").format(fmt)
+                    extra = part.native_columns()  # derived columns to partition by
+                    frame = split.selectExpr("*", *(f"{e} AS `{n}`" for n, e in extra.items())
+                                             ) if extra else split
+                    writer = (frame.write.mode("overwrite").format(fmt)
                               .options(**{**_WRITE_OPTIONS, **part.native_options()}))
                     by = list(part.native_partition_by())
                     if by:  # Hive-style folders: one file per task and value

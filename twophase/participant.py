@@ -427,6 +427,12 @@ class SparkWritten(abc.ABC):
         ``col=value/`` folders, the columns left out of the files); none by default."""
         return ()
 
+    def native_columns(self) -> Mapping[str, str]:
+        """Hidden columns the native write adds before it partitions (name -> Spark SQL
+        expression), for a table whose files keep the partition's source columns (Iceberg:
+        its partition transforms); none by default."""
+        return {}
+
     @abc.abstractmethod
     def native_location(self, key: TxnKey) -> str:
         """Where Spark writes attempt ``key``'s files (a path or URI Spark can write)."""

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ from twophase.sinks.iceberg.marker import (
     partition_fields,
     split_table,
 )
-from twophase.sinks.iceberg.native import local_location
+from twophase.sinks.iceberg.native import native_misfit, spark_columns
 from twophase.sinks.iceberg.schema import check_spec, create, fit
 from twophase.sinks.iceberg.writer import (
     BranchWriter,
@@ -87,9 +87,9 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten
     ``"name"`` key names the catalog (default ``"default"``).
 
     ``native``: None, the default, lets Spark's own Parquet writer write the data files
-    when every participant of the sink can take them (no row through Python; an
-    unpartitioned table on the local file system); True also beside Python participants,
-    refused where it cannot be; False always writes them from Python.
+    when every participant of the sink can take them (no row through Python; a table on
+    the local file system, unpartitioned or by identity and time transforms); True also
+    beside Python participants, refused where it cannot be; False always from Python.
     """
 
     kind = "iceberg"
@@ -275,35 +275,21 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten
     # ------------------------------------------------------------------ native path
     def native_format(self) -> str | None:
         """Parquet, unless ``native=False``, or (automatic) a subclass with its own
-        ``prepare``, or a table Spark's plain Parquet writer cannot fill: partitioned (a
-        data file holds one partition's rows), or not on the local file system."""
+        ``prepare``, or a table Spark's Parquet writer cannot fill: a partition transform
+        Spark does not compute as Iceberg does (bucket), or not on the local file system."""
         if self.native is False or (self.native is None and
                                     type(self).prepare is not IcebergParticipant.prepare):
             return None
         if self._native_why is None:
-            self._native_why = self._native_misfit()
+            self._native_why = native_misfit(self)
+            if self._native_why and self.native is None:  # once: the choice is cached
+                log.info("%s: not on the native path (%s); the Python path takes its rows",
+                         self.describe(), self._native_why)
         if self._native_why and self.native:
             raise InvalidRequest(
                 f"{self.describe()}: native=True, but {self._native_why}. Fix: drop "
                 "native=True (the Python path writes it)")
         return None if self._native_why else "parquet"
-
-    def _native_misfit(self) -> str:
-        from pyiceberg.exceptions import NoSuchTableError
-
-        if self.partition_by:
-            return "the table is partitioned (partition_by), which the native path does not write"
-        try:
-            tbl = self._cat().load_table(self.identifier)
-        except (NoSuchTableError, ParticipantError):  # created by check, in the warehouse
-            where = self.catalog_props.get("warehouse", "")  # (adopt checks the spec)
-        else:
-            if not tbl.spec().is_unpartitioned():
-                return "the table is partitioned, which the native path does not write"
-            where = tbl.location()
-        if not local_location(where):
-            return f"the table's location {where!r} is not on the local file system"
-        return ""
 
     def native_preferred(self) -> bool:
         return self.native is True
@@ -312,6 +298,12 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten
         """The table's Parquet codec (pyiceberg's default, zstd)."""
         codec = self._load().properties.get("write.parquet.compression-codec", "zstd")
         return {"compression": "none" if codec == "uncompressed" else codec}
+
+    def native_columns(self) -> Mapping[str, str]:
+        return spark_columns(self, self._load())  # derived: the files keep the source columns
+
+    def native_partition_by(self) -> Sequence[str]:
+        return list(self.native_columns())
 
     def native_location(self, key: TxnKey) -> str:
         tbl = self._load()

@@ -18,6 +18,9 @@ delta-rs, pyiceberg and DuckDB:
 - Iceberg, through a JDBC catalog over pyiceberg's SQLite catalog: one snapshot per
   batch with the summary naming sink, lineage and batch, each snapshot read by time
   travel, partition and statistics pruning as pyiceberg plans it.
+
+The Iceberg table's data files are written by Spark's own Parquet writer (the native
+path, ``native=True``), the Delta table's by the Python path (``native=False``).
 """
 
 from __future__ import annotations
@@ -132,10 +135,14 @@ def read(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Read:
     tmp_path = tmp_path_factory.mktemp("spark-reads")
     delta_path = str(tmp_path / "lake" / "orders")
     catalog = {**local_catalog(tmp_path / "ice"), "name": "lake"}
+    # Delta on the Python path (its native files of a table with a double column carry
+    # only numRecords: no data skipping to check), Iceberg on the native path (Spark
+    # partitions by a derived column, region's MD5, and region stays in the files)
     delta = DeltaParticipant(delta_path, name="dl", partition_by=["region"],
-                             on_schema_change="add_columns")
+                             on_schema_change="add_columns", native=False)
     ice = IcebergParticipant("shop.orders", catalog, name="ice", partition_by=["region"],
-                             on_schema_change="add_columns")
+                             on_schema_change="add_columns", native=True)
+    assert (delta.native_format(), ice.native_format()) == (None, "parquet")
     _write(spark, tmp_path, delta, ice)
     dt_ = DeltaTable(delta_path)
     [lineage] = {i["twophase.lineage"] for i in dt_.history() if i.get("twophase.sink") == SINK}

@@ -6,6 +6,7 @@ path's table (a misfit, the crash windows: tests/sinks/test_native_adopt.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -164,3 +165,99 @@ def test_delta_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path)
     assert n_dt.to_pyarrow_table(filters=[("s", "=", "x/y=z")]).num_rows == 16
     assert tables["n"].in_doubt("nat") == []
     assert not list(Path(tables["n"].path).rglob("_spark-*"))
+
+
+ICE_PARTED = ("SELECT id, element_at(array('a b', 'x/y=z', NULL, '', 'p%q'), "
+              "CAST(id % 5 + 1 AS INT)) AS s, IF(id % 7 = 3, NULL, "
+              "timestamp_seconds(id * 30000 - 200000)) AS ts, "
+              "date_add(date'1969-12-30', CAST(id * 20 AS INT)) AS d, "
+              "add_months(date'1969-11-30', CAST(id AS INT)) AS m, CAST(id % 2 AS INT) AS k, "
+              "CAST(id AS STRING) AS name FROM range(0, {n}, 1, 3)")
+ICE_BY = ["s", "day(ts)", "year(d)", "month(m)", "k"]
+
+
+def _ice_files(part: IcebergParticipant) -> list[tuple[tuple[Any, ...], int]]:
+    """(partition record, rows) of every data file of the table's current snapshot."""
+    return sorted(((tuple(t.file.partition), t.file.record_count)  # type: ignore[arg-type]
+                   for t in part._load().scan().plan_files()), key=repr)
+
+
+def test_iceberg_partitioned_native_as_the_python_path(spark: Any, tmp_path: Path) -> None:
+    """Spark partitions by the derived columns (an identity string's MD5, the ordinals of
+    day, month and year) and keeps the source columns: the same rows and the same
+    partition value and row count per data file as the Python path's table, values with
+    a space, '/', '=', '%', an empty string (not null) and nulls, timestamps and dates
+    before 1970."""
+    tables = {}
+    for tag, cls, native in (("p", IcebergParticipant, False), ("n", NativeIceberg, True)):
+        part = cls("ns.t", local_catalog(tmp_path / tag), name="ice", partition_by=ICE_BY,
+                   native=native)
+        sink = TransactionalSink("nat", [part], f"sqlite:///{tmp_path / f'{tag}.db'}",
+                                 lineage="lin-1", preflight=False)
+        try:
+            sink(spark.sql(ICE_PARTED.format(n=40)), 0)
+            sink(spark.sql(ICE_PARTED.format(n=40)).where("id >= 30"), 1)
+        finally:
+            sink.close()
+        assert [(r.outcome, r.rows) for r in sink.history] == [("committed", 40),
+                                                               ("committed", 10)]
+        tables[tag] = part
+    n_tbl, p_tbl = (tables[t]._load() for t in "np")
+    n_rows = n_tbl.scan().to_arrow().sort_by("id")
+    assert n_rows.equals(p_tbl.scan().to_arrow().sort_by("id"))
+    assert n_rows.num_rows == 50
+    files = _ice_files(tables["n"])
+    assert files == _ice_files(tables["p"])
+    assert len(files) > 40  # a file per task and partition value
+    assert {f[0][0] for f in files} == {"a b", "x/y=z", None, "", "p%q"}
+    assert min(f[0][1] for f in files if f[0][1] is not None) < 0  # a day before 1970
+    assert None in {f[0][1] for f in files}
+    paths = [t.file.file_path.removeprefix("file://") for t in n_tbl.scan().plan_files()]
+    assert {tuple(pq.read_schema(p).names) for p in paths} == {
+        ("id", "s", "ts", "d", "m", "k", "name")}  # the source columns kept, no derived one
+    assert sorted(r[0] for r in duckdb.connect().execute(
+        "SELECT id FROM read_parquet(?)", [paths]).fetchall()) == \
+        n_rows.column("id").to_pylist()
+    pruned = list(n_tbl.scan(row_filter="s == 'x/y=z'").plan_files())  # by partition value
+    assert 0 < len(pruned) < len(paths) // 3
+    assert n_tbl.scan(row_filter="s == 'x/y=z'").to_arrow().num_rows == 10
+    assert tables["n"].in_doubt("nat") == []
+    assert not list((tmp_path / "n").rglob("_spark-*"))
+
+
+def test_iceberg_transforms_in_spark_as_pyiceberg(spark: Any) -> None:
+    """The derived columns' Spark SQL against pyiceberg's own transforms, at the edges
+    (a microsecond before 1970 and before a day, an hour, a month, a year), in a session
+    time zone that is not UTC (Iceberg's ``timestamptz`` transforms are UTC's); a
+    ``timestamp`` without zone (TIMESTAMP_NTZ) and a ``date`` too."""
+    from pyiceberg import types as t
+    from pyiceberg.transforms import parse_transform
+
+    from twophase.sinks.iceberg.native import _expr
+
+    instants = ["1969-12-31 23:59:59.999999", "1970-01-01 00:00:00", "1968-02-29 13:30:00",
+                "2024-12-31 23:59:59.999999", "2025-01-01 00:00:00", "2026-03-29 01:59:59"]
+    cases = [("ts", t.TimestamptzType(), "TIMESTAMP'{}Z'"),
+             ("ntz", t.TimestampType(), "TIMESTAMP_NTZ'{}'"),
+             ("d", t.DateType(), "DATE'{}'")]
+    epoch = dt.datetime(1970, 1, 1)
+    zone = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        for column, ice_type, literal in cases:
+            for name in ("year", "month", "day", "hour"):
+                expr = _expr(name, column, ice_type)
+                if ice_type == t.DateType() and name == "hour":
+                    assert expr is None
+                    continue
+                assert expr is not None
+                values = [v[:10] if column == "d" else v for v in instants]
+                rows = ", ".join(f"({literal.format(v)})" for v in values)
+                got = [r[0] for r in spark.sql(
+                    f"SELECT {expr} FROM VALUES {rows} AS v({column})").collect()]
+                unit = dt.timedelta(days=1) if column == "d" else dt.timedelta(microseconds=1)
+                raw = [(dt.datetime.fromisoformat(v) - epoch) // unit for v in values]
+                want = [parse_transform(name).transform(ice_type)(x) for x in raw]
+                assert got == want, (column, name, values)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", zone)

@@ -1,7 +1,8 @@
 """Exactly-once into Iceberg and Delta on the native data path when the driver dies: the
 reference job (its own driver process, real Spark local[2]) writes one sink of a Delta
-table partitioned by ``customer`` (Spark's ``partitionBy`` folders, about 20 values a
-branch, a file each) and an Iceberg table, both prepared by Spark's own Parquet writer.
+table and an Iceberg table, both partitioned by ``customer`` (Spark's ``partitionBy``
+folders, about 20 values a branch, a file each; Iceberg's over a derived column, the
+source kept in the files), both prepared by Spark's own Parquet writer.
 The driver is SIGKILLed with COMMIT decided, after the Delta table's commit and before the Iceberg
 table's (the restart commits Iceberg and finds Delta's marker); the slow case adds a
 kill after Spark wrote the attempt's folders (no vote: swept by name), one before any
@@ -58,7 +59,7 @@ def test_tables_driver_killed_on_the_native_path(
         input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
         coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"nt{secrets.token_hex(3)}",
         delta_path=str(tmp_path / "lake" / "orders"), delta_partition_by=["customer"],
-        iceberg_table="shop.orders",
+        iceberg_table="shop.orders", iceberg_partition_by=["customer"],
         iceberg_catalog=catalog, partitions=2, vote_timeout=60.0, max_attempts=4,
     )
     delta, ice = build_participants(cfg)
@@ -122,6 +123,10 @@ def _read_by_spark_and_duckdb(tmp_path: Path, delta: DeltaParticipant,
     for r in dt.to_pyarrow_table(columns=["id", "customer"]).to_pylist():  # from the log
         assert r["customer"] == f"customer-{r['id'] % 97}"
     assert sorted(ice._load().scan().to_arrow().column("id").to_pylist()) == want
+    ice_files = [t.file for t in ice._load().scan().plan_files()]
+    assert len(ice_files) == len(want)  # a file each, in its partition, as for Delta
+    assert {f.partition[0] for f in ice_files} == {f"customer-{i % 97}" for i in want}
+    fives = len([i for i in want if i % 97 == 5])
     row = {"customer": "spark", "amount": 1.5, "ts": "2026-02-01 00:00:00"}
     got: dict[str, Any] = spark_read({
         "delta": {"path": delta.path, "filters": {"id": f"id = {want[5]}"},
@@ -129,11 +134,14 @@ def _read_by_spark_and_duckdb(tmp_path: Path, delta: DeltaParticipant,
                   "replay_id": 100_000, "new_id": 200_000, "row": row},
         "iceberg": {"catalog": "lake", "table": "shop.orders",
                     "uri": f"jdbc:sqlite:{tmp_path / 'ice' / 'catalog.db'}",
-                    "warehouse": catalog["warehouse"], "filters": {"id": f"id = {want[5]}"}},
+                    "warehouse": catalog["warehouse"],
+                    "filters": {"id": f"id = {want[5]}", "customer": "customer = 'customer-5'"}},
     }, tmp_path / "spark-reader.log")
     assert [r[0] for r in got["iceberg"]["rows"]] == want
     assert [r[0] for r in got["delta"]["rows"]] == want
     assert len(got["iceberg"]["snapshots"]) == len(want) // ROWS
+    pruned = got["iceberg"]["scans"]["customer"]  # Spark reads only customer-5's files
+    assert pruned["metrics"]["resultDataFiles"] == fives > 0, pruned
     # Spark's Delta writer skips the batch twophase committed last, applies the next
     skipped, applied = got["delta"]["txn_writes"]
     assert (skipped["rows"], applied["rows"]) == (len(want), len(want) + 3)

@@ -76,6 +76,7 @@ class JobConfig:
     delta_partition_by: list[str] | None = None  # DeltaParticipant(partition_by=...)
     iceberg_table: str | None = None  # IcebergParticipant: "namespace.name"
     iceberg_catalog: dict[str, str] | None = None  # pyiceberg load_catalog properties
+    iceberg_partition_by: list[str] | None = None  # IcebergParticipant(partition_by=...)
     # Any participant kind rebuilt by kind (the twophase.participants entry points, e.g. a
     # third-party package's): descriptors {"kind", "name", "target", "options"}, secrets
     # from TWOPHASE_SECRET_<PARTICIPANT>_<KEY> as for `twophase resolve`
@@ -213,7 +214,7 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
         parts.append(IcebergParticipant(cfg.iceberg_table, cfg.iceberg_catalog or {},
                                         mode="complete" if cfg.aggregate == "complete"
-                                        else "append"))
+                                        else "append", partition_by=cfg.iceberg_partition_by))
     if cfg.participants:
         from twophase.participant import rebuild
 
