@@ -6,8 +6,8 @@ As for Spark's Kafka connector (:mod:`.sparkkafka`): Maven runs once (``scripts/
 or the first use) and a session is given the local jars as ``spark.jars``, instead of
 ``spark.jars.packages`` reaching the network at every session start. ``s3a.pom.xml``
 (beside this module) names hadoop-aws at the Hadoop version pyspark ships, the SDK's
-``s3`` and ``s3-transfer-manager`` modules instead of its 600 MB ``bundle``; Spark's own
-netty and slf4j are not copied. The folder is keyed by the pom's content.
+``s3``, ``s3-transfer-manager`` and ``apache-client`` modules instead of its 600 MB
+``bundle``; what Spark ships itself (netty, slf4j, httpclient 4) is left out. The folder is keyed by the pom's content.
 
 ``$TWOPHASE_S3A_JARS`` names a ready folder of those jars instead (offline).
 """
@@ -26,8 +26,10 @@ __all__ = ["ENV_JARS", "HADOOP_AWS_VERSION", "POM", "s3a_conf", "s3a_jars"]
 
 ENV_JARS = "TWOPHASE_S3A_JARS"
 POM = Path(__file__).with_name("s3a.pom.xml")
-_NEEDED = ("hadoop-aws", "s3", "s3-transfer-manager", "aws-core", "sdk-core")
-_SPARK_SHIPS = ("netty-", "slf4j-")  # Spark's own, newer: never a second copy
+_NEEDED = ("hadoop-aws", "s3", "s3-transfer-manager", "apache-client", "aws-core", "sdk-core")
+# Spark's own (its netty and httpclient 4 newer): never a second copy on the classpath
+_SPARK_SHIPS = re.compile(r"^(netty-[a-z0-9-]+-4\.[0-9.]+Final|slf4j-api-.*|httpclient-4.*|"
+                          r"httpcore-4.*|commons-logging-.*|commons-codec-.*)\.jar$")
 
 
 def _pom_version() -> str:
@@ -64,7 +66,7 @@ def s3a_jars(timeout: float = 600.0) -> list[Path]:
                 if not _ready(jars):  # another process resolved it while this one waited
                     maven_copy(POM, root, jars, what=f"hadoop-aws {HADOOP_AWS_VERSION}'s jars",
                                env=ENV_JARS, ready=_ready, timeout=timeout)
-    return sorted(j for j in jars.glob("*.jar") if not j.name.startswith(_SPARK_SHIPS))
+    return sorted(j for j in jars.glob("*.jar") if not _SPARK_SHIPS.match(j.name))
 
 
 def s3a_conf() -> dict[str, str]:
