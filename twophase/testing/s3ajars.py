@@ -7,7 +7,8 @@ or the first use) and a session is given the local jars as ``spark.jars``, inste
 ``spark.jars.packages`` reaching the network at every session start. ``s3a.pom.xml``
 (beside this module) names hadoop-aws at the Hadoop version pyspark ships, the SDK's
 ``s3``, ``s3-transfer-manager`` and ``apache-client`` modules instead of its 600 MB
-``bundle``; what Spark ships itself (netty, slf4j, httpclient 4) is left out. The folder is keyed by the pom's content.
+``bundle``; what Spark ships itself (netty, slf4j, httpclient 4) is left out. The folder
+is keyed by the pom's content.
 
 ``$TWOPHASE_S3A_JARS`` names a ready folder of those jars instead (offline).
 """
