@@ -85,6 +85,10 @@ echo "== Apache Kafka's jars (Maven Central, cached after the first run)"
 # `twophase demo --kafka`): twophase/testing/spark-kafka.pom.xml, resolved once the same way.
 echo "== Spark's Kafka connector (Maven Central, cached after the first run)"
 "$VENV/bin/python" -m twophase.testing.sparkkafka
+# Hadoop's S3A (hadoop-aws and the AWS SDK's s3 modules) for the native path of an s3://
+# files participant (tests/spark/test_native_s3.py): twophase/testing/s3a.pom.xml, the same way.
+echo "== Hadoop's S3A file system (Maven Central, cached after the first run)"
+"$VENV/bin/python" -m twophase.testing.s3ajars
 
 echo "== ruff"
 "$VENV/bin/ruff" check .

@@ -99,10 +99,11 @@ def _check_mode(mode: str, on_schema_change: str) -> None:
 class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
     """Rows of each branch become one Parquet or JSON-lines file in ``path``.
 
-    ``native`` (Parquet in a local folder): None, the default, lets Spark's own Parquet
-    writer write the branch files when every participant of the sink can take them (the
-    native data path, no row through Python); True also beside Python participants (the
-    batch persisted once for both); False always writes them from Python."""
+    ``native`` (Parquet, in a local folder or, when Spark loads Hadoop's S3A, on S3):
+    None, the default, lets Spark's own Parquet writer write the branch files when every
+    participant of the sink can take them (the native data path, no row through Python);
+    True also beside Python participants (the batch persisted once for both); False
+    always writes them from Python."""
 
     kind = "files"
     durable_prepare = True
@@ -173,7 +174,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         """Parquet in a local (shared) folder, unless ``native=False``; by default not for
         a subclass with its own ``prepare`` (it writes rows its own way: only
         ``native=True`` bypasses it)."""
-        native = getattr(self, "native", False)  # the object-store subclass never sets it
+        native = getattr(self, "native", False)
         if native is False or self.format != "parquet":
             return None
         if native is None and type(self).prepare is not StagedFileParticipant.prepare:

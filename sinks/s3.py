@@ -16,7 +16,10 @@ and encodings are the local participant's. There is no rename on S3, so a branch
 - **abort**: ``AbortMultipartUpload``, then the marker is deleted.
 
 ``status`` and ``in_doubt`` read the bucket: the final object's metadata, the markers.
-The data crosses the network once (parts are never copied). See docs/participants.md.
+On the Python path the data crosses the network once (parts are never copied). The native
+path (:mod:`twophase.sinks.s3native`, when Spark loads Hadoop's S3A) has Spark write the
+objects and copies them into the upload server-side (``UploadPartCopy``): no row through
+Python, and the same prepared state. See docs/participants.md.
 """
 
 from __future__ import annotations
@@ -41,7 +44,16 @@ from twophase.participant import (
     ReadBack,
     required_secret,
 )
+from twophase.protocol import TxnKey
 from twophase.sinks.files import STAGED_NAME, STAGING_DIR, StagedFileParticipant
+from twophase.sinks.s3native import (
+    adopt,
+    choose,
+    hadoop_options,
+    native_keys,
+    native_ref,
+    remove_folder,
+)
 from twophase.sinks.s3parts import PART_SIZE, PartWriter
 
 __all__ = ["BRANCH_META", "PART_SIZE", "S3StagedFileParticipant", "parse_s3_url"]
@@ -124,7 +136,15 @@ class S3StagedFileParticipant(StagedFileParticipant):
         storage_options: Mapping[str, Any] | None = None,
         mode: str = "append",
         on_schema_change: str = "fail",
+        native: bool | None = None,
     ) -> None:
+        if native not in (None, False, True):
+            raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                                 f"{native!r}")
+        if native and format != "parquet":
+            raise InvalidRequest(f"native=True needs format='parquet' (Spark's JSON writer "
+                                 f"encodes values differently), got format={format!r}")
+        self.native = native
         if on_schema_change == "add_columns":
             raise InvalidRequest(
                 f"on_schema_change={on_schema_change!r} is not supported on object storage "
@@ -173,7 +193,22 @@ class S3StagedFileParticipant(StagedFileParticipant):
             if k:
                 storage[k] = required_secret(name, secrets, k)
         return cls(str(o["path"]), str(o.get("format", "parquet")), name=name,
-                   storage_options=storage)
+                   storage_options=storage, native=False)  # it commits, aborts, reads
+
+    # -- the native data path (SparkWritten; twophase.sinks.s3native) ---------------------
+
+    def native_format(self) -> str | None:
+        """Parquet when Spark loads Hadoop's S3A file system (``s3native.choose``)."""
+        return choose(self)
+
+    def native_options(self) -> Mapping[str, str]:
+        return hadoop_options(self.storage_options)
+
+    def native_location(self, key: TxnKey) -> str:
+        return f"s3a://{self.bucket}/{self.staging_prefix}{self.native_name(key)}"
+
+    def adopt(self, key: TxnKey, partitions: int) -> dict[int, Handle]:
+        return adopt(self, key, partitions)
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -447,6 +482,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
                             raise
                 self.client.delete_object(Bucket=self.bucket, Key=self.staged_key(branch))
             self._abort_torn(branch)
+            remove_folder(self, branch.key)  # a native write of its attempt, not adopted
         except Exception as exc:
             raise ParticipantError(
                 self._explain(exc, f"cannot abort {self.staged_name(branch)}")
@@ -458,6 +494,8 @@ class S3StagedFileParticipant(StagedFileParticipant):
                 return BranchStatus.COMMITTED
             if self._marker_upload(branch) is not None:
                 return BranchStatus.PREPARED
+            if native_keys(self, branch.key):
+                return BranchStatus.PREPARED  # a native write of its attempt, not adopted
         except ParticipantError:
             raise
         except Exception as exc:
@@ -469,6 +507,11 @@ class S3StagedFileParticipant(StagedFileParticipant):
         try:
             for obj in self._list(f"{self.staging_prefix}{sink}~"):
                 n = obj["Key"].removeprefix(self.staging_prefix)
+                if "/" in n:  # in a native write's folder: its attempt's partition 0
+                    w = native_ref(self, sink, n.split("/", 1)[0])
+                    if w is not None and w not in found:
+                        found.append(w)
+                    continue
                 m = STAGED_NAME.match(n)
                 if not m or m["sink"] != sink or m["participant"] != self.name \
                         or m["ext"] != self.ext:
@@ -528,7 +571,10 @@ class S3StagedFileParticipant(StagedFileParticipant):
             paths = [f"{self.bucket}/{k}" for k in visible]
             values = ds.dataset(paths, format=fmt, filesystem=self.arrow_filesystem()) \
                 .to_table(columns=[column]).column(column).to_pylist()
-        prepared = sum(1 for _ in self._list(self.staging_prefix))
+        staged = [o["Key"].removeprefix(self.staging_prefix)
+                  for o in self._list(self.staging_prefix)]
+        # a native write not adopted counts once, as a prepared branch (local folders too)
+        prepared = len({n.split("/", 1)[0] for n in staged})
         uploads = sum(1 for u in self._uploads(self.prefix)
                       if "/" not in u["Key"].removeprefix(self.prefix))
         return ReadBack(tuple(values), prepared=prepared, temp=max(0, uploads - prepared))

@@ -180,12 +180,9 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
     if cfg.files_path:
         from twophase.sinks.files import StagedFileParticipant
 
-        if cfg.files_native is None:  # the object-store backend takes no ``native``
-            parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
-                                               storage_options=cfg.files_options))
-        else:
-            parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
-                                               native=cfg.files_native))
+        parts.append(StagedFileParticipant(path=cfg.files_path, format=cfg.files_format,
+                                           storage_options=cfg.files_options,
+                                           native=cfg.files_native))
     if cfg.kafka_bootstrap:
         from twophase.sinks.kafka import KafkaParticipant
         from twophase.sinks.kafka.config import load_client_config
