@@ -63,9 +63,11 @@ class Phases:
         from twophase.client import CoordinatorClient
         from twophase.sinks.iceberg.participant import IcebergParticipant as P
 
-        extra = os.environ.get("PHASES_WRITE_OPTIONS", "")  # k=v,k=v: try a write option
-        native._WRITE_OPTIONS.update(  # type: ignore[attr-defined]
-            dict(kv.split("=", 1) for kv in extra.split(",") if kv))
+        # variant B2: B with these write options too (k=v,k=v), beside B in one run
+        extra = os.environ.get("PHASES_B2_OPTIONS", "")
+        self.b2 = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
+        self.write_options = native._WRITE_OPTIONS  # type: ignore[attr-defined]
+        self.plain = dict(self.write_options)
         w = self._wrap
         w(native, "settle_all_earlier", "settle")
         w(DataFrameWriter, "save", "spark_save")
@@ -91,6 +93,11 @@ class Phases:
         w(inative, "write_record", "adopt_record")
         w(inative, "fsync_dir", "adopt_fsync_dir")
         w(inative, "_fits", "adopt_fits")
+
+    def variant(self, name: str) -> None:
+        """The write options of the next query (B2's, or the sink's own)."""
+        self.write_options.clear()
+        self.write_options.update({**self.plain, **(self.b2 if name == "B2" else {})})
 
     # ------------------------------------------------------------------ records
     def on_batch(self, report: Any) -> None:
@@ -135,6 +142,9 @@ class Phases:
                 f"{k} {v:.1f}" for k, v in med.items()), flush=True)
 
 
+_WARNED: list[str] = []
+
+
 def _batch_of(desc: Any, run_id: str) -> int | None:
     """The streaming batch a job's or stage's description names (None: not this run)."""
     if desc.isEmpty():
@@ -163,14 +173,15 @@ def _jobs(spark: Any, run_id: str) -> dict[int, dict[str, float]]:
         o["spark_jobs"] += end - sub
         o["first_sub"] = min(o.get("first_sub") or sub, sub)
         o["last_end"] = max(o.get("last_end", 0.0), end)
-    it = store.stageList(None).iterator()
-    while it.hasNext():
-        st = it.next()
-        batch = _batch_of(st.description(), run_id)
-        if batch is None:
-            continue
-        o = out[batch]
-        o["stage_run"] += st.executorRunTime()
-        o["stage_cpu"] += st.executorCpuTime() / 1e6
-        o["stage_out_mb"] += st.outputBytes() / 1e6
+        try:  # its stages' task metrics
+            ids = j.stageIds().iterator()
+            while ids.hasNext():
+                st = store.lastStageAttempt(ids.next())
+                o["stage_run"] += st.executorRunTime()
+                o["stage_cpu"] += st.executorCpuTime() / 1e6
+                o["stage_out_mb"] += st.outputBytes() / 1e6
+        except Exception as exc:  # diagnostics only: say so once, keep the rest
+            if not _WARNED:
+                _WARNED.append(str(exc)[:200])
+                print(f"iceberg_phases: no stage metrics: {_WARNED[0]}", flush=True)
     return out

@@ -120,8 +120,10 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
     stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
               .parquet(str(input_dir)))
     sink: TransactionalSink | None = None
-    if variant in ("B", "P"):
-        native = None if variant == "B" else False
+    if phases is not None:
+        phases.variant(variant)
+    if variant != "A":
+        native = False if variant == "P" else None
         part = (DeltaParticipant(where, name="dl", native=native) if kind == "delta"
                 else IcebergParticipant(where, tables.props(), name="ice", native=native))
         sink = TransactionalSink(f"tvs{tag}", [part],
@@ -132,7 +134,7 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
         writer = stream.writeStream.format(kind).outputMode("append")
     writer = writer.option("checkpointLocation", str(ckpt)).trigger(availableNow=True)
     try:
-        if variant in ("B", "P"):
+        if variant != "A":
             q = writer.start()
         elif kind == "delta":
             q = writer.start(where)
@@ -171,14 +173,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="smoke run: 10k rows, 1 pair, 2 batches")
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
     ap.add_argument("--variants", default="A,B,P",
-                    help="which of A, B and P run (A always; default all three)")
+                    help="which of A, B and P run (A always; default all three); with "
+                    "--phases also B2: B with PHASES_B2_OPTIONS=k=v,... as write options")
     ap.add_argument("--phases", action="store_true",
                     help="print each variant's p50 per phase (bench/iceberg_phases.py)")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.pairs, args.batches = "10000", 1, 2
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    variants = ("A", *(v for v in ("B", "P") if v in args.variants.split(",")))
+    variants = ("A", *(v for v in ("B", "P", "B2") if v in args.variants.split(",")))
     kinds = [k for k in args.sinks.split(",") if k]
     if not set(kinds) <= {"delta", "iceberg"}:
         ap.error(f"--sinks: delta and/or iceberg, got {args.sinks!r}")
