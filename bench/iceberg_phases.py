@@ -119,6 +119,8 @@ class Phases:
             if i == 0:
                 continue
             row = {f"d.{k}": float(v) for k, v in p["durationMs"].items()}
+            # what the trigger spent outside every phase Spark names
+            row["d.rest"] = 2 * row["d.triggerExecution"] - sum(row.values())
             job = jobs.get(int(p["batchId"]), {})
             row.update({k: v for k, v in job.items() if k not in ("first_sub", "last_end")})
             if reports and i < len(reports):
@@ -135,7 +137,10 @@ class Phases:
         self.cur.clear()
 
     def print(self) -> None:
+        import json
+
         for name, rows in self.rows.items():
+            print(f"phases-raw {name} {json.dumps(rows)}", flush=True)
             keys = sorted({k for r in rows for k in r})
             med = {k: statistics.median([r.get(k, 0.0) for r in rows]) for k in keys}
             print(f"phases {name} ({len(rows)} batches, p50 ms): " + ", ".join(
