@@ -14,6 +14,8 @@ the repository root)::
     PY=~/.cache/twophase/spark-reader-pyspark4.1.4/bin/python
     PYTHONPATH=$PWD $PY bench/tables_vs_spark.py                 # 5 pairs, 100k and 1M
     PYTHONPATH=$PWD $PY bench/tables_vs_spark.py --quick         # smoke run, ~1 min
+    PYTHONPATH=$PWD $PY bench/tables_vs_spark.py --sinks iceberg --variants A,B --phases
+                                                    # + each variant's p50 per phase
 
 One Spark session (``local[2]``) with both connectors; the query and the clock are
 bench/files_vs_spark.py's: a file source of the reference job's events, one Parquet
