@@ -66,7 +66,7 @@ class Phases:
         # variant B2: B with these write options too (k=v,k=v), beside B in one run
         extra = os.environ.get("PHASES_B2_OPTIONS", "")
         self.b2 = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
-        self.write_options = native._WRITE_OPTIONS  # type: ignore[attr-defined]
+        self.write_options = native._WRITE_OPTIONS
         self.plain = dict(self.write_options)
         w = self._wrap
         w(native, "settle_all_earlier", "settle")
