@@ -14,6 +14,8 @@ the repository root)::
     PY=~/.cache/twophase/spark-reader-pyspark4.1.4/bin/python
     PYTHONPATH=$PWD $PY bench/tables_vs_spark.py                 # 5 pairs, 100k and 1M
     PYTHONPATH=$PWD $PY bench/tables_vs_spark.py --quick         # smoke run, ~1 min
+    PYTHONPATH=$PWD $PY bench/tables_vs_spark.py --sinks iceberg --variants A,B --phases
+                                                    # + each variant's p50 per phase
 
 One Spark session (``local[2]``) with both connectors; the query and the clock are
 bench/files_vs_spark.py's: a file source of the reference job's events, one Parquet
@@ -107,7 +109,7 @@ class Tables:
 
 
 def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
-              variant: str) -> Batches:
+              variant: str, phases: Any = None, key: str = "") -> Batches:
     """One query into a new table; (rows, seconds) per batch from Spark's progress."""
     from twophase.driver import TransactionalSink
     from twophase.sinks.delta import DeltaParticipant
@@ -120,18 +122,21 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
     stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
               .parquet(str(input_dir)))
     sink: TransactionalSink | None = None
-    if variant in ("B", "P"):
-        native = None if variant == "B" else False
+    if phases is not None:
+        phases.variant(variant)
+    if variant != "A":
+        native = False if variant == "P" else None
         part = (DeltaParticipant(where, name="dl", native=native) if kind == "delta"
                 else IcebergParticipant(where, tables.props(), name="ice", native=native))
         sink = TransactionalSink(f"tvs{tag}", [part],
-                                 coordinator=f"sqlite:///{tables.work / f'coord-{tag}.db'}")
+                                 coordinator=f"sqlite:///{tables.work / f'coord-{tag}.db'}",
+                                 on_batch=phases.on_batch if phases is not None else None)
         writer = stream.writeStream.foreachBatch(sink)
     else:
         writer = stream.writeStream.format(kind).outputMode("append")
     writer = writer.option("checkpointLocation", str(ckpt)).trigger(availableNow=True)
     try:
-        if variant in ("B", "P"):
+        if variant != "A":
             q = writer.start()
         elif kind == "delta":
             q = writer.start(where)
@@ -141,6 +146,8 @@ def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
         if q.exception() is not None:
             raise SystemExit(f"{kind} {variant}: the query failed: {q.exception()}")
         batches = measured(q)
+        if phases is not None:
+            phases.take(key, q, spark, variant)
         check_ids(f"{kind} {variant}", batches, *tables.ids(kind, where))
         return batches
     finally:
@@ -167,10 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 10k rows, 1 pair, 2 batches")
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
+    ap.add_argument("--variants", default="A,B,P",
+                    help="which of A, B and P run (A always; default all three); with "
+                    "--phases also B2: B with PHASES_B2_OPTIONS=k=v,... as write options")
+    ap.add_argument("--phases", action="store_true",
+                    help="print each variant's p50 per phase (bench/iceberg_phases.py)")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.pairs, args.batches = "10000", 1, 2
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    variants = ("A", *(v for v in ("B", "P", "B2") if v in args.variants.split(",")))
     kinds = [k for k in args.sinks.split(",") if k]
     if not set(kinds) <= {"delta", "iceberg"}:
         ap.error(f"--sinks: delta and/or iceberg, got {args.sinks!r}")
@@ -185,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="twophase-tvs-", dir=args.dir))
     tables = Tables(work)
     spark = spark_session(tables.spark_conf(_jars()))
+    phases = None
+    if args.phases:
+        from bench.iceberg_phases import Phases
+
+        phases = Phases()
     print(f"tables_vs_spark: Spark {spark.version} local[2], {args.pairs} pairs, "
           f"{args.batches} measured batches per run, load {os.getloadavg()[0]:.1f}, "
           f"work dir {work}", flush=True)
@@ -193,20 +211,25 @@ def main(argv: list[str] | None = None) -> int:
         warm = work / "in-warm"
         write_input(warm, batches=2, rows_per_batch=1000)
         for kind in kinds:  # JIT, the workers, imports: not charged to the first pair
-            for v in ("A", "B", "P"):
+            for v in variants:
                 run_query(spark, tables, warm, kind, v)
         for size in sizes:
             input_dir = work / f"in-{size}"
             write_input(input_dir, batches=args.batches + 1, rows_per_batch=size)
             for kind in kinds:
                 key = f"{kind}@{label(size)}"
-                def one(v: str, d: Path = input_dir, k: str = kind) -> Batches:
-                    return run_query(spark, tables, d, k, v)
+                def one(v: str, d: Path = input_dir, k: str = kind,
+                        key: str = key) -> Batches:
+                    return run_query(spark, tables, d, k, v, phases, key)
 
-                medians = run_rounds(key, args.pairs, one, ("A", "B", "P"))
-                summary[key] = medians["B"]
-                summary[f"{kind}-python@{label(size)}"] = medians["P"]
+                medians = run_rounds(key, args.pairs, one, variants)
+                if "B" in medians:
+                    summary[key] = medians["B"]
+                if "P" in medians:
+                    summary[f"{kind}-python@{label(size)}"] = medians["P"]
             shutil.rmtree(input_dir, ignore_errors=True)
+        if phases is not None:
+            phases.print()
     finally:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -45,12 +45,12 @@ from twophase.sinks.iceberg.marker import (
     COMMIT_TRIES,
     HANDLE_CHARS,
     MODES,
-    NO_RETRY,
     POLICIES,
     SECRET_KEYS,
     UNKNOWN,
     URL_PASSWORD,
     Marker,
+    commit_base,
     partition_fields,
     split_table,
 )
@@ -434,7 +434,6 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten
     def _commit_snapshot(self, tbl: Table, key: TxnKey, uris: list[str],
                          partitions: Iterable[int]) -> None:
         from pyiceberg.io.pyarrow import parquet_file_to_data_file
-        from pyiceberg.table import Table as TableCls
         from pyiceberg.table import TableProperties, Transaction
 
         props = {
@@ -442,12 +441,7 @@ class IcebergParticipant(BatchParticipant, Rebuildable, Verifiable, SparkWritten
             "twophase.batch": str(key.batch_id), "twophase.attempt": str(key.attempt),
             "twophase.participant": self.name, "twophase.partitions": ranges(partitions),
         }
-        # pyiceberg's own retry would re-apply this snapshot after a lost race without
-        # reading our marker; the loop in commit_batch does that instead
-        md = tbl.metadata.model_copy(update={"properties": {**tbl.metadata.properties,
-                                                            **NO_RETRY}})
-        once = TableCls(tbl.name(), md, tbl.metadata_location, tbl.io, tbl.catalog)
-        tx = Transaction(once)
+        tx = Transaction(commit_base(tbl, trim=self.mode != "complete"))
         if tx.table_metadata.name_mapping() is None:  # our files carry no field ids
             mapping: dict[str, Any] = {TableProperties.DEFAULT_NAME_MAPPING:
                                        tx.table_metadata.schema().name_mapping.model_dump_json()}

@@ -18,6 +18,7 @@ from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, rebuild
 from twophase.protocol import TxnKey
 from twophase.sinks.iceberg import IcebergParticipant
+from twophase.sinks.iceberg.marker import commit_base
 
 SCHEMA = pa.schema([("id", pa.int64()), ("country", pa.string()),
                     ("ts", pa.timestamp("us", tz="UTC"))])
@@ -150,6 +151,34 @@ def test_lost_race_against_the_same_batch_is_not_applied_twice(target: IcebergTa
     p.commit_batch(key, handles)
     assert len(ours(target)) == 1
     assert len(ids(target)) == 100
+
+
+def test_a_commit_on_a_trimmed_base_keeps_the_whole_history(target: IcebergTarget) -> None:
+    """The snapshot is computed against the table's heads only (``commit_base``): what
+    lands is the catalog's full metadata plus it, other writers' snapshots and a tag on
+    an old one included."""
+    p = target.participant()
+    p.check(SCHEMA)
+    run_batch(p, "lin-a", 0)
+    first = target.load().current_snapshot().snapshot_id
+    target.load().manage_snapshots().create_tag(first, "first").commit()
+    target.load().append(pa.Table.from_batches([rows(9, 9, 5)]))  # another writer
+    for batch in (1, 2, 3):
+        run_batch(p, "lin-a", batch)
+    md = target.load().metadata
+    snaps = md.snapshots
+    assert len(snaps) == 5 and len(ours(target)) == 4
+    assert [s.parent_snapshot_id for s in snaps] == [None] + [s.snapshot_id for s in snaps[:-1]]
+    assert [s.sequence_number for s in snaps] == [1, 2, 3, 4, 5]
+    assert [e.snapshot_id for e in md.snapshot_log] == [s.snapshot_id for s in snaps]
+    assert len(md.metadata_log) >= 6  # create, 4 batches, the other append (and the tag)
+    assert md.refs["first"].snapshot_id == first
+    assert int(snaps[-1].summary["total-records"]) == 4 * 150 + 5
+    assert len(ids(target)) == 4 * 150 + 5
+    base = commit_base(target.load(), trim=True).metadata  # the heads, retry off
+    assert {s.snapshot_id for s in base.snapshots} == {first, snaps[-1].snapshot_id}
+    assert (base.snapshot_log, base.metadata_log) == ([], [])
+    assert base.properties["commit.retry.num-retries"] == "0"
 
 
 def test_complete_mode_replaces_the_rows_in_one_snapshot(target: IcebergTarget) -> None:
