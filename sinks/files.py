@@ -51,7 +51,7 @@ from twophase.protocol import TxnKey
 from twophase.sinks.batchfiles import fsync_dir, spark_parts
 from twophase.sinks.file_schema import POLICIES, folder_misfits, held_schema
 
-__all__ = ["NATIVE_NAME", "STAGED_NAME", "STAGING_DIR", "StagedFileParticipant"]
+__all__ = ["NATIVE_NAME", "STAGED_NAME", "STAGING_DIR", "StagedFileParticipant", "checked_native"]
 
 STAGING_DIR: Final = "_twophase_staging"
 _FORMATS: Final = {"parquet": "parquet", "jsonl": "jsonl"}
@@ -96,6 +96,18 @@ def _check_mode(mode: str, on_schema_change: str) -> None:
         )
 
 
+
+def checked_native(native: bool | None, format: str) -> bool | None:
+    """The ``native`` option of a files participant (local or ``s3://``), refused unless
+    None (automatic), True or False; True only with Parquet."""
+    if native not in (None, False, True):
+        raise InvalidRequest(f"native must be None (automatic), True or False, got "
+                             f"{native!r}")
+    if native and format != "parquet":
+        raise InvalidRequest(f"native=True needs format='parquet' (Spark's JSON writer "
+                             f"encodes values differently), got format={format!r}")
+    return native
+
 class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
     """Rows of each branch become one Parquet or JSON-lines file in ``path``.
 
@@ -128,13 +140,7 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
         on_schema_change: str = "fail",
         native: bool | None = None,
     ) -> None:
-        if native not in (None, False, True):
-            raise InvalidRequest(f"native must be None (automatic), True or False, got "
-                                 f"{native!r}")
-        if native and format != "parquet":
-            raise InvalidRequest(f"native=True needs format='parquet' (Spark's JSON writer "
-                                 f"encodes values differently), got format={format!r}")
-        self.native = native
+        self.native = checked_native(native, format)
         if storage_options is not None:
             raise InvalidRequest("storage_options apply to s3:// paths only; a local path "
                                  "takes none (drop storage_options or use s3://bucket/prefix)")

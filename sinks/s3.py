@@ -45,7 +45,12 @@ from twophase.participant import (
     required_secret,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.files import STAGED_NAME, STAGING_DIR, StagedFileParticipant
+from twophase.sinks.files import (
+    STAGED_NAME,
+    STAGING_DIR,
+    StagedFileParticipant,
+    checked_native,
+)
 from twophase.sinks.s3native import (
     adopt,
     choose,
@@ -138,13 +143,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
         on_schema_change: str = "fail",
         native: bool | None = None,
     ) -> None:
-        if native not in (None, False, True):
-            raise InvalidRequest(f"native must be None (automatic), True or False, got "
-                                 f"{native!r}")
-        if native and format != "parquet":
-            raise InvalidRequest(f"native=True needs format='parquet' (Spark's JSON writer "
-                                 f"encodes values differently), got format={format!r}")
-        self.native = native
+        self.native = checked_native(native, format)
         if on_schema_change == "add_columns":
             raise InvalidRequest(
                 f"on_schema_change={on_schema_change!r} is not supported on object storage "

@@ -36,9 +36,11 @@ __all__ = [
     "TOOLS",
     "KafkaJarsUnavailable",
     "cache_dir",
+    "cached_jars",
     "java_binary",
     "kafka_libs",
     "maven_copy",
+    "pom_property",
     "tool_scripts",
 ]
 
@@ -48,13 +50,14 @@ ENV_LIBS = "TWOPHASE_KAFKA_LIBS"
 POM = Path(__file__).with_name("kafka-broker.pom.xml")
 
 
-def _pom_version() -> str:
-    found = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", POM.read_text())
-    assert found, f"{POM} names no <kafka.version>"
+def pom_property(pom: Path, name: str) -> str:
+    """The value of ``<name>`` in ``pom`` (a version the pom pins)."""
+    found = re.search(rf"<{re.escape(name)}>([^<]+)</{re.escape(name)}>", pom.read_text())
+    assert found, f"{pom} names no <{name}>"
     return found.group(1)
 
 
-KAFKA_VERSION = _pom_version()
+KAFKA_VERSION = pom_property(POM, "kafka.version")
 
 
 class KafkaJarsUnavailable(ServerUnavailable):
@@ -86,31 +89,36 @@ def _has_broker(libs: Path) -> bool:
 
 def kafka_libs(timeout: float = 600.0) -> Path:
     """The folder of Kafka's broker jars: ``$TWOPHASE_KAFKA_LIBS``, else the cache,
-    building it with ``mvn`` the first time (under a file lock: parallel callers wait for
-    one build)."""
-    explicit = os.environ.get(ENV_LIBS)
+    built with ``mvn`` the first time."""
+    return cached_jars(POM, f"kafka-{KAFKA_VERSION}", "libs", env=ENV_LIBS,
+                       ready=_has_broker, lacks="holds no kafka_2.13 and kafka-clients jars",
+                       what=f"Apache Kafka {KAFKA_VERSION}'s jars", timeout=timeout)
+
+
+def cached_jars(pom: Path, cache_name: str, folder: str, *, env: str,
+                ready: Callable[[Path], bool], lacks: str, what: str, timeout: float,
+                artifacts: Sequence[str] = ()) -> Path:
+    """The folder of ``pom``'s jars: ``$env`` when set (refused, saying it ``lacks``, when
+    ``ready`` says no), else ``<cache>/<cache_name>-<pom digest>/<folder>``, resolved with
+    ``mvn`` the first time under a file lock (parallel callers wait for one build). Keyed
+    by the pom's content: a changed pom builds a new folder."""
+    explicit = os.environ.get(env)
     if explicit:
-        if not _has_broker(Path(explicit)):
-            raise KafkaJarsUnavailable(f"${ENV_LIBS}={explicit} holds no kafka_2.13 and "
-                                       "kafka-clients jars: unset it or fill it")
+        if not ready(Path(explicit)):
+            raise KafkaJarsUnavailable(f"${env}={explicit} {lacks}: unset it or fill it")
         return Path(explicit)
-    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
-    root = cache_dir() / f"kafka-{KAFKA_VERSION}-{digest}"
-    libs = root / "libs"
-    if _has_broker(libs):
-        return libs
+    digest = hashlib.sha256(pom.read_bytes()).hexdigest()[:10]
+    root = cache_dir() / f"{cache_name}-{digest}"
+    jars = root / folder
+    if ready(jars):
+        return jars
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _has_broker(libs):  # another process built it while this one waited
-            return libs
-        _build(root, libs, timeout)
-    return libs
-
-
-def _build(root: Path, libs: Path, timeout: float) -> None:
-    maven_copy(POM, root, libs, what=f"Apache Kafka {KAFKA_VERSION}'s jars",
-               env=ENV_LIBS, ready=_has_broker, timeout=timeout)
+        if not ready(jars):  # another process built it while this one waited
+            maven_copy(pom, root, jars, what=what, env=env, ready=ready, timeout=timeout,
+                       artifacts=artifacts)
+    return jars
 
 
 def maven_copy(pom: Path, root: Path, target: Path, *, what: str, env: str,

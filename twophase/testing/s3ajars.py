@@ -15,13 +15,10 @@ is keyed by the pom's content.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
 import re
 from pathlib import Path
 
-from twophase.testing.kafkajars import KafkaJarsUnavailable, cache_dir, maven_copy
+from twophase.testing.kafkajars import cached_jars, pom_property
 
 __all__ = ["ENV_JARS", "HADOOP_AWS_VERSION", "POM", "s3a_conf", "s3a_jars"]
 
@@ -33,13 +30,7 @@ _SPARK_SHIPS = re.compile(r"^(netty-[a-z0-9-]+-4\.[0-9.]+Final|slf4j-api-.*|http
                           r"httpcore-4.*|commons-logging-.*|commons-codec-.*)\.jar$")
 
 
-def _pom_version() -> str:
-    found = re.search(r"<hadoop\.version>([^<]+)</hadoop\.version>", POM.read_text())
-    assert found, f"{POM} names no <hadoop.version>"
-    return found.group(1)
-
-
-HADOOP_AWS_VERSION = _pom_version()
+HADOOP_AWS_VERSION = pom_property(POM, "hadoop.version")
 
 
 def _ready(folder: Path) -> bool:
@@ -48,25 +39,10 @@ def _ready(folder: Path) -> bool:
 
 def s3a_jars(timeout: float = 600.0) -> list[Path]:
     """S3A's jars: ``$TWOPHASE_S3A_JARS``, else the cache, resolved with ``mvn`` the
-    first time (under a file lock: parallel callers wait for one)."""
-    explicit = os.environ.get(ENV_JARS)
-    if explicit:
-        if not _ready(Path(explicit)):
-            raise KafkaJarsUnavailable(
-                f"${ENV_JARS}={explicit} lacks one of {', '.join(_NEEDED)}: unset it or "
-                "fill it")
-        jars = Path(explicit)
-    else:
-        digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
-        root = cache_dir() / f"s3a-{HADOOP_AWS_VERSION}-{digest}"
-        jars = root / "jars"
-        if not _ready(jars):
-            root.mkdir(parents=True, exist_ok=True)
-            with open(root / ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not _ready(jars):  # another process resolved it while this one waited
-                    maven_copy(POM, root, jars, what=f"hadoop-aws {HADOOP_AWS_VERSION}'s jars",
-                               env=ENV_JARS, ready=_ready, timeout=timeout)
+    first time; without those Spark ships itself."""
+    jars = cached_jars(POM, f"s3a-{HADOOP_AWS_VERSION}", "jars", env=ENV_JARS,
+                       ready=_ready, lacks=f"lacks one of {', '.join(_NEEDED)}",
+                       what=f"hadoop-aws {HADOOP_AWS_VERSION}'s jars", timeout=timeout)
     return sorted(j for j in jars.glob("*.jar") if not _SPARK_SHIPS.match(j.name))
 
 

@@ -13,13 +13,9 @@ commons-pool2). The folder is keyed by the pom's content.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import re
 from pathlib import Path
 
-from twophase.testing.kafkajars import KafkaJarsUnavailable, cache_dir, maven_copy
+from twophase.testing.kafkajars import cached_jars, pom_property
 
 __all__ = ["ENV_JARS", "POM", "SPARK_KAFKA_VERSION", "spark_kafka_conf", "spark_kafka_jars"]
 
@@ -29,14 +25,7 @@ _JARS = ("spark-sql-kafka-0-10_2.13", "spark-token-provider-kafka-0-10_2.13",
          "kafka-clients", "commons-pool2")
 
 
-def _pom_version() -> str:
-    found = re.search(r"<spark\.kafka\.version>([^<]+)</spark\.kafka\.version>",
-                      POM.read_text())
-    assert found, f"{POM} names no <spark.kafka.version>"
-    return found.group(1)
-
-
-SPARK_KAFKA_VERSION = _pom_version()
+SPARK_KAFKA_VERSION = pom_property(POM, "spark.kafka.version")
 
 
 def _ready(folder: Path) -> bool:
@@ -45,34 +34,16 @@ def _ready(folder: Path) -> bool:
 
 def spark_kafka_jars(timeout: float = 600.0) -> list[Path]:
     """The connector's jars: ``$TWOPHASE_SPARK_KAFKA_JARS``, else the cache, resolved
-    with ``mvn`` the first time (under a file lock: parallel callers wait for one)."""
-    explicit = os.environ.get(ENV_JARS)
-    if explicit:
-        if not _ready(Path(explicit)):
-            raise KafkaJarsUnavailable(
-                f"${ENV_JARS}={explicit} lacks one of {', '.join(_JARS)}: unset it or "
-                "fill it")
-        return sorted(Path(explicit).glob("*.jar"))
-    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
-    root = cache_dir() / f"spark-kafka-{SPARK_KAFKA_VERSION}-{digest}"
-    jars = root / "jars"
-    if not _ready(jars):
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not _ready(jars):  # another process resolved it while this one waited
-                _build(root, jars, timeout)
-    return sorted(jars.glob("*.jar"))
+    with ``mvn`` the first time."""
+    return sorted(cached_jars(
+        POM, f"spark-kafka-{SPARK_KAFKA_VERSION}", "jars", env=ENV_JARS, ready=_ready,
+        lacks=f"lacks one of {', '.join(_JARS)}", artifacts=_JARS, timeout=timeout,
+        what=f"Spark's Kafka connector {SPARK_KAFKA_VERSION}'s jars").glob("*.jar"))
 
 
 def spark_kafka_conf() -> dict[str, str]:
     """The Spark settings that make ``format("kafka")`` available to a new session."""
     return {"spark.jars": ",".join(str(j) for j in spark_kafka_jars())}
-
-
-def _build(root: Path, jars: Path, timeout: float) -> None:
-    maven_copy(POM, root, jars, what=f"Spark's Kafka connector {SPARK_KAFKA_VERSION}'s jars",
-               env=ENV_JARS, ready=_ready, timeout=timeout, artifacts=_JARS)
 
 
 if __name__ == "__main__":  # `python -m twophase.testing.sparkkafka`: resolve now (CI)
