@@ -144,6 +144,7 @@ class S3StagedFileParticipant(StagedFileParticipant):
         native: bool | None = None,
     ) -> None:
         self.native = checked_native(native, format)
+        self._chosen: tuple[str | None] | None = None  # native_format, once asked
         if on_schema_change == "add_columns":
             raise InvalidRequest(
                 f"on_schema_change={on_schema_change!r} is not supported on object storage "
@@ -197,8 +198,12 @@ class S3StagedFileParticipant(StagedFileParticipant):
     # -- the native data path (SparkWritten; twophase.sinks.s3native) ---------------------
 
     def native_format(self) -> str | None:
-        """Parquet when Spark loads Hadoop's S3A file system (``s3native.choose``)."""
-        return choose(self)
+        """Parquet when Spark loads Hadoop's S3A file system (``s3native.choose``), asked
+        of the JVM once: the sink chooses its path when it is made, and each batch's
+        write asks again."""
+        if self._chosen is None:
+            self._chosen = (choose(self),)
+        return self._chosen[0]
 
     def native_options(self) -> Mapping[str, str]:
         return hadoop_options(self.storage_options)
