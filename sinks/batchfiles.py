@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import unquote
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -22,9 +23,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DATA_DIR",
     "FILE_NAME",
+    "HIVE_NULL",
     "RUN_FILE_NAME",
     "SPARK_PART",
     "WRITE_DIR",
+    "hive_values",
     "parse_ranges",
     "ranges",
     "spark_parts",
@@ -177,3 +180,19 @@ def write_record(fs: pafs.FileSystem, folder: str, name: str, record: dict[str, 
     else:
         with fs.open_output_stream(f"{folder}/{name}") as out:
             out.write(data)
+
+
+HIVE_NULL: Final = "__HIVE_DEFAULT_PARTITION__"  # Spark's folder name for a null value
+
+
+def hive_values(segs: Sequence[str], columns: Sequence[str]) -> list[str | None] | None:
+    """The values of the folders Spark's ``partitionBy`` filled (``segs``: one
+    ``col=value`` per column of ``columns``, in order), each unescaped as Spark escapes it
+    (``%XX``), ``__HIVE_DEFAULT_PARTITION__`` or empty read as null; None when the folders
+    are not those columns' (the native tables' adopt refuses such a file)."""
+    if len(segs) != len(columns) or not all("=" in seg for seg in segs):
+        return None
+    if [unquote(seg.partition("=")[0]) for seg in segs] != list(columns):
+        return None
+    values = [unquote(seg.partition("=")[2]) for seg in segs]
+    return [None if v in (HIVE_NULL, "") else v for v in values]

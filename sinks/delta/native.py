@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import unquote
+from typing import TYPE_CHECKING, Any
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import SPARK_PART, fsync_dir, spark_parts, write_dir, write_record
+from twophase.sinks.batchfiles import (
+    SPARK_PART,
+    fsync_dir,
+    hive_values,
+    spark_parts,
+    write_dir,
+    write_record,
+)
 from twophase.sinks.delta.arrow import arrow_schema_of, delta_schema, pyarrow_module
 from twophase.sinks.delta.writer import HANDLE_CHARS, STAT_CHARS, Stats
 
@@ -33,10 +39,9 @@ if TYPE_CHECKING:
     from twophase.participant import Handle
     from twophase.sinks.delta.participant import DeltaParticipant
 
-__all__ = ["NULL_VALUE", "adopt", "misfits", "native_misfit", "stats_from_parquet", "values_name",
+__all__ = ["adopt", "misfits", "native_misfit", "stats_from_parquet", "values_name",
            "with_values"]
 
-NULL_VALUE: Final = "__HIVE_DEFAULT_PARTITION__"  # Spark's folder name for a null value
 
 
 def _same(file: pa.DataType, table: pa.DataType) -> bool:
@@ -115,18 +120,14 @@ def _leaves(where: str, parts: list[str], describe: str
         segs = [] if folder == where else os.path.relpath(folder, where).split(os.sep)
         if not any(SPARK_PART.match(n) for n in files):
             continue
-        cols = [seg.partition("=")[0] for seg in segs]
-        if [unquote(c) for c in cols] != parts or not all("=" in seg for seg in segs):
+        found = hive_values(segs, parts)
+        if found is None:
             raise ParticipantError(
                 f"{describe}: Spark's write left data files in {folder}, not in the "
                 f"table's partition folders {'/'.join(f'{c}=...' for c in parts)}; the "
                 "table's partitioning changed during the batch? Fix: retry the batch, or "
                 "pass native=False")
-        values = {}
-        for c, seg in zip(parts, segs, strict=True):
-            v = unquote(seg.partition("=")[2])
-            values[c] = None if v in (NULL_VALUE, "") else v
-        out.append((folder, values))
+        out.append((folder, dict(zip(parts, found, strict=True))))
     return sorted(out)
 
 

@@ -27,11 +27,16 @@ from __future__ import annotations
 import json
 import uuid
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import unquote
 
 from twophase.errors import ParticipantError
 from twophase.protocol import TxnKey
-from twophase.sinks.batchfiles import SPARK_PART, fsync_dir, write_dir, write_record
+from twophase.sinks.batchfiles import (
+    SPARK_PART,
+    fsync_dir,
+    hive_values,
+    write_dir,
+    write_record,
+)
 from twophase.sinks.iceberg.marker import HANDLE_CHARS
 
 if TYPE_CHECKING:
@@ -48,7 +53,6 @@ __all__ = ["NATIVE_TRANSFORMS", "PREFIX", "adopt", "local_location", "native_mis
 
 PREFIX: Final = "__twophase_p"  # the hidden derived columns Spark partitions by
 NATIVE_TRANSFORMS: Final = ("identity", "year", "month", "day", "hour")
-NULL_VALUE: Final = "__HIVE_DEFAULT_PARTITION__"  # Spark's folder name for a null value
 _DAY_US: Final = 86_400_000_000
 _HOUR_US: Final = 3_600_000_000
 
@@ -167,19 +171,19 @@ def _spark_files(part: IcebergParticipant, fs: Any, where: str, width: int,
     or a task past the plan's ``partitions``, would be a twophase bug."""
     want = [f"{PREFIX}{i}" for i in range(width)]
     out: list[tuple[int, str, list[str | None]]] = []
-    seen: set[tuple[int, tuple[str, ...]]] = set()
+    seen: set[tuple[int, tuple[str | None, ...]]] = set()
     for path in part._list(fs, where, recursive=True):
         segs = path[len(where) + 1:].split("/")
         m = SPARK_PART.match(segs[-1])
         if not m:
             continue  # Spark's other files (checksums)
-        if [d.partition("=")[0] for d in segs[:-1]] != want:
+        values = hive_values(segs[:-1], want)
+        if values is None:
             raise ParticipantError(
                 f"{part.describe()}: Spark's write left {path}, not in the folders "
                 f"{'/'.join(f'{c}=...' for c in want) or '(none)'} of the table's partition "
                 "spec; the spec changed during the batch? Fix: retry the batch, or pass "
                 "native=False")
-        values = [unquote(d.partition("=")[2]) for d in segs[:-1]]
         key = (int(m["partition"]), tuple(values))
         if key[0] >= partitions or key in seen:
             raise ParticipantError(
@@ -187,7 +191,7 @@ def _spark_files(part: IcebergParticipant, fs: Any, where: str, width: int,
                 f"{partitions} (one file per task and partition value expected: "
                 "maxRecordsPerFile is not used by the native path; a twophase bug)")
         seen.add(key)
-        out.append((key[0], path, [None if v in (NULL_VALUE, "") else v for v in values]))
+        out.append((key[0], path, values))
     return sorted(out, key=lambda x: (x[0], x[1]))
 
 
