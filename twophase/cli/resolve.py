@@ -137,7 +137,9 @@ def _resolve(source: Any, args: argparse.Namespace) -> Any:
         participants = _by_hand(args, secrets, kafka)
     else:
         participants = participants_from(
-            [with_kafka_settings(d, kafka) for d in source.participants(args.sink)], secrets)
+            source.participants(args.sink), secrets, sink=args.sink,
+            overlay=lambda d: with_kafka_settings(d, kafka),
+            overlay_secrets=[k for k in kafka if _is_secret(k)])
     try:
         _reach_kafka(participants)
         return resolve_sink(source, args.sink, participants, dry_run=args.dry_run)
@@ -160,6 +162,12 @@ def _reach_kafka(participants: list[Any]) -> None:
         if isinstance(p, KafkaParticipant):
             probe_topic(p.describe(), common_config(p.config), p.topic,
                         timeout=p.connect_timeout_s)
+
+
+def _is_secret(key: str) -> bool:
+    from twophase.sinks.kafka.options import is_secret_key
+
+    return is_secret_key(key)
 
 
 def with_kafka_settings(d: Mapping[str, Any], kafka: Mapping[str, str]) -> Mapping[str, Any]:

@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "transactions a crash left open, records past the last stable offset), "
                    "with participants rebuilt from the sinks' descriptors and secrets from "
                    "this environment, for /metrics and the console; 0 = off (default 30s)")
+    p.add_argument("--secret-grants", default=os.environ.get("TWOPHASE_SECRET_GRANTS_FILE"),
+                   metavar="PATH",
+                   help="file of 'SINK PARTICIPANT FINGERPRINT' lines: the recorded "
+                   "participants this daemon may hand its TWOPHASE_SECRET_* secrets to "
+                   "(`twophase sinks SINK --grants` prints them); any other descriptor, "
+                   "e.g. one a job's data token stored, gets none. Re-read at each use "
+                   "(default: $TWOPHASE_SECRET_GRANTS_FILE)")
     p.add_argument("--store-wait", default=os.environ.get("TWOPHASE_STORE_WAIT", "120s"),
                    metavar="DURATION",
                    help="at start, wait this long for an unreachable store (e.g. a database "
@@ -131,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after),
-                            target_watch=parse_duration(args.target_watch))
+                            target_watch=parse_duration(args.target_watch),
+                            secret_grants=args.secret_grants)
         wait = parse_duration(args.store_wait)
         new = _new_sqlite(args.store)
         lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
