@@ -31,7 +31,7 @@ from twophase.client import CoordinatorClient
 from twophase.coordinator.guard import OPEN_PATHS
 from twophase.testing.servers import LocalDaemon
 
-TOKEN = "fuzz-token-1234"
+TOKEN = "fuzz-token-1234-0123456789"
 EXAMPLES = 10
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=list(HealthCheck))

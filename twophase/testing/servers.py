@@ -174,7 +174,11 @@ class LocalDaemon(LocalServer):
                  "--store", self.store, "--host", self.host, "--port", str(self.port),
                  "--log-level", "warning",
                  *(["--ssl-certfile", self.tls[0], "--ssl-keyfile", self.tls[1]]
-                   if self.tls else []), *self.args],
+                   if self.tls else []),
+                 # a test's private bridge or namespace: plain HTTP beyond loopback
+                 *(["--insecure-http"] if not self.tls and self.host not in (
+                     "127.0.0.1", "::1", "localhost") else []),
+                 *self.args],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:
