@@ -82,7 +82,8 @@ def test_a_second_daemon_on_one_sqlite_file_is_refused(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'log' / 'coord.db'}"
     with LocalDaemon(store, "t0ken-0123456789abcdef") as first:
         out = subprocess.run(
-            [*CLI, "serve", "--store", store, "--port", str(free_port()), "--token", "0123456789abcdef-t"],
+            [*CLI, "serve", "--store", store, "--port", str(free_port()),
+             "--token", "0123456789abcdef-t"],
             capture_output=True, text=True, timeout=60, check=False, env=clean_env(),
         )
         assert out.returncode == 2, out.stderr
