@@ -30,6 +30,7 @@ from twophase.coordinator.db import Database, normalize_url
 from twophase.coordinator.groupcommit import GroupCommitWriter, GroupStats
 from twophase.coordinator.sql import Rows
 from twophase.errors import TransactionNotFound
+from twophase.names import validate_name
 from twophase.protocol import TxnKey
 
 __all__ = [
@@ -170,6 +171,10 @@ class Store:
     def _register_tx(
         self, name: str, descriptors: Sequence[dict[str, Any]] | None
     ) -> Tx[p.SinkRecord]:
+        validate_name("sink name", name)  # the store's keys obey the one name rule too
+        for d in descriptors or ():
+            validate_name("participant name", d.get("name"))
+
         def tx(conn: Connection) -> tuple[p.SinkRecord, list[Change]]:
             old, version = self.rows.load_sink(conn, name)
             new = p.register(old, name)
