@@ -33,7 +33,7 @@ def fetch(
             return client.list_raw(sink=sink, state=state, limit=limit)
     from twophase.coordinator.store import Store
 
-    store = Store(coordinator, create=False)
+    store = Store(coordinator, read_only=True)
     try:
         if state == "ALERT":
             rows = store.list(sink=sink, limit=limit, alert=True)
@@ -56,7 +56,7 @@ def fetch_sinks(coordinator: str, *, token: str | None = None,
             return [dict(s) for s in client.sinks()]
     from twophase.coordinator.store import Store
 
-    store = Store(coordinator, create=False)
+    store = Store(coordinator, read_only=True)
     try:
         return store.sinks_overview()
     finally:
@@ -74,7 +74,7 @@ def fetch_participants(coordinator: str, sink: str, *, token: str | None = None,
             return [dict(d) for d in client.participants(sink)]
     from twophase.coordinator.store import Store
 
-    store = Store(coordinator, create=False)
+    store = Store(coordinator, read_only=True)
     try:
         return store.participants(sink)
     finally:

@@ -74,8 +74,10 @@ class Store:
         pool_size: int = 8,
         group_commit: bool = True,
         max_group: int = 512,
+        read_only: bool = False,
     ) -> None:
-        self.db = Database(url, pool_size=pool_size, create=create)
+        self.db = Database(url, pool_size=pool_size, create=create and not read_only,
+                           read_only=read_only)
         self.url = self.db.url
         self.is_sqlite = self.db.is_sqlite
         self.engine = self.db.engine
@@ -87,6 +89,10 @@ class Store:
             self.db, after_commit=self._durable, grouped=group_commit, max_group=max_group
         )
         try:
+            if read_only:  # check the schema only, in a read-only transaction
+                with self.db.read() as conn:
+                    s.ensure(conn, create=False, where=self.safe_url)
+                return
             with self.db.write() as conn:
                 s.ensure(conn, create=create, where=self.safe_url)
         except BaseException:
