@@ -179,7 +179,8 @@ class Store:
     ) -> Tx[p.SinkRecord]:
         validate_name("sink name", name)  # the store's keys obey the one name rule too
         for d in descriptors or ():
-            validate_name("participant name", d.get("name"))
+            name_of = d.get("name")
+            validate_name("participant name", name_of if isinstance(name_of, str) else "")
 
         def tx(conn: Connection) -> tuple[p.SinkRecord, list[Change]]:
             old, version = self.rows.load_sink(conn, name)
