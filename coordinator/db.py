@@ -149,7 +149,14 @@ class Database:
             if (not create or read_only) and not path.is_file():
                 raise StoreMissing.at(path)
             if read_only:
-                ro = f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro&uri=true"
+                # With no -wal the file holds everything: open it immutable, so SQLite
+                # creates no -wal/-shm beside it (a writer starting meanwhile writes its
+                # WAL first and checkpoints only after 1000 pages). With a -wal (a
+                # daemon running, or one that stopped without checkpointing) read
+                # through it, mode=ro: neither the database nor the log is written.
+                wal = Path(f"{path}-wal").exists()
+                ro = (f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro"
+                      f"{'' if wal else '&immutable=1'}&uri=true")
                 self.engine = self.read_engine = _sqlite_engine(ro, immediate=False,
                                                                 read_only=True)
                 self.write_lock = threading.Lock()

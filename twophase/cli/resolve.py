@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +33,9 @@ when the sink's writer registered (kind, target, non-secret options). Secrets ar
 stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
 TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
 TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
-all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
+all of them from --secrets FILE.json ({"participant": {"key": "value"}}), and only for
+the participants the --secret-grants file names (a descriptor is recorded by whoever
+registered the sink, possibly a job's data token). The --pg-*,
 --files-*, --kafka-bootstrap/--kafka-topic and --participant flags name them by hand
 (a descriptor as the daemon lists it: GET /v1/sinks/SINK/participants).
 --kafka-config FILE lays librdkafka settings (TLS, SASL) over every Kafka participant,
@@ -61,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--secrets", default=None, metavar="FILE.json",
                    help="secrets per participant name, for participants rebuilt from "
                    "descriptors (default: from the environment)")
+    p.add_argument("--secret-grants", default=os.environ.get("TWOPHASE_SECRET_GRANTS_FILE"),
+                   metavar="PATH",
+                   help="file of 'SINK PARTICIPANT FINGERPRINT' lines: the recorded "
+                   "participants that may receive the secrets (`twophase sinks --grants "
+                   "SINK` prints them); others get none (default: "
+                   "$TWOPHASE_SECRET_GRANTS_FILE)")
     p.add_argument("--participant", action="append", default=[], metavar="DESCRIPTOR",
                    help="a participant by hand, rebuilt by kind: a JSON descriptor "
                    "'{\"kind\": ..., \"name\": ..., \"target\": ..., \"options\": {...}}' "
@@ -136,8 +145,11 @@ def _resolve(source: Any, args: argparse.Namespace) -> Any:
     if by_hand:
         participants = _by_hand(args, secrets, kafka)
     else:
+        from twophase.grants import Grants
+
         participants = participants_from(
             source.participants(args.sink), secrets, sink=args.sink,
+            grants=Grants(args.secret_grants),
             overlay=lambda d: with_kafka_settings(d, kafka),
             overlay_secrets=[k for k in kafka if _is_secret(k)])
     try:

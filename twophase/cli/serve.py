@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(default: $TWOPHASE_STORE)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
-    p.add_argument("--token", default=None,
+    p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
                    help="an operator bearer token, good for every call (default: "
                    "$TWOPHASE_TOKEN; on the command line it shows in `ps`: prefer "
                    "--token-file); jobs get scoped data tokens from --token-file")
@@ -110,8 +110,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     import uvicorn
 
     from twophase.coordinator.app import create_app
@@ -128,9 +126,7 @@ def run(args: argparse.Namespace) -> int:
               "ca_file= / ca_pem=), or --insecure-http if a TLS proxy or a private network "
               "protects the port", file=sys.stderr)
         return 2
-    on_command_line = args.token is not None
-    if args.token is None:
-        args.token = os.environ.get("TWOPHASE_TOKEN") or None
+    on_command_line = any(a == "--token" or a.startswith("--token=") for a in sys.argv[1:])
     if not args.store:
         print("twophase serve: no store: pass --store URL or set TWOPHASE_STORE "
               "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
