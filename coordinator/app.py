@@ -61,6 +61,7 @@ from twophase.errors import (
     TransactionNotFound,
     TwophaseError,
 )
+from twophase.extras import missing_extra
 from twophase.grants import Grants
 from twophase.names import NAME_PATTERN
 from twophase.protocol import TxnKey
@@ -542,9 +543,10 @@ def _admin_routes(svc: _Service) -> APIRouter:
         try:
             parts = participants_from(st.participants(sink), sink=sink, grants=grants)
         except ImportError as exc:
-            return _error(422, "invalid_request", f"resolving sink {sink!r} here needs "
-                          f"{exc.name}: install the participant's extra in the coordinator "
-                          "(pip install 'twophase[all]'), or run twophase resolve elsewhere")
+            hint = missing_extra(exc) or f"pip install 'twophase[all]' ({exc.name} missing)"
+            return _error(422, "invalid_request", f"resolving sink {sink!r} here: {hint} "
+                          "in the coordinator's environment, or run twophase resolve "
+                          "elsewhere")
         log.warning("admin resolve", extra={"sink": sink, "dry_run": body.dry_run})
         try:
             report = resolve_sink(StoreDecisions(st), sink, parts, dry_run=body.dry_run)

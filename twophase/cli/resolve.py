@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
                          create=False) as conn:
                 report = _resolve(conn.client(operator=True), args)
     except (TwophaseError, ValueError, OSError, ImportError) as exc:
-        msg = str(exc) + kafka_hint(args, str(exc))
+        from twophase.extras import missing_extra
+
+        msg = (missing_extra(exc) or str(exc)) + kafka_hint(args, str(exc))
         if args.json:
             print(json.dumps({"ok": False, "error": msg}))
         print(f"twophase resolve: {msg}", file=sys.stderr)
