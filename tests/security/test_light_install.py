@@ -15,11 +15,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["serve", "txns", "sinks", "force", "demo", "resolve", "chaos"]
