@@ -68,7 +68,7 @@ def _one_line(proc: subprocess.CompletedProcess[str], extra: str) -> None:
 
 
 def test_the_light_install_has_no_extras(light: Path) -> None:
-    code = "import importlib.util as u; print([m for m in %r if u.find_spec(m)])" % OPTIONAL
+    code = f"import importlib.util as u; print([m for m in {OPTIONAL!r} if u.find_spec(m)])"
     out = subprocess.run([str(light / "python"), "-c", code], capture_output=True,
                          text=True, timeout=60, cwd="/")
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
