@@ -5,8 +5,9 @@ token scoped to sink ``orders``, and none.
 With the operator token, every answer must be below 500 (a bad request is a 4xx in the
 service's error layout, naming the field); with the data token the same, and every
 operator route and every other sink's route answers 403; without a token, every
-protected route must answer 401 and the store must not change at all. The daemon's store holds a seeded transaction whose key
-is the document's example, so generated requests reach an existing transaction too.
+protected route must answer 401 and the store must not change at all. The daemon's
+store holds a seeded transaction whose key is the document's example, so generated
+requests reach an existing transaction too.
 
 Bounded (``max_examples`` per operation and mode); the default run fuzzes a SQLite store,
 the ``slow`` run a PostgreSQL store too (its 64-bit limits are also checked directly by
