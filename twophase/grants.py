@@ -35,6 +35,9 @@ _WHERE: Final = re.compile(r"(bootstrap|servers|dsn|host|endpoint|url|uri|wareho
                            re.IGNORECASE)
 
 
+_WITHHELD: set[tuple[str, str, str]] = set()  # refusals already logged by this process
+
+
 def fingerprint(descriptor: Mapping[str, Any]) -> str:
     """A hash of the whole descriptor, in canonical JSON (32 hex digits)."""
     body = {k: descriptor.get(k) for k in ("kind", "name", "target", "options")}
@@ -104,10 +107,13 @@ def secrets_for(sink: str, descriptor: Mapping[str, Any], grants: Grants,
     if not wanted and not also:
         return {}
     where = destination(descriptor)
-    if (sink, name, fingerprint(descriptor)) not in grants.allowed():
-        log.warning("secret withheld: participant not granted",
-                    extra={"sink": sink, "participant": name, "keys": [*wanted, *also],
-                           "target": where})
+    key = (sink, name, fingerprint(descriptor))
+    if key not in grants.allowed():
+        if key not in _WITHHELD:  # once per descriptor: the target watch asks every 30 s
+            _WITHHELD.add(key)
+            log.warning("secret withheld: participant not granted",
+                        extra={"sink": sink, "participant": name, "keys": [*wanted, *also],
+                               "target": where})
         raise InvalidRequest(
             f"participant {name!r} of sink {sink!r} asks for the secret(s) "
             f"{', '.join([*wanted, *also])}, to be used at {where}; no operator granted this "
