@@ -8,8 +8,8 @@ of the grants file, the fingerprint a hash of the whole descriptor (kind, name, 
 every option: the bootstrap servers, the DSN's host). A job that renames a participant,
 moves it to another sink or points it at another host changes the fingerprint, and gets
 nothing (Vault's rule: a secret goes only to the identity it is bound to). Every
-hand-out and every refusal is logged with the sink, the participant and where the
-secret goes, never the value.
+hand-out, and the first refusal of each descriptor, is logged with the sink, the
+participant and where the secret goes, never the value.
 """
 
 from __future__ import annotations
