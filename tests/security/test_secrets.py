@@ -107,3 +107,19 @@ def test_granted_target_gets_the_secret_and_a_changed_one_does_not(daemon: Daemo
         assert elsewhere.connections == 0 and not elsewhere.got(KAFKA_PASSWORD)
     log = daemon.log_text()
     assert broker.address in log and KAFKA_PASSWORD not in log
+
+
+def test_a_failing_target_in_a_dry_run_is_a_502_not_a_500(daemon: Daemon) -> None:
+    """A granted participant whose target breaks off mid-sign-in: the operator's dry run
+    answers 502 naming the participant (the daemon never answers 500)."""
+    from twophase.grants import grant_line
+
+    with Listener("postgres") as db:
+        _register(daemon, "orders", ORDERS, pg_descriptor("pg-orders", db.address))
+        stored = daemon.call("GET", "/v1/sinks/orders/participants", OPERATOR).json()
+        daemon.grants.write_text(grant_line("orders", stored["participants"][0]) + "\n")
+        r = daemon.call("POST", "/v1/admin/sinks/orders/resolve", OPERATOR,
+                        json={"dry_run": True})
+        assert db.got(PG_PASSWORD)  # granted: it went where the operator said
+    assert r.status_code == 502 and "pg-orders" in r.json()["message"], r.text
+    assert PG_PASSWORD not in r.text
