@@ -35,6 +35,16 @@ compare-and-set). SQLite allows one daemon per file.
 """
 
 
+class _OnCommandLine(argparse.Action):
+    """Stores the value and notes that it came from the command line (where ``ps`` and
+    the shell's history show it), not from the environment."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.token_on_command_line = True
+
+
 def _port(text: str) -> int:
     """A TCP port, refused by argparse (exit 2, naming the value) when out of range."""
     try:
@@ -63,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(default: $TWOPHASE_STORE)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
-    p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
+    p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"), action=_OnCommandLine,
                    help="an operator bearer token, good for every call (default: "
                    "$TWOPHASE_TOKEN; on the command line it shows in `ps`: prefer "
                    "--token-file); jobs get scoped data tokens from --token-file")
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
               "ca_file= / ca_pem=), or --insecure-http if a TLS proxy or a private network "
               "protects the port", file=sys.stderr)
         return 2
-    on_command_line = any(a == "--token" or a.startswith("--token=") for a in sys.argv[1:])
+    on_command_line = getattr(args, "token_on_command_line", False)
     if not args.store:
         print("twophase serve: no store: pass --store URL or set TWOPHASE_STORE "
               "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
