@@ -27,9 +27,14 @@ OPTIONAL = ["psycopg", "pyarrow", "pyspark", "confluent_kafka", "boto3", "pyiceb
             "deltalake", "pymysql"]
 
 
+_PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+BUILD = _PROJECT["build-system"]["requires"]
+
+
 def _venv_dir() -> Path:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    key = hashlib.sha256(repr((sorted(deps), sys.version_info[:2])).encode()).hexdigest()
+    deps = _PROJECT["project"]["dependencies"]
+    key = hashlib.sha256(repr((sorted(deps), BUILD, sys.version_info[:2])).encode()
+                         ).hexdigest()
     return Path.home() / ".cache" / "twophase" / f"light-venv-{key[:16]}"
 
 
@@ -43,12 +48,15 @@ def light(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         if not (venv / "ready").exists():
             shutil.rmtree(venv, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(ROOT)],
+            # the build backend too, so that each session's reinstall needs no isolated
+            # build environment (pyproject's [build-system])
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *BUILD, str(ROOT)],
                            check=True, timeout=600)
             (venv / "ready").touch()
         else:
             subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps",
-                            "--force-reinstall", str(ROOT)], check=True, timeout=300)
+                            "--no-build-isolation", "--force-reinstall", str(ROOT)],
+                           check=True, timeout=300)
     yield venv / "bin"
 
 
