@@ -62,7 +62,7 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 from twophase.testing.servers import free_port  # noqa: E402
 from twophase.wire import VoteIn  # noqa: E402
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 
 
 def daemon(store: str, port: int, variant: str) -> None:

@@ -54,7 +54,15 @@ from twophase.coordinator.models import (
 from twophase.coordinator.roles import TokenSet
 from twophase.coordinator.store import Store
 from twophase.coordinator.ui import StoreDecisions, ui_routes
-from twophase.errors import InvalidRequest, StoreError, TransactionNotFound, TwophaseError
+from twophase.errors import (
+    InvalidRequest,
+    ParticipantError,
+    StoreError,
+    TransactionNotFound,
+    TwophaseError,
+)
+from twophase.extras import missing_extra
+from twophase.grants import Grants
 from twophase.names import NAME_PATTERN
 from twophase.protocol import TxnKey
 
@@ -505,6 +513,7 @@ def _admin_routes(svc: _Service) -> APIRouter:
     """Operators: settle a branch or abort an orphan by hand, run a background round."""
     r = APIRouter(tags=["admin"])
     st, bg = svc.store, svc.background
+    grants = Grants(bg.settings.secret_grants if bg is not None else None)
 
     @r.post(ADMIN_TXN_PATH + "/force-ack", response_model=wire.TxnOut, responses=ERRORS)
     def force_ack(sink: SinkName, lineage: Lineage, checkpoint: Checkpoint, attempt: Attempt,
@@ -532,14 +541,18 @@ def _admin_routes(svc: _Service) -> APIRouter:
         from twophase.resolve import participants_from, resolve_sink
 
         try:
-            parts = participants_from(st.participants(sink))
+            parts = participants_from(st.participants(sink), sink=sink, grants=grants)
         except ImportError as exc:
-            return _error(422, "invalid_request", f"resolving sink {sink!r} here needs "
-                          f"{exc.name}: install the participant's extra in the coordinator "
-                          "(pip install 'twophase[all]'), or run twophase resolve elsewhere")
+            hint = missing_extra(exc) or f"pip install 'twophase[all]' ({exc.name} missing)"
+            return _error(422, "invalid_request", f"resolving sink {sink!r} here: {hint} "
+                          "in the coordinator's environment, or run twophase resolve "
+                          "elsewhere")
         log.warning("admin resolve", extra={"sink": sink, "dry_run": body.dry_run})
         try:
             report = resolve_sink(StoreDecisions(st), sink, parts, dry_run=body.dry_run)
+        except ParticipantError as exc:
+            # a target that fails is not the coordinator's fault: 502, never 500
+            return _error(502, exc.code, f"resolving sink {sink!r}: {exc}")
         finally:
             for part in parts:
                 part.close()

@@ -23,6 +23,7 @@ from typing import Final
 from twophase.coordinator.store import Store
 from twophase.coordinator.targets import DEFAULT_INTERVAL, TargetWatch
 from twophase.errors import InvalidRequest
+from twophase.grants import Grants
 
 log = logging.getLogger("twophase.coordinator.background")
 
@@ -52,6 +53,7 @@ class Settings:
     alert_after: float = DEFAULT_ALERT_AFTER
     purge_every: float = 60.0
     target_watch: float = DEFAULT_INTERVAL  # seconds between asks of the sinks' targets; 0: off
+    secret_grants: str | None = None  # the grants file (twophase.grants); None: from the env
 
 
 class Background:
@@ -64,7 +66,8 @@ class Background:
         self._thread: threading.Thread | None = None
         self._last_purge = 0.0
         self._backlog = False  # the last purge hit its limit: more are due
-        self.targets = TargetWatch(store, self.settings.target_watch)
+        self.targets = TargetWatch(store, self.settings.target_watch,
+                                   Grants(self.settings.secret_grants))
 
     def tick(self, now: float | None = None) -> dict[str, int]:
         """One round; returns what it did (tests call it directly)."""

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -132,24 +133,43 @@ def lock_sqlite(url: str) -> IO[str] | None:
 class Database:
     """A write engine, a read engine and the write lock for one store URL."""
 
-    def __init__(self, url: str, *, pool_size: int = 8, create: bool = True) -> None:
+    def __init__(self, url: str, *, pool_size: int = 8, create: bool = True,
+                 read_only: bool = False) -> None:
         """``create=False``: a SQLite file that does not exist is refused
-        (:class:`StoreMissing`) instead of being created empty."""
+        (:class:`StoreMissing`) instead of being created empty. ``read_only``: the
+        database itself refuses writes (SQLite ``mode=ro``, PostgreSQL read-only
+        transactions), for the commands that only look."""
         self.url = normalize_url(url)
         self.is_sqlite = self.url.startswith("sqlite")
+        self.read_only = read_only
         self.write_lock: contextlib.AbstractContextManager[Any]
         if self.is_sqlite:
             path = sqlite_path(self.url)
             assert path is not None
-            if not create and not path.is_file():
+            if (not create or read_only) and not path.is_file():
                 raise StoreMissing.at(path)
+            if read_only:
+                # With no -wal the file holds everything: open it immutable, so SQLite
+                # creates no -wal/-shm beside it (a writer starting meanwhile writes its
+                # WAL first and checkpoints only after 1000 pages). With a -wal (a
+                # daemon running, or one that stopped without checkpointing) read
+                # through it, mode=ro: neither the database nor the log is written.
+                wal = Path(f"{path}-wal").exists()
+                ro = (f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro"
+                      f"{'' if wal else '&immutable=1'}&uri=true")
+                self.engine = self.read_engine = _sqlite_engine(ro, immediate=False,
+                                                                read_only=True)
+                self.write_lock = threading.Lock()
+                return
             _ensure_parent(path)
             self.engine = _sqlite_engine(self.url, immediate=True)
             self.read_engine = _sqlite_engine(self.url, immediate=False)
             self.write_lock = threading.Lock()
         else:
             self.engine = create_engine(
-                self.url, pool_size=pool_size, max_overflow=pool_size * 2, pool_pre_ping=False
+                self.url, pool_size=pool_size, max_overflow=pool_size * 2, pool_pre_ping=False,
+                connect_args={"options": "-c default_transaction_read_only=on"}
+                if read_only else {},
             )
             self.read_engine = self.engine
             self.write_lock = contextlib.nullcontext()
@@ -182,14 +202,17 @@ class Database:
             self.read_engine.dispose()
 
 
-def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
+def _sqlite_engine(url: str, *, immediate: bool, read_only: bool = False) -> Engine:
     eng = create_engine(url, connect_args={"timeout": 30.0, "check_same_thread": False})
 
     @event.listens_for(eng, "connect")
     def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        if not read_only:  # the journal mode is the writer's to set
+            cur.execute("PRAGMA journal_mode=WAL")
+        else:
+            cur.execute("PRAGMA query_only=ON")
         cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA foreign_keys=ON")

@@ -10,7 +10,7 @@ from typing import Any
 
 from twophase import wire
 
-__all__ = ["fetch", "fetch_sinks"]
+__all__ = ["fetch", "fetch_participants", "fetch_sinks"]
 
 
 def fetch(
@@ -33,7 +33,7 @@ def fetch(
             return client.list_raw(sink=sink, state=state, limit=limit)
     from twophase.coordinator.store import Store
 
-    store = Store(coordinator, create=False)
+    store = Store(coordinator, read_only=True)
     try:
         if state == "ALERT":
             rows = store.list(sink=sink, limit=limit, alert=True)
@@ -56,8 +56,26 @@ def fetch_sinks(coordinator: str, *, token: str | None = None,
             return [dict(s) for s in client.sinks()]
     from twophase.coordinator.store import Store
 
-    store = Store(coordinator, create=False)
+    store = Store(coordinator, read_only=True)
     try:
         return store.sinks_overview()
+    finally:
+        store.close()
+
+
+def fetch_participants(coordinator: str, sink: str, *, token: str | None = None,
+                       token_file: str | None = None) -> list[dict[str, Any]]:
+    """The sink's recorded participant descriptors, from a daemon or read from a store."""
+    if coordinator.startswith(("http://", "https://")):
+        from twophase.client import CoordinatorClient
+
+        with CoordinatorClient(coordinator, token, token_file=token_file,
+                               retry_budget=10.0) as client:
+            return [dict(d) for d in client.participants(sink)]
+    from twophase.coordinator.store import Store
+
+    store = Store(coordinator, read_only=True)
+    try:
+        return store.participants(sink)
     finally:
         store.close()

@@ -11,9 +11,11 @@ Tokens come from ``--token`` (one operator token, as before roles existed) and f
 token file of ``ROLE TOKEN`` lines, re-read when it changes (a ``stat`` at most every
 ``CHECK_EVERY`` seconds, so a request costs no file read), which is how tokens rotate
 without a restart: add the new token, move the jobs to it, remove the old one. A data
-line may end with the sinks its token may act on (``data TOKEN orders pay*``: names or
-``fnmatch`` globs), so one job's token cannot begin, vote, ack or decide another's
-batches; without them a data token acts on every sink.
+line names the sinks its token may act on (``data TOKEN orders pay*``: names or
+``fnmatch`` globs), so one job's token cannot begin, vote, ack, abandon or register
+another's batches. A data line naming no sink is refused (it would let one job fence
+and abort every other's); ``data TOKEN *`` is the explicit all-sinks token, which for
+the jobs' routes is as strong as an operator's.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Final, Literal
 
 from twophase.errors import InvalidRequest
 
-__all__ = ["CHECK_EVERY", "ROUTE_ROLES", "Grant", "Role", "TokenSet", "parse_token_file",
-           "role_for", "sink_of"]
+__all__ = ["CHECK_EVERY", "MIN_TOKEN", "ROUTE_ROLES", "Grant", "Role", "TokenSet",
+           "check_strength", "parse_token_file", "role_for", "sink_of"]
 
 log = logging.getLogger("twophase.coordinator.roles")
 
@@ -100,6 +102,19 @@ def sink_of(path: str) -> str | None:
     return None
 
 
+MIN_TOKEN: Final = 16  # characters, for every source: flag, environment, file
+
+
+def check_strength(token: str, what: str) -> str:
+    """``token`` if it has at least :data:`MIN_TOKEN` characters, else a refusal naming
+    ``what`` and how to make a good one."""
+    if len(token) < MIN_TOKEN:
+        raise InvalidRequest(
+            f"{what} has {len(token)} character(s); a token needs at least {MIN_TOKEN} "
+            "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(24))')")
+    return token
+
+
 CHECK_EVERY: Final = 1.0  # seconds between two stat() calls of the token file
 ROLES: Final = ("data", "operator")
 _SCOPE_RE: Final = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]{1,64}$")
@@ -108,14 +123,14 @@ _SCOPE_RE: Final = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]{1,64}$")
 @dataclass(frozen=True)
 class Grant:
     """A token's role and, for a data token, the sinks it may act on (names or
-    ``fnmatch`` globs; empty: every sink)."""
+    ``fnmatch`` globs; ``*``: every sink; empty: none)."""
 
     role: Role
     sinks: tuple[str, ...] = ()
 
     def allows(self, sink: str | None) -> bool:
         """Whether this token may act on ``sink`` (None: a route naming no sink)."""
-        if not self.sinks or sink is None:
+        if sink is None:
             return True
         return any(fnmatch.fnmatchcase(sink, pattern) for pattern in self.sinks)
 
@@ -147,15 +162,18 @@ def parse_token_file(path: str) -> dict[str, Grant]:
                 f"{len(parts)} word(s) starting {parts[0][:12]!r}"
             )
         role, token, sinks = parts[0], parts[1], tuple(parts[2:])
+        if role == "data" and not sinks:
+            raise InvalidRequest(
+                f"token file {path}, line {n}: this data token names no sink, so it could "
+                "begin, abandon and re-register (fence) every job's batches: list the "
+                "sinks it may act on ('data <token> orders pay*'), or write '*' to give "
+                "it every sink on purpose (as strong as an operator for the jobs' routes)")
         bad = [s for s in sinks if not _SCOPE_RE.match(s)]
         if bad:
             raise InvalidRequest(
                 f"token file {path}, line {n}: {bad[0][:70]!r} is not a sink name or glob "
                 "(1-64 characters from A-Z a-z 0-9 _ . - and the glob characters * ? [ ] !)")
-        if len(token) < 16:
-            raise InvalidRequest(f"token file {path}, line {n}: a {role} token needs at "
-                                 "least 16 characters (e.g. python -c 'import secrets; "
-                                 "print(secrets.token_urlsafe(24))')")
+        check_strength(token, f"token file {path}, line {n}: a {role} token")
         if token in tokens:
             raise InvalidRequest(
                 f"token file {path}, line {n}: the same token is listed "
@@ -176,8 +194,8 @@ class TokenSet:
         self.fixed: dict[str, Grant] = {}
         if token:
             self.fixed[token] = Grant("operator")
-        if data_token:
-            self.fixed[data_token] = Grant("data")
+        if data_token:  # the embedded server's per-run token: this process's sinks
+            self.fixed[data_token] = Grant("data", ("*",))
         self.token_file = token_file
         self.check_every = check_every
         self._lock = threading.Lock()

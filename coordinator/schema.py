@@ -163,8 +163,8 @@ def ensure(conn: Connection, *, create: bool, where: str) -> None:
         conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
         return
     # FOR UPDATE (PostgreSQL): replicas starting together migrate once, one after the other
-    row = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")
-                       .with_for_update()).first()
+    version = select(meta.c.value).where(meta.c.key == "schema_version")
+    row = conn.execute(version.with_for_update() if create else version).first()
     found = row[0] if row else None
     if found in _UPGRADABLE and create:
         from twophase.coordinator.migrate import upgrade

@@ -30,6 +30,7 @@ from twophase.coordinator.db import Database, normalize_url
 from twophase.coordinator.groupcommit import GroupCommitWriter, GroupStats
 from twophase.coordinator.sql import Rows
 from twophase.errors import TransactionNotFound
+from twophase.names import validate_name
 from twophase.protocol import TxnKey
 
 __all__ = [
@@ -73,8 +74,10 @@ class Store:
         pool_size: int = 8,
         group_commit: bool = True,
         max_group: int = 512,
+        read_only: bool = False,
     ) -> None:
-        self.db = Database(url, pool_size=pool_size, create=create)
+        self.db = Database(url, pool_size=pool_size, create=create and not read_only,
+                           read_only=read_only)
         self.url = self.db.url
         self.is_sqlite = self.db.is_sqlite
         self.engine = self.db.engine
@@ -86,6 +89,10 @@ class Store:
             self.db, after_commit=self._durable, grouped=group_commit, max_group=max_group
         )
         try:
+            if read_only:  # check the schema only, in a read-only transaction
+                with self.db.read() as conn:
+                    s.ensure(conn, create=False, where=self.safe_url)
+                return
             with self.db.write() as conn:
                 s.ensure(conn, create=create, where=self.safe_url)
         except BaseException:
@@ -170,6 +177,11 @@ class Store:
     def _register_tx(
         self, name: str, descriptors: Sequence[dict[str, Any]] | None
     ) -> Tx[p.SinkRecord]:
+        validate_name("sink name", name)  # the store's keys obey the one name rule too
+        for d in descriptors or ():
+            name_of = d.get("name")
+            validate_name("participant name", name_of if isinstance(name_of, str) else "")
+
         def tx(conn: Connection) -> tuple[p.SinkRecord, list[Change]]:
             old, version = self.rows.load_sink(conn, name)
             new = p.register(old, name)

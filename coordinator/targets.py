@@ -5,7 +5,8 @@ shows it.
 
 Every ``interval`` seconds a daemon thread rebuilds each registered sink's participants
 from the descriptors the sink recorded (secrets from this process's environment, as for
-``twophase resolve``) and asks each :meth:`~twophase.participant.Participant.open_on_target`.
+``twophase resolve``, and only to the descriptors an operator granted them:
+:mod:`twophase.grants`) and asks each :meth:`~twophase.participant.Participant.open_on_target`.
 Scrapes read the last answers and never wait on a target. A target that cannot be asked
 (unreachable, a missing extra or secret) is reported as such, not retried faster.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twophase.coordinator.store import Store
+from twophase.grants import Grants
 from twophase.participant import Participant, TargetBacklog
 
 log = logging.getLogger("twophase.coordinator.targets")
@@ -41,8 +43,10 @@ class TargetState:
 class TargetWatch:
     """The poller; :meth:`check` runs one round (tests call it directly)."""
 
-    def __init__(self, store: Store, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, store: Store, interval: float = DEFAULT_INTERVAL,
+                 grants: Grants | None = None) -> None:
         self.store = store
+        self.grants = grants if grants is not None else Grants()
         self.interval = interval
         self._states: dict[tuple[str, str], TargetState] = {}
         self._built: dict[str, tuple[str, list[Participant]]] = {}  # sink -> (descs, parts)
@@ -68,13 +72,16 @@ class TargetWatch:
         from twophase.resolve import participants_from
 
         descriptors = self.store.participants(sink)
-        key = json.dumps(descriptors, sort_keys=True)
+        # a grant added or revoked rebuilds the sink's participants too
+        granted = sorted(g for g in self.grants.allowed() if g[0] == sink)
+        key = json.dumps([descriptors, granted], sort_keys=True)
         cached = self._built.get(sink)
         if cached is not None and cached[0] == key:
             return cached[1]
         if cached is not None:
             _close(cached[1])
-        parts = participants_from(descriptors) if descriptors else []
+        parts = (participants_from(descriptors, sink=sink, grants=self.grants)
+                 if descriptors else [])
         self._built[sink] = (key, parts)
         return parts
 

@@ -23,20 +23,25 @@ __all__ = [
     "validate_name",
 ]
 
-NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
-"""Sink and participant names."""
+NAME_PATTERN: Final = (r"^(?:[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}|\.[A-Za-z0-9_-][A-Za-z0-9_.-]{0,62}"
+                       r"|\.\.[A-Za-z0-9_.-]{1,62})$")
+"""Sink and participant names: 1-64 characters from the safe alphabet, except ``.`` and
+``..`` (a folder's self and parent in a path). Written without look-ahead, so the HTTP
+layer's validators (Rust's regex engine) and Python's ``re`` read it the same: the one
+definition behind the routes' path patterns, the request bodies, :func:`validate_name`
+and the store."""
 
 LINEAGE_PATTERN: Final = r"^[A-Za-z0-9-]{1,64}$"
 """A lineage (Spark's streaming query id, a UUID, or the sink's ``lineage=``). Narrower
 than names: ``_``, ``.`` and ``:`` separate fields in gids and file names."""
 
-NAME_RULE: Final = "1-64 characters from A-Z a-z 0-9 _ . -"
+NAME_RULE: Final = "1-64 characters from A-Z a-z 0-9 _ . -, not '.' or '..'"
 """:data:`NAME_PATTERN` in words, for messages (one copy, so no message can drift)."""
 
 LINEAGE_RULE: Final = "1-64 characters from A-Z a-z 0-9 -"
 """:data:`LINEAGE_PATTERN` in words."""
 
-BRANCH_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,6}$"
+BRANCH_PATTERN: Final = NAME_PATTERN[:-1] + r"/[0-9]{1,6}$"
 """A branch id: ``participant/partition`` (a name, then the partition's index)."""
 
 _NAME_RE: Final = re.compile(NAME_PATTERN)
@@ -46,7 +51,7 @@ _LINEAGE_RE: Final = re.compile(LINEAGE_PATTERN)
 def validate_name(kind: str, value: str) -> str:
     """Return ``value`` if it is a valid sink or participant name, else raise
     :class:`~twophase.errors.InvalidRequest` naming ``kind`` and the rule."""
-    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", ".."):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise InvalidRequest(
             f"invalid {kind} {value!r}: use {NAME_RULE}"
         )

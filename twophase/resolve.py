@@ -12,11 +12,12 @@ once, with every branch's voted handle, never one branch alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from twophase.errors import InvalidRequest, ParticipantError, TransactionNotFound
+from twophase.grants import Grants, secrets_for
 from twophase.participant import (
     BranchRef,
     BranchStatus,
@@ -60,9 +61,18 @@ class Decisions(Protocol):
 def participants_from(
     descriptors: Sequence[Mapping[str, Any]],
     secrets: Mapping[str, Mapping[str, str]] | None = None,
+    *,
+    sink: str,
+    grants: Grants | None = None,
+    overlay: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    overlay_secrets: Collection[str] = (),
 ) -> list[Participant]:
     """The sink's participants rebuilt from the descriptors its coordinator recorded;
-    ``secrets`` per participant name (default: from the environment)."""
+    ``secrets`` per participant name (default: from the environment), handed only to
+    the descriptors an operator granted for ``sink`` (:mod:`twophase.grants`; default:
+    ``$TWOPHASE_SECRET_GRANTS_FILE``). ``overlay`` lays an operator's settings over a
+    descriptor after the grant is checked on the recorded one; ``overlay_secrets``:
+    the secret settings it adds, which need the grant too."""
     if not descriptors:
         raise InvalidRequest(
             "the coordinator has no participant descriptors for this sink (it was last "
@@ -70,11 +80,15 @@ def participants_from(
             "descriptor()): name the participants by hand (twophase resolve --participant, "
             "--pg-dsn, --files-path, --kafka-bootstrap)"
         )
-    return [
-        rebuild(d, None if secrets is None or d.get("name") not in secrets
-                else secrets[str(d["name"])])
-        for d in descriptors
-    ]
+    grants = grants if grants is not None else Grants()
+    out = []
+    for d in descriptors:
+        laid = overlay(d) if overlay is not None else d
+        given = None if secrets is None else secrets.get(str(d.get("name")), {})
+        found = secrets_for(sink, d, grants, given,
+                            also=overlay_secrets if laid is not d else ())
+        out.append(rebuild(laid, found))
+    return out
 
 
 @dataclass

@@ -77,7 +77,8 @@ def check_prepare(prepare: str) -> str:
     return prepare
 
 
-def _secret_key(key: str) -> bool:
+def is_secret_key(key: str) -> bool:
+    """Whether a librdkafka setting holds a secret (never recorded in a descriptor)."""
     k = key.lower()
     return any(w in k for w in ("password", "secret", "sasl.oauthbearer.config", "key.pem"))
 
@@ -95,7 +96,7 @@ def descriptor_options(p: KafkaParticipant) -> dict[str, Any]:
     }
     secrets = []
     for k, v in p.config.items():
-        if _secret_key(k):
+        if is_secret_key(k):
             secrets.append(k)
         else:
             options[f"config.{k}"] = v if isinstance(v, (str, int, float, bool)) else str(v)

@@ -15,7 +15,7 @@ from twophase.client import CoordinatorClient
 from twophase.testing.servers import LocalDaemon
 from twophase.wire import VoteIn
 
-TOKEN = "race-token-1"
+TOKEN = "race-token-1-0123456789"
 
 
 @pytest.fixture

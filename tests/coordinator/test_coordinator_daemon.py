@@ -23,7 +23,7 @@ from twophase.coordinator.store import Store
 from twophase.testing.servers import LocalDaemon, free_port
 from twophase.wire import VoteIn
 
-TOKEN = "test-token-123"
+TOKEN = "test-token-123-0123456789"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import uvicorn
 from twophase.coordinator.app import create_app
 from twophase.coordinator.hotpath import HotPath
 
-TOKEN = "hot-path-token"
+TOKEN = "hot-path-token-0123456789"
 TIMES = {"created", "deadline", "decided_at", "finished_at"}
 
 

@@ -1,10 +1,13 @@
 """Hostile requests: schemathesis fuzzes the daemon's own OpenAPI document against a real
-``twophase serve`` process on loopback, with the token and without it.
+``twophase serve`` process on loopback, with each role: an operator token, a job's data
+token scoped to sink ``orders``, and none.
 
-With the token, every answer must be below 500 (a bad request is a 4xx in the service's
-error layout, naming the field); without it, every protected route must answer 401 and
-the store must not change at all. The daemon's store holds a seeded transaction whose key
-is the document's example, so generated requests reach an existing transaction too.
+With the operator token, every answer must be below 500 (a bad request is a 4xx in the
+service's error layout, naming the field); with the data token the same, and every
+operator route and every other sink's route answers 403; without a token, every
+protected route must answer 401 and the store must not change at all. The daemon's
+store holds a seeded transaction whose key is the document's example, so generated
+requests reach an existing transaction too.
 
 Bounded (``max_examples`` per operation and mode); the default run fuzzes a SQLite store,
 the ``slow`` run a PostgreSQL store too (its 64-bit limits are also checked directly by
@@ -29,9 +32,11 @@ from schemathesis import GenerationMode
 from tests.support.pg import fresh_pg_db
 from twophase.client import CoordinatorClient
 from twophase.coordinator.guard import OPEN_PATHS
+from twophase.coordinator.roles import ROUTE_ROLES
 from twophase.testing.servers import LocalDaemon
 
-TOKEN = "fuzz-token-1234"
+TOKEN = "fuzz-token-1234-0123456789"
+DATA = "fuzz-data-token-0123456789"  # a job's token, scoped to sink "orders"
 EXAMPLES = 10
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=list(HealthCheck))
@@ -45,7 +50,9 @@ def _seed(url: str) -> None:
 
 
 def _start(store: str, log: Path) -> LocalDaemon:
-    d = LocalDaemon(store, TOKEN, log).start()
+    tokens = log.parent / "tokens"
+    tokens.write_text(f"data {DATA} orders\n")
+    d = LocalDaemon(store, TOKEN, log, token_file=str(tokens)).start()
     _seed(d.url)
     return d
 
@@ -142,6 +149,20 @@ def test_fuzz_with_token_no_server_error(daemon: LocalDaemon) -> None:
             body = resp.json()
             assert set(body) == {"error", "message"} and body["message"], \
                 _describe(case, resp)
+
+    assert _fuzz(daemon.url, check) >= 14
+
+
+def test_fuzz_with_scoped_data_token(daemon: LocalDaemon) -> None:
+    """A job's token: no server error; an operator route, or another sink's data route,
+    refused before anything is parsed (401 when the generator dropped the header)."""
+    def check(case: Any) -> None:
+        resp = case.call(headers={"Authorization": f"Bearer {DATA}"}, timeout=30)
+        assert resp.status_code < 500, _describe(case, resp)
+        role = ROUTE_ROLES.get((case.method, case.path))
+        sink = (case.path_parameters or {}).get("sink")
+        if role == "operator" or (role == "data" and sink != "orders"):
+            assert resp.status_code in (401, 403), _describe(case, resp)
 
     assert _fuzz(daemon.url, check) >= 14
 

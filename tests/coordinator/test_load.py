@@ -31,7 +31,7 @@ from twophase.wire import VoteIn
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "load-token"
+TOKEN = "load-token-0123456789"
 SINKS = 100
 
 

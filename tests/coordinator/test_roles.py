@@ -69,7 +69,7 @@ def roles_daemon(tmp_path: Path) -> Iterator[tuple[LocalDaemon, Path, str, str]]
     """A daemon with a token file only: one data and one operator token."""
     data, operator = _tok(), _tok()
     tokens = tmp_path / "tokens"
-    _write(tokens, f"# rotated by hand\ndata {data}\noperator {operator}\n")
+    _write(tokens, f"# rotated by hand\ndata {data} *\noperator {operator}\n")
     d = LocalDaemon(f"sqlite:///{tmp_path / 'tp.db'}", None, tmp_path / "d.log",
                     token_file=str(tokens)).start()
     try:
@@ -146,13 +146,13 @@ def test_tokens_rotate_without_restarting_the_daemon_or_the_client(
         job.begin(SINK, KEY.lineage, 0, epoch, ["pg"], 1, 60)
         new = _tok()
         # overlap: both accepted while the jobs move over
-        _write(tokens, f"data {old}\ndata {new}\noperator {operator}\n")
+        _write(tokens, f"data {old} *\ndata {new} *\noperator {operator}\n")
         _write(mine, new + "\n")
         _until(lambda: not _refused(d.url, new))
         assert job.get(KEY).state == State.OPEN and job.token == old  # still the old one
         # the old token leaves the file: refused from now on; the client, refused once,
         # re-reads its own file and carries on with the new one
-        _write(tokens, f"data {new}\noperator {operator}\n")
+        _write(tokens, f"data {new} *\noperator {operator}\n")
         _until(lambda: _refused(d.url, old))
         job.vote(KEY, epoch, [VoteIn("pg/0", True, {})])
         assert job.token == new and job.get(KEY).state == State.COMMITTING
@@ -164,7 +164,7 @@ def test_tokens_rotate_without_restarting_the_daemon_or_the_client(
         assert job.get(KEY).state == State.COMMITTING
         # operators rotate the same way
         op2 = _tok()
-        _write(tokens, f"data {new}\noperator {op2}\n")
+        _write(tokens, f"data {new} *\noperator {op2}\n")
         _until(lambda: _refused(d.url, operator, "/v1/sinks"))
         assert httpx.get(d.url + "/v1/sinks", timeout=10,
                          headers={"Authorization": f"Bearer {op2}"}).status_code == 200
@@ -174,11 +174,11 @@ def test_tokens_rotate_without_restarting_the_daemon_or_the_client(
 def test_token_files_are_checked_at_start(tmp_path: Path) -> None:
     """A token file the daemon cannot use is refused naming the line and the format."""
     bad = tmp_path / "tokens"
-    bad.write_text(f"data {_tok()}\nwriter {_tok()}\n")
+    bad.write_text(f"data {_tok()} *\nwriter {_tok()}\n")
     with pytest.raises(InvalidRequest, match=r"line 2: expected 'data <token>'"):
         TokenSet(None, str(bad))
     same = _tok()
-    bad.write_text(f"data {same}\noperator {same}\n")
+    bad.write_text(f"data {same} *\noperator {same}\n")
     with pytest.raises(InvalidRequest, match="same token is listed as data and as operator"):
         TokenSet(None, str(bad))
     with pytest.raises(InvalidRequest, match="cannot read the token file"):

@@ -41,7 +41,7 @@ def test_a_running_query_commits_across_a_data_token_rotation(
 
     old, new, operator = (secrets.token_urlsafe(18) for _ in range(3))
     tokens, mine = tmp_path / "tokens", tmp_path / "job-token"
-    _write(tokens, f"data {old}\noperator {operator}\n")
+    _write(tokens, f"data {old} *\noperator {operator}\n")
     _write(mine, old + "\n")
     daemon = LocalDaemon(f"sqlite:///{tmp_path / 'd.db'}", None, tmp_path / "d.log",
                          token_file=str(tokens)).start()
@@ -67,12 +67,12 @@ def test_a_running_query_commits_across_a_data_token_rotation(
 
         committed(1)
         # overlap: the daemon accepts both, the job's file names the new one
-        _write(tokens, f"data {old}\ndata {new}\noperator {operator}\n")
+        _write(tokens, f"data {old} *\ndata {new} *\noperator {operator}\n")
         _write(mine, new + "\n")
         write_input(cfg.input_dir, batches=1, rows_per_batch=ROWS, first=1)
         committed(2)
         # the old token is removed: the driver, refused once, re-reads its file
-        _write(tokens, f"data {new}\noperator {operator}\n")
+        _write(tokens, f"data {new} *\noperator {operator}\n")
         _wait(lambda: httpx.post(f"{daemon.url}/v1/admin/tick", timeout=5,
                                  headers={"Authorization": f"Bearer {old}"}).status_code == 401,
               "the daemon did not drop the old token", timeout=10)  # (403 while known)

@@ -31,7 +31,7 @@ from twophase.sinks.postgres.participant import PostgresParticipant
 from twophase.testing.servers import LocalDaemon, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "bad-input-token"
+TOKEN = "bad-input-token-0123456789"
 KAFKA = {"bootstrap.servers": "127.0.0.1:9"}
 
 
@@ -120,14 +120,14 @@ def test_api_bad_input(make: Callable[[], object], pattern: str) -> None:
 CLI_CASES: list[tuple[str, list[str], int, str]] = [
     ("cli-serve-no-token", ["serve", "--store", "sqlite:///{tmp}/a.db"], 2,
      r"no token: pass --token or set TWOPHASE_TOKEN"),
-    ("cli-serve-port", ["serve", "--store", "sqlite:///{tmp}/a.db", "--token", "t",
+    ("cli-serve-port", ["serve", "--store", "sqlite:///{tmp}/a.db", "--token", TOKEN,
                         "--port", "70000"], 2, r"'70000' is not a TCP port: use 0-65535"),
-    ("cli-serve-store-url", ["serve", "--store", "mysql://h/db", "--token", "t"], 2,
+    ("cli-serve-store-url", ["serve", "--store", "mysql://h/db", "--token", TOKEN], 2,
      r"unsupported store URL 'mysql://h/db': use sqlite:///"),
-    ("cli-serve-retention", ["serve", "--store", "sqlite:///{tmp}/a.db", "--token", "t",
+    ("cli-serve-retention", ["serve", "--store", "sqlite:///{tmp}/a.db", "--token", TOKEN,
                              "--retention", "3w"], 2, r"cannot read duration '3w'"),
     ("cli-serve-store-down", ["serve", "--store", "postgresql://u@127.0.0.1:{port}/db",
-                              "--token", "t", "--store-wait", "1s"], 1,
+                              "--token", TOKEN, "--store-wait", "1s"], 1,
      r"store not reachable after waiting 1s: .*start the database or check --store"),
     ("cli-unknown-command", ["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
 ]

@@ -187,7 +187,8 @@ def test_serve_and_the_operator_commands_take_the_environment(tmp_path: Path) ->
     out = _run("serve")
     assert out.returncode == 2 and "pass --store URL or set TWOPHASE_STORE" in out.stderr
     port = free_port()
-    env = {"TWOPHASE_STORE": f"sqlite:///{tmp_path / 'env.db'}", "TWOPHASE_TOKEN": "t0k",
+    env = {"TWOPHASE_STORE": f"sqlite:///{tmp_path / 'env.db'}",
+           "TWOPHASE_TOKEN": "t0k-0123456789abcdef",
            "TWOPHASE_STORE_WAIT": "0"}
     base = {k: v for k, v in os.environ.items() if k != "TWOPHASE_COORDINATOR"}
     daemon = subprocess.Popen([str(TWOPHASE), "serve", "--port", str(port)],
@@ -204,7 +205,7 @@ def test_serve_and_the_operator_commands_take_the_environment(tmp_path: Path) ->
                 pass
             assert daemon.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        tools = {"TWOPHASE_COORDINATOR": url, "TWOPHASE_TOKEN": "t0k"}
+        tools = {"TWOPHASE_COORDINATOR": url, "TWOPHASE_TOKEN": "t0k-0123456789abcdef"}
         out = _run("sinks", "--json", env=tools)
         assert out.returncode == 0 and json.loads(out.stdout) == [], out.stderr
         out = _run("txns", "--json", env=tools)

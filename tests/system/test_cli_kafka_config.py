@@ -20,6 +20,7 @@ from tests.support.kafka import create_topic, grant_app, unique_topic
 from twophase.cli import build_parser, main
 from twophase.connection import connect
 from twophase.coordinator.store import Store
+from twophase.grants import grant_line
 from twophase.participant import BranchRef
 from twophase.protocol import Decision, State, TxnKey
 from twophase.sinks.kafka import KafkaParticipant
@@ -109,10 +110,20 @@ def test_resolve_settles_kafka_over_sasl_ssl_with_a_config_file(
     assert f"--kafka-config {props}, sasl.password from ${KAFKA_PASSWORD_ENV}" in err, err
     assert _states(coordinator, sink) == {0: State.COMMITTING}  # untouched
 
-    # from the recorded descriptor, whose password is a secret the record left out:
-    # without --kafka-config it is asked of TWOPHASE_SECRET_..., with it of the variable
+    # from the recorded descriptor, whose password is a secret the record left out: no
+    # secret goes to it (nor --kafka-config's password) before an operator granted it;
+    # then without --kafka-config it is asked of TWOPHASE_SECRET_..., with it of the
+    # variable
     assert secure_kafka.security is not None
     monkeypatch.setenv(KAFKA_PASSWORD_ENV, secure_kafka.security.users["app"])
+    for args in ([], ["--kafka-config", str(props)]):
+        assert main(["resolve", sink, "--coordinator", coordinator, "--dry-run", *args]) == 1
+        assert "no operator granted this descriptor" in capsys.readouterr().err
+    store = Store(coordinator, read_only=True)
+    grants = tmp_path / "grants"
+    grants.write_text("".join(grant_line(sink, d) + "\n" for d in store.participants(sink)))
+    store.close()
+    monkeypatch.setenv("TWOPHASE_SECRET_GRANTS_FILE", str(grants))
     assert main(["resolve", sink, "--coordinator", coordinator, "--dry-run"]) == 1
     assert "TWOPHASE_SECRET_KAFKA_" in capsys.readouterr().err
     assert main(["resolve", sink, "--coordinator", coordinator, "--kafka-config", str(props),

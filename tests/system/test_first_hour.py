@@ -80,9 +80,10 @@ def test_sqlite_store_under_a_file_names_the_path(tmp_path: Path) -> None:
 
 def test_a_second_daemon_on_one_sqlite_file_is_refused(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'log' / 'coord.db'}"
-    with LocalDaemon(store, "t0ken") as first:
+    with LocalDaemon(store, "t0ken-0123456789abcdef") as first:
         out = subprocess.run(
-            [*CLI, "serve", "--store", store, "--port", str(free_port()), "--token", "t"],
+            [*CLI, "serve", "--store", store, "--port", str(free_port()),
+             "--token", "0123456789abcdef-t"],
             capture_output=True, text=True, timeout=60, check=False, env=clean_env(),
         )
         assert out.returncode == 2, out.stderr
@@ -150,7 +151,7 @@ def test_resolve_dry_run_lists_each_branch_once(tmp_path: Path) -> None:
 def test_api_docs_page_loads_nothing_from_elsewhere(tmp_path: Path) -> None:
     import httpx
 
-    with LocalDaemon(f"sqlite:///{tmp_path / 'c.db'}", "t0ken") as daemon:
+    with LocalDaemon(f"sqlite:///{tmp_path / 'c.db'}", "t0ken-0123456789abcdef") as daemon:
         page = httpx.get(f"{daemon.url}/docs", timeout=10)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "/openapi.json" in page.text and "/v1/sinks/{sink}/begin" in page.text

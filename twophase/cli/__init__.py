@@ -25,7 +25,7 @@ commit per micro-batch, so every row lands exactly once in every system.
 EPILOG = """\
 examples:
   twophase demo                                   run the demo job end to end
-  twophase serve --store sqlite:///tp.db --port 7070 --token "$TWOPHASE_TOKEN"
+  twophase serve --store sqlite:///tp.db --port 7070 --token-file /etc/twophase/tokens
   twophase txns --coordinator http://host:7070 --sink orders --json
   twophase sinks --coordinator http://host:7070   sinks, in-doubt counts, alerts
   twophase resolve orders --coordinator http://host:7070 --dry-run
@@ -64,7 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    from twophase.extras import missing_extra
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    rc: int = args.run(args)
+    try:
+        rc: int = args.run(args)
+    except ImportError as exc:  # the light install: one line naming the extra
+        hint = missing_extra(exc)
+        if hint is None:
+            raise
+        print(f"twophase {args.command}: {hint}", file=sys.stderr)
+        return 1
     return rc

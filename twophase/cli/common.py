@@ -123,7 +123,7 @@ def read_store(url: str, command: str) -> Iterator[StoreReader]:
     from twophase.coordinator.store import Store
 
     require_store(url, command)
-    store = Store(url, create=False)
+    store = Store(url, read_only=True)
     try:
         yield StoreReader(store)
     finally:

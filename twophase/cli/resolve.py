@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +33,9 @@ when the sink's writer registered (kind, target, non-secret options). Secrets ar
 stored: a PostgreSQL password comes from PGPASSWORD / ~/.pgpass or
 TWOPHASE_SECRET_<PARTICIPANT>_PASSWORD, a Kafka secret setting from
 TWOPHASE_SECRET_<PARTICIPANT>_<KEY> (e.g. TWOPHASE_SECRET_KAFKA_ORDERS_SASL_PASSWORD), or
-all of them from --secrets FILE.json ({"participant": {"key": "value"}}). The --pg-*,
+all of them from --secrets FILE.json ({"participant": {"key": "value"}}), and only for
+the participants the --secret-grants file names (a descriptor is recorded by whoever
+registered the sink, possibly a job's data token). The --pg-*,
 --files-*, --kafka-bootstrap/--kafka-topic and --participant flags name them by hand
 (a descriptor as the daemon lists it: GET /v1/sinks/SINK/participants).
 --kafka-config FILE lays librdkafka settings (TLS, SASL) over every Kafka participant,
@@ -61,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--secrets", default=None, metavar="FILE.json",
                    help="secrets per participant name, for participants rebuilt from "
                    "descriptors (default: from the environment)")
+    p.add_argument("--secret-grants", default=os.environ.get("TWOPHASE_SECRET_GRANTS_FILE"),
+                   metavar="PATH",
+                   help="file of 'SINK PARTICIPANT FINGERPRINT' lines: the recorded "
+                   "participants that may receive the secrets (`twophase sinks --grants "
+                   "SINK` prints them); others get none (default: "
+                   "$TWOPHASE_SECRET_GRANTS_FILE)")
     p.add_argument("--participant", action="append", default=[], metavar="DESCRIPTOR",
                    help="a participant by hand, rebuilt by kind: a JSON descriptor "
                    "'{\"kind\": ..., \"name\": ..., \"target\": ..., \"options\": {...}}' "
@@ -112,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
                          create=False) as conn:
                 report = _resolve(conn.client(operator=True), args)
     except (TwophaseError, ValueError, OSError, ImportError) as exc:
-        msg = str(exc) + kafka_hint(args, str(exc))
+        from twophase.extras import missing_extra
+
+        msg = (missing_extra(exc) or str(exc)) + kafka_hint(args, str(exc))
         if args.json:
             print(json.dumps({"ok": False, "error": msg}))
         print(f"twophase resolve: {msg}", file=sys.stderr)
@@ -136,8 +147,13 @@ def _resolve(source: Any, args: argparse.Namespace) -> Any:
     if by_hand:
         participants = _by_hand(args, secrets, kafka)
     else:
+        from twophase.grants import Grants
+
         participants = participants_from(
-            [with_kafka_settings(d, kafka) for d in source.participants(args.sink)], secrets)
+            source.participants(args.sink), secrets, sink=args.sink,
+            grants=Grants(args.secret_grants),
+            overlay=lambda d: with_kafka_settings(d, kafka),
+            overlay_secrets=[k for k in kafka if _is_secret(k)])
     try:
         _reach_kafka(participants)
         return resolve_sink(source, args.sink, participants, dry_run=args.dry_run)
@@ -160,6 +176,12 @@ def _reach_kafka(participants: list[Any]) -> None:
         if isinstance(p, KafkaParticipant):
             probe_topic(p.describe(), common_config(p.config), p.topic,
                         timeout=p.connect_timeout_s)
+
+
+def _is_secret(key: str) -> bool:
+    from twophase.sinks.kafka.options import is_secret_key
+
+    return is_secret_key(key)
 
 
 def with_kafka_settings(d: Mapping[str, Any], kafka: Mapping[str, str]) -> Mapping[str, Any]:

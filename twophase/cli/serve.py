@@ -14,21 +14,35 @@ if TYPE_CHECKING:
 
 EPILOG = """\
 examples:
-  TWOPHASE_TOKEN=s3cret twophase serve --store sqlite:////var/lib/twophase/log.db --port 7070
-  twophase serve --store postgresql://twophase@db:5432/twophase --host 0.0.0.0 --token s3cret
+  twophase serve --store sqlite:////var/lib/twophase/log.db --token-file /etc/twophase/tokens
+  twophase serve --store postgresql://twophase@db:5432/twophase --host 0.0.0.0 \
+      --token-file /etc/twophase/tokens --ssl-certfile cert.pem --ssl-keyfile key.pem
   twophase serve --store sqlite:///dev.db --insecure          # no auth: local testing only
-  twophase serve --store sqlite:///tp.db --token t --ssl-certfile cert.pem --ssl-keyfile key.pem
-  twophase serve --store sqlite:///tp.db --token-file /etc/twophase/tokens   # roles, rotatable
 
-Roles: a token file holds lines 'data <token>' (the jobs: begin, votes, acks, decisions)
-and 'operator <token>' (everything: force, abort, resolve, the console), several per
-role; 'data <token> orders pay*' scopes a data token to those sinks (names or globs).
-The daemon re-reads the file when it changes (within a second), so tokens and scopes
-change without a restart. --token / $TWOPHASE_TOKEN is one operator token (docs/coordinator-api.md).
+A token file (mode 0600) holds one line per token:
+  operator <token>            force, abort, resolve, the console: everything
+  data <token> orders pay*    a job: its sinks' begin, votes, acks, abandon, register
+Make a token with: python -c 'import secrets; print(secrets.token_urlsafe(24))'
+
+Several tokens per role; a data line must name its sinks (names or globs; '*' gives
+every sink on purpose). The daemon re-reads the file when it changes (within a second),
+so tokens and scopes change without a restart. $TWOPHASE_TOKEN is one operator token;
+every token has at least 16 characters. Secrets (TWOPHASE_SECRET_*) go only to the
+participants --secret-grants lists (docs/user/security.md).
 
 Several daemons may share one PostgreSQL store (no leader: every change is a
 compare-and-set). SQLite allows one daemon per file.
 """
+
+
+class _OnCommandLine(argparse.Action):
+    """Stores the value and notes that it came from the command line (where ``ps`` and
+    the shell's history show it), not from the environment."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.token_on_command_line = True
 
 
 def _port(text: str) -> int:
@@ -59,9 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(default: $TWOPHASE_STORE)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7070, help="port (default 7070)")
-    p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"),
+    p.add_argument("--token", default=os.environ.get("TWOPHASE_TOKEN"), action=_OnCommandLine,
                    help="an operator bearer token, good for every call (default: "
-                   "$TWOPHASE_TOKEN); jobs should get a data token from --token-file")
+                   "$TWOPHASE_TOKEN; on the command line it shows in `ps`: prefer "
+                   "--token-file); jobs get scoped data tokens from --token-file")
     p.add_argument("--token-file", default=os.environ.get("TWOPHASE_TOKEN_FILE"),
                    metavar="PATH",
                    help="file of 'data <token> [SINK ...]' / 'operator <token>' lines (a data "
@@ -69,6 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "without a restart (default: $TWOPHASE_TOKEN_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without a token (anyone reaching the port can decide)")
+    p.add_argument("--insecure-http", action="store_true",
+                   help="serve plain HTTP on an address beyond loopback (only behind a "
+                   "TLS-terminating proxy or inside a private network): without it, or "
+                   "--ssl-certfile, a non-loopback --host is refused, since tokens and "
+                   "decisions would cross the network in clear")
     p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--ssl-keyfile", help="private key of --ssl-certfile (PEM)")
     p.add_argument("--retention", default="3d",
@@ -81,6 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "transactions a crash left open, records past the last stable offset), "
                    "with participants rebuilt from the sinks' descriptors and secrets from "
                    "this environment, for /metrics and the console; 0 = off (default 30s)")
+    p.add_argument("--secret-grants", default=os.environ.get("TWOPHASE_SECRET_GRANTS_FILE"),
+                   metavar="PATH",
+                   help="file of 'SINK PARTICIPANT FINGERPRINT' lines: the recorded "
+                   "participants this daemon may hand its TWOPHASE_SECRET_* secrets to "
+                   "(`twophase sinks SINK --grants` prints them); any other descriptor, "
+                   "e.g. one a job's data token stored, gets none. Re-read at each use "
+                   "(default: $TWOPHASE_SECRET_GRANTS_FILE)")
     p.add_argument("--store-wait", default=os.environ.get("TWOPHASE_STORE_WAIT", "120s"),
                    metavar="DURATION",
                    help="at start, wait this long for an unreachable store (e.g. a database "
@@ -99,8 +126,17 @@ def run(args: argparse.Namespace) -> int:
     from twophase.coordinator.background import Settings, parse_duration
     from twophase.coordinator.db import lock_sqlite
     from twophase.coordinator.logs import setup_logging
-    from twophase.coordinator.roles import TokenSet
+    from twophase.coordinator.roles import TokenSet, check_strength
 
+    if not (_loopback(args.host) or args.ssl_certfile or args.insecure_http
+            or args.insecure):
+        print(f"twophase serve: --host {args.host} is reachable beyond this machine and "
+              "the daemon would serve plain HTTP, sending every bearer token in clear: "
+              "pass --ssl-certfile and --ssl-keyfile (clients then pin the CA with "
+              "ca_file= / ca_pem=), or --insecure-http if a TLS proxy or a private network "
+              "protects the port", file=sys.stderr)
+        return 2
+    on_command_line = getattr(args, "token_on_command_line", False)
     if not args.store:
         print("twophase serve: no store: pass --store URL or set TWOPHASE_STORE "
               "(e.g. sqlite:////var/lib/twophase/log.db)", file=sys.stderr)
@@ -111,10 +147,17 @@ def run(args: argparse.Namespace) -> int:
               "rotatable); --insecure to run without authentication", file=sys.stderr)
         return 2
     try:
+        if args.token:
+            check_strength(args.token, "the operator token of "
+                           + ("--token" if on_command_line else "$TWOPHASE_TOKEN"))
         tokens = TokenSet(args.token, args.token_file)
     except InvalidRequest as exc:
         print(f"twophase serve: {exc}", file=sys.stderr)
         return 2
+    if on_command_line:
+        print("WARNING: --token on the command line is visible to every local user "
+              "(`ps`, /proc, shell history): put it in a token file ('operator <token>', "
+              "--token-file) or $TWOPHASE_TOKEN", file=sys.stderr)
     if not tokens.enabled:
         print("WARNING: running WITHOUT authentication (--insecure): anyone who can reach "
               f"{args.host}:{args.port} can change transactions", file=sys.stderr)
@@ -131,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(retention=parse_duration(args.retention),
                             alert_after=parse_duration(args.alert_after),
-                            target_watch=parse_duration(args.target_watch))
+                            target_watch=parse_duration(args.target_watch),
+                            secret_grants=args.secret_grants)
         wait = parse_duration(args.store_wait)
         new = _new_sqlite(args.store)
         lock = lock_sqlite(args.store)  # noqa: F841 - held until this process exits
@@ -156,6 +200,18 @@ def run(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile, timeout_keep_alive=75,
     )
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or name (reachable from this machine only)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _new_sqlite(url: str) -> Path | None:

@@ -13,10 +13,15 @@ EPILOG = """\
 examples:
   twophase sinks --coordinator http://host:7070
   twophase sinks --coordinator sqlite:///tp.db --json
+  twophase sinks --coordinator http://host:7070 --grants orders >> /etc/twophase/grants
 
 health: ok; "in doubt" (decided, branches not all acknowledged yet); ALERT (in doubt
 for longer than the coordinator's --alert-after). Exit code 0, or 1 when a sink is in
 ALERT (for cron jobs and probes).
+
+--grants SINK prints, for each participant the sink recorded, the line of the secret
+grants file that lets the daemon and `twophase resolve` hand it its secrets, with a
+comment saying where they would go: read it before adding it.
 """
 
 
@@ -30,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_coordinator_flags(p)
     p.add_argument("--json", action="store_true", help="JSON for scripts")
+    p.add_argument("--grants", default=None, metavar="SINK",
+                   help="print the secret grants lines for SINK's recorded participants")
     p.set_defaults(run=run)
 
 
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.coordinator.startswith(("http://", "https://")):
             require_store(args.coordinator, "sinks")
+        if args.grants:
+            return _grants(args)
         sinks = fetch_sinks(args.coordinator, token=args.token,
                             token_file=args.token_file)
     except (TwophaseError, ValueError) as exc:
@@ -80,3 +89,18 @@ def run(args: argparse.Namespace) -> int:
             )
         Console(file=sys.stdout, width=160).print(t)
     return 1 if any(s["alerts"] for s in sinks) else 0
+
+
+def _grants(args: argparse.Namespace) -> int:
+    from twophase.coordinator.listing import fetch_participants
+    from twophase.grants import grant_line
+
+    found = fetch_participants(args.coordinator, args.grants, token=args.token,
+                               token_file=args.token_file)
+    if not found:
+        print(f"twophase sinks: sink {args.grants!r} recorded no participants",
+              file=sys.stderr)
+        return 1
+    for d in found:
+        print(grant_line(args.grants, d))
+    return 0

@@ -135,9 +135,10 @@ class LocalDaemon(LocalServer):
         self, store: str, token: str | None, log: Path | None = None, *,
         port: int | None = None, host: str = "127.0.0.1", netns: str | None = None,
         token_file: str | None = None, tls: tuple[str, str, str] | None = None,
-        args: tuple[str, ...] = (),
+        args: tuple[str, ...] = (), env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(port=port)
+        self.env = env or {}  # more environment (e.g. the daemon's secrets)
         # (certificate, key, CA that signed it): serve HTTPS, and trust the CA for /healthz
         self.tls = tls
         self.args = args  # more `twophase serve` flags
@@ -156,7 +157,7 @@ class LocalDaemon(LocalServer):
         in the daemon only (the caller's own are never inherited)."""
         import httpx
 
-        env = clean_env()
+        env = clean_env(**self.env)
         env.pop("TWOPHASE_TOKEN", None)
         env.pop("TWOPHASE_TOKEN_FILE", None)
         if self.token:
@@ -173,7 +174,11 @@ class LocalDaemon(LocalServer):
                  "--store", self.store, "--host", self.host, "--port", str(self.port),
                  "--log-level", "warning",
                  *(["--ssl-certfile", self.tls[0], "--ssl-keyfile", self.tls[1]]
-                   if self.tls else []), *self.args],
+                   if self.tls else []),
+                 # a test's private bridge or namespace: plain HTTP beyond loopback
+                 *(["--insecure-http"] if not self.tls and self.host not in (
+                     "127.0.0.1", "::1", "localhost") else []),
+                 *self.args],
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         finally:
