@@ -216,6 +216,32 @@ def test_the_environment_table_is_what_the_code_reads() -> None:
     assert listed - read == set(), f"in cli.md's table, read by no code: {listed - read}"
 
 
+# ---- the HTTP API's error codes --------------------------------------------------------------
+def test_the_error_table_is_what_the_daemon_answers() -> None:
+    """coordinator-api.md's table of (status, code) against the code: the error classes'
+    codes and statuses (every refusal of the state machine among them) and the codes the
+    service writes itself (``_error(413, "body_too_large", ...)``)."""
+    from twophase import errors
+
+    api = _read(DOCS / "coordinator-api.md")
+    table = api.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    documented = {(int(status), code) for status, codes in
+                  re.findall(r"^\| (\d{3}) \| (.+?) \|", table, re.M)
+                  for code in re.findall(r"`([a-z_]+)`", codes)}
+    classes = {c.code: c.http_status for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.TwophaseError)}
+    written = {(int(status), code)
+               for path in (ROOT / "coordinator").glob("*.py")
+               for status, code in re.findall(r"\b([1-5]\d\d)(?:,|:) \"([a-z_]+)\"",
+                                              _read(path))}
+    refusals = {(c.http_status, c.code) for c in vars(errors).values()
+                if isinstance(c, type) and issubclass(c, errors.ProtocolError)}
+    unreal = {(s, c) for s, c in documented if classes.get(c) != s and (s, c) not in written}
+    assert not unreal, f"documented, but the daemon never answers so: {unreal}"
+    missing = (written | refusals) - documented
+    assert not missing, f"the daemon answers so, coordinator-api.md does not say: {missing}"
+
+
 # ---- versions and the front page -----------------------------------------------------------
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
