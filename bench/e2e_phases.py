@@ -6,6 +6,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from twophase.report import BATCH_PHASES
+
 
 def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str:
     """B's batch split by phase (p50 over the measured batches of every run, ms), measured
@@ -23,6 +25,10 @@ def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str
         return 1000 * statistics.median(
             ph.get("job_s", 0.0) - ph.get("task_s", 0.0) for ph in of)
 
+    def batch_p50(name: str) -> float:  # as the log line and BatchReport give it
+        return 1000 * statistics.median(sum(ph.get(k, 0.0) for k in BATCH_PHASES[name])
+                                        for ph in batches)
+
     job_spark = spark_part(batches)
     return (f"{title}: A's job p50 (ms) {p50('job_s', a_jobs):.1f} [Spark's part "
             f"{spark_part(a_jobs):.1f}; slowest task {p50('task_s', a_jobs):.1f}]\n"
@@ -35,6 +41,9 @@ def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str
             f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
             f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
             f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}\n"
+            f"{title}: B's report p50 (ms, the tasks' and the driver's work): prepare "
+            f"{batch_p50('prepare_s'):.1f}, wait {batch_p50('wait_s'):.1f}, commit "
+            f"{batch_p50('commit_s'):.1f}\n"
             + mean_line(title, runs))
 
 

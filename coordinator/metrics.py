@@ -124,7 +124,8 @@ class Metrics:
             for field, metric, help_ in (
                 ("prepare_s", "prepare", "Executor time to prepare one branch"),
                 ("wait_s", "vote_wait", "Executor time from its vote to the decision"),
-                ("commit_s", "commit", "Executor time to apply the decision to one branch"),
+                ("commit_s", "commit",
+                 "Time to apply the decision to one branch (in its task or from the driver)"),
             )
         }
         self.branch_rows = Histogram(

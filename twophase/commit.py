@@ -38,6 +38,7 @@ from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse
 if TYPE_CHECKING:
     from twophase.client import CoordinatorClient
     from twophase.protocol import Transaction
+    from twophase.wire import BranchMetrics
 
 __all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "SLOW_COMMIT_S",
            "Committer", "commit_batches", "send_acks"]
@@ -64,14 +65,17 @@ _Work = tuple[Participant, BranchRef, Handle]
 
 def send_acks(
     client: CoordinatorClient, key: TxnKey, epoch: int, acks: Sequence[tuple[str, Decision]],
-    into: Transaction,
+    into: Transaction, metrics: Mapping[str, BranchMetrics] | None = None,
 ) -> Transaction | None:
     """Acknowledge ``acks`` in chunks of :data:`ACK_CHUNK`; each answer carries only its
-    chunk's branches, merged into ``into`` (the caller's copy of the record). The record
-    after the last chunk (None when there was nothing to send)."""
+    chunk's branches, merged into ``into`` (the caller's copy of the record). ``metrics``:
+    what applying each branch took, for the coordinator's histograms. The record after
+    the last chunk (None when there was nothing to send)."""
     txn = into
     for i in range(0, len(acks), ACK_CHUNK):
-        txn = client.ack(key, epoch, acks[i:i + ACK_CHUNK], into=txn)
+        chunk = acks[i:i + ACK_CHUNK]
+        mine = {b: metrics[b] for b, _ in chunk if b in metrics} if metrics else None
+        txn = client.ack(key, epoch, chunk, mine, into=txn)
     return txn if acks else None
 
 
@@ -122,7 +126,8 @@ class Committer:
             work.append((part, ref, dict(st.handle or {})))
         done, error = self._apply_all(work, decision)
         acks = settled + [(b, decision) for b in done]
-        after = send_acks(client, txn.key, epoch, acks, into=txn) or txn
+        took: dict[str, BranchMetrics] = {b: {"commit_s": s} for b, s in done.items()}
+        after = send_acks(client, txn.key, epoch, acks, into=txn, metrics=took) or txn
         if decision == Decision.COMMIT:
             after, batch_error = commit_batches(client, epoch, self.participants, after)
             error = error or batch_error
@@ -200,11 +205,12 @@ class Committer:
                 p.close()
             lane.clear()
 
-    def _apply_all(self, work: list[_Work], decision: Decision) -> tuple[list[str], str]:
+    def _apply_all(self, work: list[_Work], decision: Decision
+                   ) -> tuple[dict[str, float], str]:
         """Apply ``decision`` to every branch of ``work``, one lane per thread. Returns
-        the branch ids applied and the first failure."""
+        the branch ids applied (with the seconds each took) and the first failure."""
         if not work:
-            return [], ""
+            return {}, ""
         if self._watch is None or not self._watch.is_alive():
             self._stop = threading.Event()
             self._watch = threading.Thread(target=self._watch_slow, args=(self._stop,),
@@ -221,22 +227,23 @@ class Committer:
                                                 thread_name_prefix="twophase-commit")
             results = list(self._pool.map(
                 lambda i: self._apply_lane(i, chunks[i], decision), range(lanes)))
-        done = [b for applied, _ in results for b in applied]
+        done = {b: s for applied, _ in results for b, s in applied.items()}
         error = next((e for _, e in results if e), "")
         return done, error
 
     def _apply_lane(self, lane: int, items: list[_Work], decision: Decision
-                    ) -> tuple[list[str], str]:
+                    ) -> tuple[dict[str, float], str]:
         own = self._lanes[lane]
-        done: list[str] = []
+        done: dict[str, float] = {}
         error = ""
         for part, ref, handle in items:
             mine = own.get(part.name)
             if mine is None:  # a fresh copy: opens its own connection when first used
                 mine = own[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+            since = time.monotonic()
             self._running[threading.get_ident()] = (
                 f"sink {ref.sink} batch {ref.batch_id}: {part.describe()} partition "
-                f"{ref.partition}: {decision.value.lower()}", time.monotonic())
+                f"{ref.partition}: {decision.value.lower()}", since)
             try:
                 failpoints.hit("before_commit", part.name, ref.partition)
                 if decision == Decision.COMMIT:
@@ -254,7 +261,7 @@ class Committer:
                 continue
             finally:
                 self._running.pop(threading.get_ident(), None)
-            done.append(ref.branch_id)
+            done[ref.branch_id] = time.monotonic() - since
         return done, error
 
     def _watch_slow(self, stop: threading.Event) -> None:

@@ -55,6 +55,7 @@ from twophase.report import (
     DRIVER_PHASES,
     BatchReport,
     Laps,
+    batch_phases,
     default_logging,
     failure,
     log_batch,
@@ -390,6 +391,7 @@ class TransactionalSink:
         if report.phases:  # what no lap took: the loop's own work, this report, the log
             report.phases["driver_s"] = max(0.0, report.seconds - sum(
                 v for k, v in report.phases.items() if k in DRIVER_PHASES))
+        batch_phases(report)
         self.history.append(report)
         self._by_batch[report.batch_id] = report
         while len(self._by_batch) > 1000:  # a long-running query: keep the recent ones

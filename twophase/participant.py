@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EMPTY_BRANCH",
     "ENTRY_POINT_GROUP",
+    "IN_TASK_PREPARES",
     "BatchParticipant",
     "BranchRef",
     "BranchStatus",
@@ -193,6 +194,17 @@ class TargetBacklog:
     unstable: Mapping[str, int]
     """Per target partition (``topic-N``): records past its last stable offset, which
     committed readers cannot read yet."""
+
+
+IN_TASK_PREPARES: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "kafka": ("prepare", ("in_task",)),
+}
+"""The participants whose prepared branch lives only in its Spark task (``durable_prepare``
+False): kind -> (the option, the values that make it so). A sink with one runs each
+batch as one barrier stage (a task slot per partition, dynamic allocation off); every
+other participant, and these with any other value, prepares durably. The one statement of
+this fact: the participants' ``durable_prepare`` and the documentation are checked
+against it (tests/system/test_doc_facts.py); change it with the participant."""
 
 
 class Participant(abc.ABC):

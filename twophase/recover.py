@@ -133,7 +133,6 @@ def finish_on_driver(participants: Sequence[Participant], df: DataFrame, plan: B
     actions = _in_lanes(asked, lambda part, ref, voted: recovery_action(
         Decision.COMMIT, part.voted_status(ref, voted), part.commit_scope))
     todo: list[_Item] = []
-    rows = 0
     for (part, ref, voted), action in zip(asked, actions, strict=True):
         if action == RecoveryAction.COMMIT:
             todo.append((part, ref, voted))
@@ -145,7 +144,6 @@ def finish_on_driver(participants: Sequence[Participant], df: DataFrame, plan: B
                      plan.key.batch_id, part.describe(), ref.partition, action.value)
             return None
         acks.append((ref.branch_id, Decision.COMMIT))
-        rows = max(rows, int(voted.get("rows", "0")))
     run_through(df)  # a stateful query commits its state only when the batch runs
     _in_lanes(todo, lambda part, ref, voted: apply_decision(part, ref, voted,
                                                             Decision.COMMIT))
@@ -153,6 +151,10 @@ def finish_on_driver(participants: Sequence[Participant], df: DataFrame, plan: B
     log.info("sink %s batch %d: finished from the driver: %d branch(es) committed, %d "
              "already, in %.0f ms", plan.key.sink, plan.key.batch_id, len(todo),
              len(acks) - len(todo), took * 1000)
+    # the batch's rows, as its tasks report them: each partition's (every participant
+    # wrote the same rows of it), summed over the partitions
+    rows = sum(max((int(plan.handles.get(branch_id(part.name, p), {}).get("rows", 0))
+                    for part in participants), default=0) for p in range(plan.partitions))
     out = BranchOutcome(partition=0, rows=rows, recovered=recovered, commit_s=took,
                         task_s=took, decision=Decision.COMMIT.value,
                         acks=json.dumps(acks_body(plan.epoch, acks, {})["acks"]))

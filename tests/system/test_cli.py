@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -169,6 +170,13 @@ def test_demo_starts_a_daemon_with_the_flag_chaos_uses(tmp_path: Path) -> None:
     assert "coordinator daemon (twophase serve) on http://127.0.0.1:" in out.stdout
     assert "OK: every id exactly once" in out.stdout
     assert (work / "coordinator.log").is_file()  # the daemon's own log: it ran apart
+    # its table is its own: Spark's log went to a file, and every phase column is filled
+    # (the driver commits on this path: the commit column is its work)
+    assert (work / "spark.log").is_file()
+    assert not re.search(r"NativeCodeLoader|log4j|WARN ", out.stdout + out.stderr), out.stderr
+    rows = re.findall(r"^\s+\d+\s+committed\s+\d+\s+\d+\s+(\d+)ms\s+(\d+)ms\s+(\d+)ms",
+                      out.stdout, re.M)
+    assert len(rows) == 2 and all(int(commit) > 0 for _p, _w, commit in rows), out.stdout
     store = Store(f"sqlite:///{work / 'coordinator.db'}", create=False)
     try:
         states = [row.txn.state for row in store.list(sink="demo_orders")]

@@ -9,8 +9,8 @@
 - The compatibility page names the versions the repository pins for its tests.
 - The site builds with ``mkdocs build --strict`` (a warning, a broken link or anchor
   fails it), and a deliberately broken link does fail it.
-- User pages carry no development history and no figures of their own (those live in
-  docs/performance.md and docs/chaos.md).
+- That no page carries development history or figures of its own, and the facts stated
+  once (schema, barrier stages, environment, versions): tests/system/test_doc_facts.py.
 """
 
 from __future__ import annotations
@@ -224,12 +224,6 @@ def test_the_extras_table_is_pyproject() -> None:
         assert rows[extra] == sorted(requirements), (extra, rows[extra], requirements)
 
 
-def test_every_environment_variable_is_documented() -> None:
-    text = "\n".join(p.read_text(encoding="utf-8") for p in USER_PAGES)
-    missing = sorted(name for name in _env_names() if name not in text)
-    assert not missing, f"read by the code, absent from docs/user: {missing}"
-
-
 def test_the_stated_limits_are_the_codes(tmp_path: Path) -> None:
     """The limits tables of configuration.md (the sink's bounds) and cli.md (the daemon's,
     read from its own OpenAPI document) say what the code enforces."""
@@ -298,27 +292,6 @@ def test_the_compatibility_page_names_the_pinned_versions() -> None:
     ]
     missing = [text for text in expected if text not in page]
     assert not missing, f"compatibility.md does not say: {missing}"
-
-
-# Development history and figures stay in the development record (docs/decisions.md,
-# docs/performance.md, docs/chaos.md); user pages link there.
-HISTORY = {
-    "a session": re.compile(r"\bsession \d+", re.I),
-    "an issue number": re.compile(r"\bissue \d+", re.I),
-    "a load average": re.compile(r"\bload( average)? \d", re.I),
-    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"),
-    "a worktree": re.compile(r"\bwt-[a-z]+|\bworktree\b", re.I),
-    "a measured rate": re.compile(r"\d[\d,.]* ?(rows/s|tx/s|rounds/s|MB/s)"),
-    "a percentile": re.compile(r"\bp(50|90|95|99)\b"),
-}
-
-
-@pytest.mark.parametrize("page", [DOCS / "index.md", *USER_PAGES], ids=lambda p: p.name)
-def test_user_pages_carry_no_development_history(page: Path) -> None:
-    found = [f"{page.name}:{n}: {what}: {m[0]!r}"
-             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
-             for what, rx in HISTORY.items() for m in [rx.search(line)] if m]
-    assert not found, "\n".join(found)
 
 
 def _mkdocs(config: Path, site: Path) -> subprocess.CompletedProcess[str]:

@@ -14,10 +14,13 @@ topic and the PostgreSQL table through one sink.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +124,27 @@ def _produce_source(console: Any, bootstrap: str, topic: str, records: int) -> N
                   f"{len(spark_kafka_jars())} jars)")
 
 
+@contextlib.contextmanager
+def _jvm_stderr_to(path: Path) -> Iterator[None]:
+    """Start the JVM inside this block: it inherits a standard error that is ``path``, so
+    Spark's own warnings (log4j, NativeCodeLoader) land there for the whole run and never
+    inside the demo's table; this process's standard error is back when the block ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _phase(r: Any, key: str) -> str:
-    return f"{r.phases.get(key, 0.0) * 1000:7.0f}ms"
+    """One of the batch's phases (``BatchReport.prepare_s``, ``wait_s``, ``commit_s``:
+    the tasks' and the driver's work together)."""
+    return f"{getattr(r, key) * 1000:7.0f}ms"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +177,13 @@ def run(args: argparse.Namespace) -> int:
         console.print("twophase demo needs the spark extra: pip install 'twophase\\[all]'")
         return 2
     from twophase.testing.apachekafka import LocalKafka
-    from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
+    from twophase.testing.job import (
+        JobConfig,
+        build_participants,
+        expected_ids,
+        job_session,
+        write_input,
+    )
     from twophase.testing.job import run as run_job
     from twophase.testing.localpg import LocalPostgres, PostgresUnavailable, find_bindir
     from twophase.testing.verify import verify
@@ -225,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             write_input(cfg.input_dir, args.batches, args.rows_per_batch)
         participants = build_participants(cfg)
+        console.print(f"starting Spark (local mode); its own log goes to {work / 'spark.log'}")
+        with _jvm_stderr_to(work / "spark.log"):
+            spark = job_session(cfg)
         console.print(
             f"streaming {args.batches} batches x {args.rows_per_batch} rows into "
             + ", ".join(p.describe() for p in participants)
@@ -247,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         for name in ("twophase.sink", "twophase.preflight"):
             logging.getLogger(name).setLevel(logging.WARNING)
         started = time.perf_counter()
-        run_job(cfg, participants=participants, on_batch=progress)
+        run_job(cfg, spark, participants=participants, on_batch=progress)
         elapsed = time.perf_counter() - started
         in_batches = totals["seconds"]
         console.print(

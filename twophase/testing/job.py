@@ -36,6 +36,7 @@ __all__ = [
     "committed_batches",
     "expected_counts",
     "expected_ids",
+    "job_session",
     "place_batch",
     "run",
     "spark_session",
@@ -241,6 +242,17 @@ def spark_session(conf: dict[str, str] | None = None) -> SparkSession:
     return spark
 
 
+def job_session(cfg: JobConfig) -> SparkSession:
+    """The Spark session ``run`` uses for ``cfg`` (with Spark's Kafka connector when the
+    job reads a Kafka topic)."""
+    conf = dict(cfg.spark_conf)
+    if cfg.source_topic:
+        from twophase.testing.sparkkafka import spark_kafka_conf
+
+        conf = {**spark_kafka_conf(), **conf}
+    return spark_session(conf)
+
+
 def run(
     cfg: JobConfig,
     spark: SparkSession | None = None,
@@ -253,12 +265,7 @@ def run(
     from twophase.driver import TransactionalSink
 
     if spark is None:
-        conf = dict(cfg.spark_conf)
-        if cfg.source_topic:
-            from twophase.testing.sparkkafka import spark_kafka_conf
-
-            conf = {**spark_kafka_conf(), **conf}
-        spark = spark_session(conf)
+        spark = job_session(cfg)
     sink = TransactionalSink(
         cfg.sink,
         participants=list(participants) if participants is not None else build_participants(cfg),
