@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -176,3 +177,12 @@ def test_installed_wheel_runs_a_smoke_job_per_extra(
     out = _run(venv, tmp_path, "python", "-I", "-c", source, json.dumps(args))
     assert out.split("\n")[:-1] == [f"ok {x}" for x in
                                     ("delta", "iceberg", "sql", "s3", "connect")], out
+
+
+def test_installation_page_names_the_wheel_this_version_builds() -> None:
+    """installation.md's commands name the files ``python -m build`` makes of this
+    version (a version bump that leaves the page behind fails here)."""
+    page = (ROOT / "docs" / "user" / "installation.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"twophase-(\d[\w.]*?)(?:-py3-none-any\.whl|\.tar\.gz)", page))
+    assert named == {VERSION}, named
+    assert f"dist/twophase-{VERSION}-py3-none-any.whl[all]" in page
