@@ -151,19 +151,22 @@ def test_installed_wheel_is_the_package_and_leaves_user_names_alone(
     assert "serve" in _run(venv, tmp_path, "twophase", "--help")
 
 
-def test_installed_wheel_runs_the_demo_exactly_once(
-        venv: Path, tmp_path: Path, kafka_bootstrap: str) -> None:
-    """``twophase demo`` from the wheel: Spark, a private PostgreSQL, staged Parquet files
-    and a Kafka topic on the suite's broker (the spark, postgres and kafka extras), every
-    id exactly once in each."""
+def test_installed_wheel_runs_the_demo_exactly_once(venv: Path, tmp_path: Path) -> None:
+    """``twophase demo --kafka-bootstrap local`` from the wheel: Spark, a private
+    PostgreSQL, staged Parquet files and a Kafka topic on a private Apache Kafka (its jars
+    through the wheel's Maven pom; the spark, postgres and kafka extras), every id exactly
+    once in each, Kafka judged from its log with a read_committed consumer agreeing."""
     out = _run(venv, tmp_path, "twophase", "demo", "--batches", "3", "--rows-per-batch",
-               "100", "--workdir", str(tmp_path / "demo"), "--kafka-bootstrap",
-               kafka_bootstrap, "--json", timeout=600)
+               "100", "--partitions", "2", "--workdir", str(tmp_path / "demo"),
+               "--kafka-bootstrap", "local", "--json", timeout=600)
     report, _ = json.JSONDecoder().raw_decode(out[out.index("{\n"):])
     systems = {s["kind"]: s for s in report["systems"]}
     assert set(systems) == {"postgres", "files", "kafka"}, systems
     for system in systems.values():
         assert system["ok"] and system["exact"] and system["rows"] == 300, system
+        assert system["duplicates"] == system["missing"] == 0, system
+    assert systems["kafka"]["open_transactions"] == 0
+    assert "a read_committed consumer agrees" in systems["kafka"]["note"], systems["kafka"]
 
 
 def test_installed_wheel_runs_a_smoke_job_per_extra(
