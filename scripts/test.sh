@@ -99,13 +99,14 @@ echo "== import-linter (layers of DESIGN.md; fails on any upward import)"
 "$VENV/bin/lint-imports"
 # Two workers (pytest-xdist), each with its own servers, Spark session and temporary
 # folders; whole files go to a worker (--dist loadfile: a module's fixtures are built
-# once). Most of the suite waits on JVMs, servers and subprocess jobs, so two workers
-# overlap that waiting on two cores. TWOPHASE_TEST_WORKERS=0 runs in this process;
-# `-n 0` among the arguments does the same for one run.
+# once), in collection order (tests/conftest.py puts the longest files first). Most of
+# the suite waits on JVMs, servers and subprocess jobs, so two workers overlap that
+# waiting on two cores. TWOPHASE_TEST_WORKERS=0 runs in this process; `-n 0` among the
+# arguments does the same for one run (docs/testing.md).
 workers="${TWOPHASE_TEST_WORKERS:-2}"
 echo "== pytest ($workers workers)"
 set +e
-"$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@"
+"$VENV/bin/python" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

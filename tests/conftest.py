@@ -38,6 +38,19 @@ pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.clus
 # (scripts/test.sh: pytest-xdist, whole files per worker, in this order), no long file
 # starts last while the other worker has nothing left; every other file keeps its place.
 LONG_FILES_FIRST: tuple[str, ...] = (
+    "tests/chaos/test_chaos_matrix.py",
+    "tests/system/test_cluster.py",
+    "tests/chaos/test_chaos_cli.py",
+    "tests/system/test_new_user.py",
+    "tests/spark/test_spark_sink.py",
+    "tests/chaos/test_kafka_server_faults.py",
+    "tests/sinks/delta/test_delta_spark.py",
+    "tests/sinks/iceberg/test_iceberg_spark.py",
+    "tests/sinks/sql/test_sql_spark.py",
+    "tests/system/test_wheel.py",
+    "tests/spark/test_native_tables_kill.py",
+    "tests/spark/test_spark_modes.py",
+    "tests/coordinator/test_fuzz_api.py",
 )
 
 
