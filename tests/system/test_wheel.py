@@ -93,6 +93,7 @@ def test_wheel_holds_every_module_and_data_file_as_real_files(dist: Path) -> Non
     assert {n for n in names if n.startswith("twophase/")} == _package_files()
     assert "twophase/sinks/kafka/participant.py" in names
     assert "twophase/coordinator/ui.py" in names  # the console (its page is rendered here)
+    assert f"twophase-{VERSION}.dist-info/licenses/LICENSE" in names  # Apache-2.0's text
     links = [i.filename for i in infos if stat.S_ISLNK(i.external_attr >> 16)]
     assert links == [], links
     with tarfile.open(next(dist.glob("*.tar.gz"))) as tf:
