@@ -241,7 +241,10 @@ def test_matrix_covers_every_point_kind_and_victim() -> None:
     assert {v for v, _, _ in cases} == process_victims
     assert {k for _, _, k in cases} == set(KINDS)
     assert set(cases) >= FAST
-    # the default subset: driver and worker kills of every kind (the coordinator victim's
-    # default run is the short chaos run in tests/chaos/test_chaos_cli.py)
-    assert {v for v, _, _ in FAST} == process_victims - {"coordinator"}
+    # the default subset: driver kills of every kind and a worker kill (the default hard
+    # moment, an in-task Kafka worker killed twice; the coordinator victim's default run
+    # is the short chaos run in tests/chaos/test_chaos_cli.py)
+    default_hard = {v for i, v, _, _, _ in KAFKA_HARD if i == "killed-during-redo"}
+    assert default_hard == {"worker"}
+    assert {v for v, _, _ in FAST} | default_hard == process_victims - {"coordinator"}
     assert {k for _, _, k in FAST} == set(KINDS)
