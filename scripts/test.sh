@@ -2,7 +2,8 @@
 # The whole test suite, from nothing: a fresh virtual environment, the project with every
 # extra, Debian's PostgreSQL server, a Java runtime and Maven (Apache Kafka's jars) when
 # missing, then ruff, mypy, import-linter (the layers) and pytest. Extra arguments go to pytest
-# (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m "cluster and not slow"` runs only the
+# (e.g. `bash scripts/test.sh -k protocol`; `bash scripts/test.sh -m slow` runs the long tests,
+# docs/testing.md; `bash scripts/test.sh -m "cluster and not slow"` runs only the
 # multi-host cluster tests, which need root for their network namespaces). Without
 # arguments it then runs the Spark 3.5 job (scripts/test-spark35.sh, tests/spark35.txt).
 set -euo pipefail
@@ -96,9 +97,16 @@ echo "== mypy"
 "$VENV/bin/mypy"
 echo "== import-linter (layers of DESIGN.md; fails on any upward import)"
 "$VENV/bin/lint-imports"
-echo "== pytest"
+# Two workers (pytest-xdist), each with its own servers, Spark session and temporary
+# folders; whole files go to a worker (--dist loadfile: a module's fixtures are built
+# once), in collection order (tests/conftest.py puts the longest files first). Most of
+# the suite waits on JVMs, servers and subprocess jobs, so two workers overlap that
+# waiting on two cores. TWOPHASE_TEST_WORKERS=0 runs in this process; `-n 0` among the
+# arguments does the same for one run (docs/testing.md).
+workers="${TWOPHASE_TEST_WORKERS:-2}"
+echo "== pytest ($workers workers)"
 set +e
-"$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

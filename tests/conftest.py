@@ -33,6 +33,37 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.cluster"]
 
 
+# The longest files of the default run, longest first (measured per-test durations,
+# docs/testing.md). They are handed out first so that, with two workers
+# (scripts/test.sh: pytest-xdist, whole files per worker, in this order), no long file
+# starts last while the other worker has nothing left; every other file keeps its place.
+LONG_FILES_FIRST: tuple[str, ...] = (
+    "tests/system/test_cluster.py",
+    "tests/chaos/test_chaos_matrix.py",
+    "tests/spark/test_spark_modes.py",
+    "tests/sinks/sql/test_sql_spark.py",
+    "tests/system/test_new_user.py",
+    "tests/spark/test_native_tables_kill.py",
+    "tests/system/test_error_catalogue.py",
+    "tests/chaos/test_chaos_cli.py",
+    "tests/spark/test_spark_sink.py",
+    "tests/system/test_wheel.py",
+    "tests/spark/test_s3_spark.py",
+    "tests/sinks/test_spark_reads_tables.py",
+    "tests/sinks/delta/test_delta_spark.py",
+    "tests/sinks/iceberg/test_iceberg_spark.py",
+    "tests/spark/test_native_s3.py",
+    "tests/chaos/test_kafka_server_faults.py",
+    "tests/spark/test_spark_connect.py",
+    "tests/spark/test_kafka_source.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def pg() -> Iterator[LocalPostgres]:
     server = LocalPostgres(max_prepared_transactions=100, fsync=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.0"  # the same as pyproject.toml (tests/system/test_packaging.py)
+__version__ = "0.3.0"  # the one version: pyproject.toml reads it ([tool.setuptools.dynamic])
 __all__ = ["TransactionalSink", "__version__"]
 
 if TYPE_CHECKING:

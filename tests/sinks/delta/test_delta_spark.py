@@ -44,10 +44,13 @@ def _duckdb_ids(dt: DeltaTable) -> list[int]:
     return sorted(r[0] for r in rows)
 
 
+# The driver killed after the table's commit, ack not sent, is slow: the default run has it
+# in tests/spark/test_native_tables_kill.py[around-the-commit] (the restart finds Delta's
+# marker; the commit is the same code on both data paths). Each case checks what a run
+# without kills would (the second run is one), so there is no such case.
 @pytest.mark.parametrize(("victim", "spec"), [
-    ("none", ""),
     ("driver", "before_batch_commit=kill*1"),
-    ("driver", "after_batch_commit=kill*1"),
+    pytest.param("driver", "after_batch_commit=kill*1", marks=pytest.mark.slow),
     ("worker", "after_prepare@{delta}/1=kill*1"),
 ])
 def test_delta_and_postgres_exactly_once_one_version_per_batch(

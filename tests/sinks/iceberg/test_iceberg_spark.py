@@ -104,8 +104,12 @@ def test_chaos_cli_iceberg_and_delta(tmp_path: Path) -> None:
 KILL_BATCHES, KILL_ROWS = 3, 40
 
 
+# The driver killed with COMMIT decided, before the table's commit, is slow: the default
+# run has it in tests/spark/test_native_tables_kill.py[around-the-commit] (killed after
+# Delta's commit, before Iceberg's: the restart commits Iceberg; the same commit code on
+# both data paths).
 @pytest.mark.parametrize(("victim", "spec"), [
-    ("driver", "before_batch_commit=kill*1"),
+    pytest.param("driver", "before_batch_commit=kill*1", marks=pytest.mark.slow),
     ("driver", "after_batch_commit=kill*1"),
     ("worker", "after_prepare@{ice}/1=kill*1"),
 ])
