@@ -295,12 +295,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         """In-task: abort in-process, else fence the transactional.id (:func:`.intask.abort`);
         staged: nothing to undo; resumable: ``EndTxn(abort)`` from the handle (without one,
-        nothing: the sweeps find a transaction no vote names, :meth:`abort_lingering`)."""
+        whatever is open on the branch's pool ids, :func:`.resumable.abort_unvoted`)."""
         if resumable.is_resumable(handle):
             assert handle is not None
             return resumable.abort(self, branch, handle)
         if self.prepare_mode == "resumable" and handle is None:
-            return
+            return resumable.abort_unvoted(self, branch)
         if staged.is_staged(self, handle):
             return staged.abort(self, branch, handle)
         return intask.abort(self, branch, handle)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.errors import describe_error
-from twophase.sinks.kafka.marker import add_marker, committed_marker, held_consumer
+from twophase.sinks.kafka.marker import add_marker, held_consumer, read_marker_now
 from twophase.sinks.kafka.records import Refusal, headers, produce_all
 from twophase.sinks.kafka.txnwire import (
     RETRIABLE,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "choose_id", "commit", "is_resumable", "pool_id",
+__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_unvoted", "choose_id", "commit", "is_resumable", "pool_id",
            "prepare", "voted_status"]
 
 MODE: Final = "resumable"
@@ -114,9 +114,11 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
     from confluent_kafka import Producer
 
     p._check_branch(branch)
+    # the marker read without waiting: another attempt's open transaction may hold the
+    # group's offsets (a stable read would wait for it); only committed offsets count
+    if read_marker_now(p, branch) >= branch.batch_id + 1:
+        return {**p._handle(branch, 0, already=True), "prepare": MODE}
     with held_consumer(p, branch) as consumer:
-        if committed_marker(p, consumer, branch) >= branch.batch_id + 1:
-            return {**p._handle(branch, 0, already=True), "prepare": MODE}
         try:
             tid = choose_id(p, branch)
         except TxnWireError as exc:
@@ -201,11 +203,14 @@ def _ids(handle: Handle) -> tuple[str, int, int]:
 
 
 def _marker_committed(p: KafkaParticipant, branch: BranchRef) -> bool:
-    """The marker read stably: it waits (up to ``connect_timeout_s``) while a
-    transaction holding the group's offsets is completing."""
-    with held_consumer(p, branch) as consumer:
-        return committed_marker(p, consumer, branch,
-                                pending_wait_s=p.connect_timeout_s) >= branch.batch_id + 1
+    """The marker's committed offset, read without waiting on open transactions (a
+    stable read waits while any transaction holds the group's offsets, another
+    attempt's too), asked twice: a commit whose markers are being written shows soon."""
+    for wait in (0.0, 0.5):
+        time.sleep(wait)
+        if read_marker_now(p, branch) >= branch.batch_id + 1:
+            return True
+    return False
 
 
 def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
@@ -275,13 +280,24 @@ def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
         time.sleep(0.1)
 
 
+def abort_unvoted(p: KafkaParticipant, branch: BranchRef) -> None:
+    """Abort whatever is open on the branch's pool ids (a vote lost with its process:
+    the handle is unknown, the broker names the producer id and epoch). Like fencing an
+    in-task branch, call it only when no newer attempt is preparing that branch."""
+    p._check_branch(branch)
+    for slot in range(SLOTS):
+        tid = pool_id(p, branch, slot)
+        state = describe_transaction(p.config, tid, p.connect_timeout_s)
+        if state is not None and state.state == "Ongoing":
+            abort(p, branch, {"transactional_id": tid, "producer_id": str(state.producer_id),
+                              "producer_epoch": str(state.producer_epoch)})
+
+
 def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> BranchStatus:
     """COMMITTED by the marker; PREPARED while the coordinator holds the handle's
     transaction open (or completing its commit); else ABSENT, read after the marker
     again (a commit completing between the two reads)."""
     p._check_branch(branch)
-    from twophase.sinks.kafka.marker import read_marker_now
-
     if read_marker_now(p, branch) >= branch.batch_id + 1:
         return BranchStatus.COMMITTED
     if handle.get("already_committed") == "yes":
