@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_unvoted", "choose_id", "commit", "is_resumable", "pool_id",
-           "prepare", "voted_status"]
+__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_unvoted", "choose_id",
+           "commit", "is_resumable", "pool_id", "prepare", "voted_status"]
 
 MODE: Final = "resumable"
 SLOTS: Final = 4
@@ -77,7 +77,7 @@ def pool_id(p: KafkaParticipant, branch: BranchRef, slot: int) -> str:
 
 
 def _spark_attempt() -> int:
-    """This Spark task's attempt within its stage attempts (0 outside Spark)."""
+    """This Spark task's attempt number (0 outside Spark)."""
     try:
         from pyspark import TaskContext
     except ImportError:
@@ -85,7 +85,9 @@ def _spark_attempt() -> int:
     ctx = TaskContext.get()
     if ctx is None:
         return 0
-    return int(ctx.attemptNumber()) + int(ctx.stageAttemptNumber())
+    # PySpark's TaskContext has no stage attempt number: a stage retry's first attempt
+    # starts at slot 0 again and skips an earlier stage attempt's open one (choose_id)
+    return int(ctx.attemptNumber())
 
 
 def choose_id(p: KafkaParticipant, branch: BranchRef) -> str:
