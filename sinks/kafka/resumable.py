@@ -61,9 +61,13 @@ the sweep to take it for a leftover, not a transaction of the batch after."""
 _OPEN: Final = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort"})
 
 PARKED: dict[str, Any] = {}
-"""This process's producers whose transaction it left open, by transactional id: kept
-referenced (never closed: that would abort the transaction) until the id is used again
-here, by which time its transaction has been ended by the driver or the broker."""
+"""This process's latest producers whose transaction it left open, by transactional id:
+kept referenced, never closed (``close()`` aborts the transaction), the oldest dropped
+past :data:`PARKED_MAX` (a Python worker serves many partitions; each producer holds
+librdkafka threads). Dropping one does not end its transaction (librdkafka's destroy
+sends no ``EndTxn``: measured on confluent-kafka 2.16.1, and pinned by
+``test_another_process_commits_from_the_handle[drop]``)."""
+PARKED_MAX: Final = 16
 _PARKED_LOCK = threading.Lock()
 
 
@@ -107,6 +111,8 @@ def choose_id(p: KafkaParticipant, branch: BranchRef) -> str:
 def _park(tid: str, producer: Any) -> None:
     with _PARKED_LOCK:
         PARKED[tid] = producer  # the one it replaces ended its transaction long ago
+        while len(PARKED) > PARKED_MAX:
+            del PARKED[next(iter(PARKED))]
 
 
 def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
