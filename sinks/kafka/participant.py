@@ -384,9 +384,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                     if p.producer is not None} | set(keep) | lanes.POOL.busy()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
+        prefix = f"twophase.{sink}.{self.name}."
         for txn in found:
             head, number = txn.transactional_id.rsplit(".", 1)
-            if head.rsplit(".", 1)[-1].startswith("w"):  # a resumable pool id
+            if txn.transactional_id[len(prefix):].startswith("w"):  # a resumable pool id
                 resumable.abort(self, BranchRef(sink, "lingering", 0, 0, self.name, 0), {
                     "transactional_id": txn.transactional_id,
                     "producer_id": str(txn.producer_id),
