@@ -26,7 +26,7 @@ from twophase.errors import ParticipantError
 from twophase.sinks.kafka.brokerconn import connect, recv_exact
 
 __all__ = ["COORDINATOR_MOVED", "TxnState", "TxnWireError", "describe_transaction",
-           "end_transaction", "find_coordinator", "forget_coordinator"]
+           "end_transaction", "find_coordinator"]
 
 END_TXN_VERSION: Final = 3
 FIND_COORDINATOR_VERSION: Final = 3
@@ -45,9 +45,6 @@ COORDINATOR_MOVED: Final = frozenset({"NOT_COORDINATOR", "COORDINATOR_NOT_AVAILA
 """Answers that mean: ask FindCoordinator again (a failover, a broker starting)."""
 RETRIABLE: Final = COORDINATOR_MOVED | {"CONCURRENT_TRANSACTIONS", "REQUEST_TIMED_OUT"}
 _correlations = itertools.count(1)
-_COORDINATORS: dict[tuple[str, str], tuple[str, int]] = {}
-"""(bootstrap servers, transactional id) -> its coordinator, as last found: asked again
-after any error (a failover moves it)."""
 
 
 class TxnWireError(ParticipantError):
@@ -104,22 +101,8 @@ def _ask(host: str, port: int, config: Mapping[str, object], timeout: float,
 
 def find_coordinator(config: Mapping[str, object], transactional_id: str,
                      timeout: float) -> tuple[str, int]:
-    """(host, port) of the transaction coordinator of ``transactional_id``: as last
-    found (:func:`forget_coordinator` after an error), else asked of the bootstrap
-    servers in turn."""
-    key = (str(config["bootstrap.servers"]), transactional_id)
-    found = _COORDINATORS.get(key)
-    if found is None:
-        found = _COORDINATORS[key] = _find(config, transactional_id, timeout)
-    return found
-
-
-def forget_coordinator(config: Mapping[str, object], transactional_id: str) -> None:
-    _COORDINATORS.pop((str(config["bootstrap.servers"]), transactional_id), None)
-
-
-def _find(config: Mapping[str, object], transactional_id: str,
-          timeout: float) -> tuple[str, int]:
+    """(host, port) of the transaction coordinator of ``transactional_id``, asked of the
+    bootstrap servers in turn."""
     from kafka.protocol.metadata.find_coordinator import (
         FindCoordinatorRequest,
         FindCoordinatorResponse,
@@ -156,14 +139,12 @@ def _coordinated(config: Mapping[str, object], transactional_id: str, timeout: f
             answer = _ask(host, port, config, timeout, request, version, response_class)
             name = _error_name(error_of(answer))
         except TxnWireError as exc:
-            forget_coordinator(config, transactional_id)
             if exc.name not in COORDINATOR_MOVED | {"NETWORK"} \
                     or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
             continue
         if name in COORDINATOR_MOVED and time.monotonic() < deadline:
-            forget_coordinator(config, transactional_id)
             time.sleep(0.2)
             continue
         return answer
@@ -235,18 +216,15 @@ def end_transaction(config: Mapping[str, object], transactional_id: str, produce
                     time.sleep(0.01)
         except OSError as exc:
             name = "NETWORK"
-            forget_coordinator(config, transactional_id)
             if time.monotonic() > deadline:
                 raise TxnWireError(f"cannot reach the transaction coordinator of "
                                    f"{transactional_id!r}: {exc}", name) from exc
         except TxnWireError as exc:
-            forget_coordinator(config, transactional_id)
             if exc.name not in COORDINATOR_MOVED | {"NETWORK"} \
                     or time.monotonic() > deadline:
                 raise
             name = exc.name
         if name in COORDINATOR_MOVED | {"NETWORK"} and time.monotonic() < deadline:
-            forget_coordinator(config, transactional_id)
             time.sleep(0.2)
             continue
         return name
