@@ -87,7 +87,7 @@ FAST = {
 def _params() -> list[Any]:
     out = []
     for case in _all_cases():
-        marks = [] if case in FAST and case[2] != "kafka_resumable" else [pytest.mark.slow]
+        marks = [] if case in FAST else [pytest.mark.slow]
         out.append(pytest.param(*case, marks=marks, id="-".join(case)))
     return out
 
@@ -247,4 +247,5 @@ def test_matrix_covers_every_point_kind_and_victim() -> None:
     # the default subset: driver and worker kills of every kind (the coordinator victim's
     # default run is the short chaos run in tests/chaos/test_chaos_cli.py)
     assert {v for v, _, _ in FAST} == process_victims - {"coordinator"}
-    assert {k for _, _, k in FAST} == set(KINDS)
+    # (the resumable Kafka prepare is opt-in: its rows are slow until it is the default)
+    assert {k for _, _, k in FAST} == set(KINDS) - {"kafka_resumable"}
