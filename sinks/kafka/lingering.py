@@ -50,6 +50,9 @@ def committing_ids(decisions: SinkDecisions, sink: str, participant: str,
             name, partition = parse_branch_id(bid)
             if name == participant and st.ack is None:
                 out.add(transactional_id(BranchRef(*txn.key, name, partition)))
+                voted = (st.handle or {}).get("transactional_id")
+                if voted:  # a resumable branch's pool id is in its vote
+                    out.add(str(voted))
     return out
 
 # librdkafka setting -> kafka-python argument: the connection and security settings a
@@ -80,9 +83,12 @@ class OpenTransaction:
 
 def _numbered(rest: str) -> bool:
     """``N`` (an in-task branch's id), ``commit.N`` (a staged copy lane's, the driver's
-    pool) or ``commit.pN`` (a staged copy made by partition N's task)."""
+    pool), ``commit.pN`` (a staged copy made by partition N's task) or ``wN.K`` (a
+    resumable prepare's pool id: partition N, slot K)."""
     lane = rest[len(COMMIT_LANE):] if rest.startswith(COMMIT_LANE) else None
-    return rest.isdigit() or (lane is not None and lane.removeprefix("p").isdigit())
+    part, _, slot = rest.removeprefix("w").partition(".")
+    return rest.isdigit() or (lane is not None and lane.removeprefix("p").isdigit()) or (
+        rest.startswith("w") and part.isdigit() and slot.isdigit())
 
 
 def list_open_transactions(

@@ -35,7 +35,7 @@ from twophase.participant import (
     TargetBacklog,
     Verifiable,
 )
-from twophase.sinks.kafka import intask, lanes, options, records, staged
+from twophase.sinks.kafka import intask, lanes, options, records, resumable, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
     probe_topic,
@@ -110,8 +110,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         producer blocked in ``send_offsets_to_transaction`` past its timeout after the
         broker came back (docs/kafka.md)."""
         self.prepare_mode = options.check_prepare(prepare)
-        """"staged" (durable, no barrier: :mod:`.staged`) or "in_task" (the gang)."""
-        self.durable_prepare = prepare == "staged"
+        """"resumable" (written once, committed by the driver: :mod:`.resumable`),
+        "staged" (copied by the driver: :mod:`.staged`) or "in_task" (the gang)."""
+        self.durable_prepare = prepare in ("staged", "resumable")
         self.staging_topic = (validate_topic(staging_topic) if staging_topic is not None
                               else staged.default_staging_topic(self.topic))
         self.staging_partitions = 0  # learnt by check() on the driver (staged)
@@ -204,7 +205,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         )
         if limit is not None:
             self.broker_max_message_bytes = limit
-        if self.durable_prepare:
+        if self.prepare_mode == "staged":
             self.staging_partitions = staged.check(self)
 
     def probe(self) -> None:
@@ -214,12 +215,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         ``probe_write`` (the default) also a transactional write: ``init_transactions``
         on ``twophase.probe.<name>`` and the topics' Write/Read/Describe ACLs as the broker
         reports them (no record is written)."""
-        for topic in (self.topic, self.staging_topic) if self.durable_prepare else (self.topic,):
+        staging = self.prepare_mode == "staged"
+        for topic in (self.topic, self.staging_topic) if staging else (self.topic,):
             probe_topic(self.describe(), self._common_config(), topic,
                         timeout=self.connect_timeout_s)
         if self.probe_write:
             needs = {self.topic: ("WRITE", "READ", "DESCRIBE")}
-            if self.durable_prepare:
+            if staging:
                 needs[self.staging_topic] = ("WRITE", "READ", "DESCRIBE")
             tid = f"twophase.probe.{self.name}"
             probe_transactional_write(
@@ -234,7 +236,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def check_vote_window(self, vote_timeout: float) -> None:
         """A transaction must outlive the vote window, or the broker aborts it while the
         other branches are still preparing. Staged: none is open while voting."""
-        if self.durable_prepare:
+        if self.prepare_mode == "staged":
             return
         timeout_ms = self.transaction_timeout_ms
         if timeout_ms / 1000 <= vote_timeout + 60:
@@ -249,7 +251,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
     ) -> Handle:
         """In-task: write the rows and the marker in one open transaction, flushed, not
-        committed (:mod:`.intask`); staged: write them to the staging topic (:mod:`.staged`)."""
+        committed (:mod:`.intask`, or :mod:`.resumable`: committed by the driver from the
+        vote); staged: write them to the staging topic (:mod:`.staged`)."""
+        if self.prepare_mode == "resumable":
+            return resumable.prepare(self, branch, schema, batches)
         if self.durable_prepare:
             return staged.prepare(self, branch, schema, batches)
         return intask.prepare(self, branch, schema, batches, None)
@@ -264,7 +269,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """Prepare again under a COMMIT decision, unless the branch was committed after
         all: the marker says so, or (the marker may lag, see
         :func:`.intask.committed_in_log`) the partition logs hold the branch's records
-        committed. Staged: prepare again."""
+        committed. Staged, resumable: prepare again (the marker is checked first)."""
+        if self.prepare_mode == "resumable":
+            return resumable.prepare(self, branch, schema, batches)
         if self.durable_prepare:
             return staged.prepare(self, branch, schema, batches)
         return intask.prepare(self, branch, schema, batches, voted if voted is not None else {})
@@ -276,14 +283,24 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     def commit(self, branch: BranchRef, handle: Handle | None) -> None:
         """``commit_transaction`` by the producer that prepared; ambiguous errors retried.
-        Staged: the copy in one transaction with the marker (:mod:`.staged`)."""
+        Staged: the copy in one transaction with the marker (:mod:`.staged`); resumable:
+        ``EndTxn(commit)`` from the handle (:func:`.resumable.commit`)."""
+        if resumable.is_resumable(handle):
+            assert handle is not None
+            return resumable.commit(self, branch, handle)
         if staged.is_staged(self, handle):
             return staged.commit(self, branch, handle)
         return intask.commit(self, branch, handle)
 
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
         """In-task: abort in-process, else fence the transactional.id (:func:`.intask.abort`);
-        staged: nothing to undo."""
+        staged: nothing to undo; resumable: ``EndTxn(abort)`` from the handle (without one,
+        whatever is open on the branch's pool ids, :func:`.resumable.abort_unvoted`)."""
+        if resumable.is_resumable(handle):
+            assert handle is not None
+            return resumable.abort(self, branch, handle)
+        if self.prepare_mode == "resumable" and handle is None:
+            return resumable.abort_unvoted(self, branch)
         if staged.is_staged(self, handle):
             return staged.abort(self, branch, handle)
         return intask.abort(self, branch, handle)
@@ -314,6 +331,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         transaction's offset marker unapplied, even for good (see docs/kafka.md).
         A staged branch: :func:`.staged.voted_status` (PREPARED while its staged records
         are there to be copied)."""
+        if resumable.is_resumable(voted):
+            assert voted is not None
+            return resumable.voted_status(self, branch, voted)
         if staged.is_staged(self, voted):
             assert voted is not None
             return staged.voted_status(self, branch, voted)
@@ -349,18 +369,30 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                                               timeout=self.connect_timeout_s))
 
     def abort_lingering(self, sink: str, older_than_s: float = 0.0,
-                        keep: Iterable[str] = ()) -> list[OpenTransaction]:
+                        keep: Iterable[str] = (), before: float | None = None
+                        ) -> list[OpenTransaction]:
         """Abort this participant's open transactions of ``sink`` that no branch of this
-        object holds, not in ``keep`` (transactional ids) and at least ``older_than_s``
-        old, by fencing their transactional.id (the broker writes the ABORT markers).
+        object holds, not in ``keep`` (transactional ids), at least ``older_than_s`` old
+        and begun before ``before`` (epoch seconds) when given: a resumable pool id's by
+        ``EndTxn(abort)`` for the producer id and epoch the broker shows, any other by
+        fencing its transactional.id (the broker writes the ABORT markers).
         Returns those aborted."""
+        if before is not None:
+            older_than_s = max(older_than_s, time.time() - before)
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
                     if p.producer is not None} | set(keep) | lanes.POOL.busy()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
+        prefix = f"twophase.{sink}.{self.name}."
         for txn in found:
             head, number = txn.transactional_id.rsplit(".", 1)
+            if txn.transactional_id[len(prefix):].startswith("w"):  # a resumable pool id
+                resumable.abort(self, BranchRef(sink, "lingering", 0, 0, self.name, 0), {
+                    "transactional_id": txn.transactional_id,
+                    "producer_id": str(txn.producer_id),
+                    "producer_epoch": str(txn.producer_epoch)})
+                continue
             if head.endswith("." + COMMIT_LANE.rstrip(".")):  # a staged copy's lane
                 lanes.fence_lane(self, txn.transactional_id)
                 continue
@@ -442,7 +474,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def prune_markers(self, sink: str, lineage: str, below: int) -> int:
         """Staged: delete the staging topic's leading records of ``sink``'s committed
         batches below ``below`` (:mod:`.stagedprune`: only records read and found done).
-        The marker groups stay (deleting groups needs DeleteGroups); in-task: nothing."""
+        The marker groups stay (deleting groups needs DeleteGroups); in-task: nothing.
+        Resumable: abort the sink's transactions a losing attempt left open (a
+        speculative or retried copy whose vote never counted), started before this call
+        (:meth:`abort_lingering`): every batch before this one has ended its own."""
+        if self.prepare_mode == "resumable":
+            self.abort_lingering(sink, before=time.time() - resumable.CLOCK_MARGIN_S)
+            return 0
         if not self.durable_prepare:
             return 0
         from twophase.sinks.kafka.stagedprune import prune_staged

@@ -71,7 +71,7 @@ __all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "
            "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare",
            "voted_status"]
 
-PREPARE_MODES: Final = ("staged", "in_task")
+PREPARE_MODES: Final = ("resumable", "staged", "in_task")
 DEFAULT_PREPARE: Final = "staged"
 """The default: no barrier stage, so dynamic allocation and speculation are allowed
 (docs/decisions.md, 2026-11-25); "in_task" is the opt-in fast path for guaranteed slots."""

@@ -65,7 +65,7 @@ class JobConfig:
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
-    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...): "staged" or "in_task"
+    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...): "staged", "resumable", "in_task"
     # librdkafka settings (TLS, SASL) from a properties file, read where the participant
     # is made; the password from TWOPHASE_KAFKA_SASL_PASSWORD, never in this config
     kafka_config_file: str | None = None

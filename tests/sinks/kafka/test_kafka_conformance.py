@@ -107,3 +107,14 @@ def test_conformance_staged(check: Callable[[Harness], None], kafka_bootstrap: s
     check(Harness(id="kafka-staged",
                   new_target=lambda: KafkaTarget(kafka_bootstrap, True, "staged"),
                   durable=True, status_sees_prepared=False, in_doubt_finds_prepared=False))
+
+
+@pytest.mark.real_kafka
+@pytest.mark.parametrize("check", applicable_checks(STAGED), ids=lambda c: c.__name__)
+def test_conformance_resumable(check: Callable[[Harness], None], kafka_bootstrap: str) -> None:
+    """The resumable prepare (durable: the task's transaction is left open and committed
+    from the handle alone by any process, the pickled clone's commit too); ``status``
+    without the vote's handle sees no prepared branch (the pool id is in the handle)."""
+    check(Harness(id="kafka-resumable",
+                  new_target=lambda: KafkaTarget(kafka_bootstrap, True, "resumable"),
+                  durable=True, status_sees_prepared=False, in_doubt_finds_prepared=False))

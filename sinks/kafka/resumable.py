@@ -1,0 +1,318 @@
+"""Kafka's resumable prepare (``prepare="resumable"``, the default): the branch's records
+written once, in its task's own transaction, left open and committed by the driver.
+
+- **prepare** (the task): a new transactional producer on an id of the bounded pool
+  (:func:`pool_id`, :func:`choose_id`) runs ``init_transactions``, begins a transaction,
+  produces the branch's records to the target topic, flushes and checks every delivery
+  report; then the id's coordinator is asked (``DescribeTransactions``) for the
+  transaction's producer id and epoch (librdkafka does not expose them), and only then
+  the marker offset is added (``send_offsets_to_transaction``): a producer fenced before
+  it fails there, so the vote never carries another producer's epoch. The task returns
+  **without committing or aborting**; its producer is parked in this process
+  (:data:`PARKED`) and never closed (``close()`` aborts an open transaction since
+  confluent-kafka 2.x; dropping it or the process dying does not: docs/kafka.md).
+- **commit / abort** (the driver, a restarted driver, ``twophase resolve``): ``EndTxn``
+  for (id, producer id, epoch) on Kafka's wire (:mod:`.txnwire`), from the handle alone.
+- **status**: COMMITTED by the marker; PREPARED while the coordinator shows the id
+  ``Ongoing`` (or completing a commit) with the handle's producer id and epoch; else
+  ABSENT (the broker's transaction timeout, or the id initialised again): the branch is
+  redone from Spark's replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final
+
+from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
+from twophase.sinks.kafka.errors import describe_error
+from twophase.sinks.kafka.marker import add_marker, held_consumer, read_marker_now
+from twophase.sinks.kafka.records import Refusal, headers, produce_all
+from twophase.sinks.kafka.txnwire import (
+    RETRIABLE,
+    TxnState,
+    TxnWireError,
+    describe_transaction,
+    end_transaction,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from twophase.sinks.kafka.participant import KafkaParticipant
+
+__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_unvoted", "choose_id",
+           "commit", "is_resumable", "pool_id", "prepare", "voted_status"]
+
+MODE: Final = "resumable"
+SLOTS: Final = 4
+"""Transactional ids per (sink, participant, partition). A batch's attempts of one
+partition (Spark's retry, a speculative copy, a stage retry) each need an id no other
+attempt holds open, or its ``init_transactions`` would abort that attempt's transaction
+(possibly the winner's); every earlier batch's transactions are ended before a batch
+begins (the coordinator's recovery commits or aborts them first), so the ids serve every
+batch again: ``partitions x SLOTS`` ids in all, whatever the number of batches."""
+CLOCK_MARGIN_S: Final = 30.0
+"""How much older than a sweep's start (by the broker's clock) a transaction must be for
+the sweep to take it for a leftover, not a transaction of the batch after."""
+_OPEN: Final = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort"})
+
+PARKED: dict[str, Any] = {}
+"""This process's latest producers whose transaction it left open, by transactional id:
+kept referenced, never closed (``close()`` aborts the transaction), the oldest dropped
+past :data:`PARKED_MAX` (a Python worker serves many partitions; each producer holds
+librdkafka threads). Dropping one does not end its transaction (librdkafka's destroy
+sends no ``EndTxn``: measured on confluent-kafka 2.16.1, and pinned by
+``test_another_process_commits_from_the_handle[drop]``)."""
+PARKED_MAX: Final = 16
+_PARKED_LOCK = threading.Lock()
+
+
+def is_resumable(handle: Handle | None) -> bool:
+    return handle is not None and handle.get("prepare") == MODE
+
+
+def pool_id(p: KafkaParticipant, branch: BranchRef, slot: int) -> str:
+    """``twophase.<sink>.<participant>.w<partition>.<slot>``."""
+    return f"twophase.{branch.sink}.{p.name}.w{branch.partition}.{slot}"
+
+
+def _spark_attempt() -> int:
+    """This Spark task's attempt number (0 outside Spark)."""
+    try:
+        from pyspark import TaskContext
+    except ImportError:
+        return 0
+    ctx = TaskContext.get()
+    if ctx is None:
+        return 0
+    # PySpark's TaskContext has no stage attempt number: a stage retry's first attempt
+    # starts at slot 0 again and skips an earlier stage attempt's open one (choose_id)
+    return int(ctx.attemptNumber())
+
+
+def choose_id(p: KafkaParticipant, branch: BranchRef) -> str:
+    """The pool id this prepare takes: from the slot its attempt numbers point at, the
+    first whose transaction is not open. An open one is another attempt of this batch
+    (maybe the one whose vote wins) or a loser's leftover: skipping it never aborts it.
+    When every slot is open the first is taken (its ``init_transactions`` aborts it)."""
+    start = (_spark_attempt() + branch.attempt) % SLOTS
+    for k in range(SLOTS):
+        tid = pool_id(p, branch, (start + k) % SLOTS)
+        found = describe_transaction(p.config, tid, p.connect_timeout_s)
+        if found is None or found.state not in _OPEN:
+            return tid
+    return pool_id(p, branch, start)
+
+
+def _park(tid: str, producer: Any) -> None:
+    with _PARKED_LOCK:
+        PARKED[tid] = producer  # the one it replaces ended its transaction long ago
+        while len(PARKED) > PARKED_MAX:
+            del PARKED[next(iter(PARKED))]
+
+
+def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
+            batches: Iterable[pa.RecordBatch]) -> Handle:
+    """Write the branch in an open transaction (see the module docstring); a branch
+    whose marker is committed writes nothing."""
+    from confluent_kafka import Producer
+
+    p._check_branch(branch)
+    # the marker read without waiting: another attempt's open transaction may hold the
+    # group's offsets (a stable read would wait for it); only committed offsets count
+    if read_marker_now(p, branch) >= branch.batch_id + 1:
+        return {**p._handle(branch, 0, already=True), "prepare": MODE}
+    with held_consumer(p, branch) as consumer:
+        try:
+            tid = choose_id(p, branch)
+        except TxnWireError as exc:
+            raise PrepareRefused(f"{p.describe()}: branch {branch.branch_id} of batch "
+                                 f"{branch.batch_id} refused: {exc}") from exc
+        with _PARKED_LOCK:
+            PARKED.pop(tid, None)
+        producer = Producer(p.producer_config(tid))
+        try:
+            producer.init_transactions(p.connect_timeout_s)
+        except Exception as exc:
+            raise PrepareRefused(
+                f"{p.describe()}: cannot initialise transactional.id {tid!r} at "
+                f"{p.bootstrap} within {p.connect_timeout_s:g}s: {describe_error(exc)}"
+            ) from exc
+        rows, state, first = _write(p, producer, consumer, branch, tid, schema, batches)
+    _park(tid, producer)
+    handle = p._handle(branch, rows, already=False, offsets=first)
+    handle.update({"prepare": MODE, "transactional_id": tid,
+                   "producer_id": str(state.producer_id),
+                   "producer_epoch": str(state.producer_epoch),
+                   "partitions": ",".join(t for t in state.partitions
+                                          if not t.startswith("__"))})
+    return handle
+
+
+def _write(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef, tid: str,
+           schema: pa.Schema, batches: Iterable[pa.RecordBatch]
+           ) -> tuple[int, TxnState, dict[int, int]]:
+    """Begin, produce, flush, describe, add the marker: (rows, the transaction's state,
+    the first offset written per partition). A failure aborts this producer's own
+    transaction (it is this process's) and refuses the vote."""
+    errors: list[Any] = []
+    first: dict[int, int] = {}
+
+    def on_delivery(err: Any, msg: Any) -> None:
+        if err is not None:
+            errors.append(err)
+        else:
+            part, o = msg.partition(), msg.offset()
+            if o is not None and o >= 0 and (part not in first or o < first[part]):
+                first[part] = o
+
+    step = "begin the transaction"
+    try:
+        producer.begin_transaction()
+        step = "produce"
+        rows = produce_all(p, producer, schema, batches, on_delivery, errors, headers(branch))
+        step = "flush"
+        left = producer.flush(p.connect_timeout_s)
+        if errors:
+            raise Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+        if left:
+            raise Refusal(f"{left} messages not delivered within {p.connect_timeout_s:g}s")
+        step = "describe the transaction"
+        state = describe_transaction(p.config, tid, p.connect_timeout_s)
+        # a branch without rows has begun nothing on the broker yet: the marker does
+        expected = ("Ongoing",) if rows else ("Empty", "CompleteCommit", "CompleteAbort")
+        if state is None or state.state not in expected:
+            raise Refusal(f"transactional id {tid!r} shows "
+                          f"{'nothing' if state is None else state.state} after the flush, "
+                          "not an open transaction (fenced by another process?)")
+        step = "send the marker offset"
+        add_marker(p, producer, consumer, branch,
+                   f"branch {branch.branch_id} of batch {branch.batch_id}")
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            producer.abort_transaction(p.connect_timeout_s)
+        cause = str(exc) if isinstance(exc, (Refusal, ValueError)) else \
+            f"cannot {step}: {describe_error(exc)}"
+        raise PrepareRefused(f"{p.describe()}: branch {branch.branch_id} of batch "
+                             f"{branch.batch_id} refused: {cause}") from exc
+    return rows, state, first
+
+
+def _ids(handle: Handle) -> tuple[str, int, int]:
+    try:
+        return (handle["transactional_id"], int(handle["producer_id"]),
+                int(handle["producer_epoch"]))
+    except (KeyError, ValueError) as exc:
+        raise ParticipantError(f"a resumable Kafka handle lacks {exc}: {dict(handle)}") from exc
+
+
+def _marker_committed(p: KafkaParticipant, branch: BranchRef) -> bool:
+    """The marker's committed offset, read without waiting on open transactions (a
+    stable read waits while any transaction holds the group's offsets, another
+    attempt's too), asked twice: a commit whose markers are being written shows soon."""
+    for wait in (0.0, 0.5):
+        time.sleep(wait)
+        if read_marker_now(p, branch) >= branch.batch_id + 1:
+            return True
+    return False
+
+
+def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
+    """``EndTxn(commit)`` for the handle's (id, producer id, epoch). Retried while the
+    coordinator is busy or moving (``CONCURRENT_TRANSACTIONS``, a failover, a timeout)
+    until ``commit_retry_s``; any other answer (``PRODUCER_FENCED``,
+    ``INVALID_PRODUCER_EPOCH``, ``INVALID_TXN_STATE``, an unknown producer id) means the
+    transaction was ended already: committed when the marker says so, else it is lost
+    and the error says the branch must be redone."""
+    p._check_branch(branch)
+    if handle.get("already_committed") == "yes":
+        return
+    tid, pid, epoch = _ids(handle)
+    deadline = time.monotonic() + p.commit_retry_s
+    delay = 0.05
+    while True:
+        try:
+            answer = end_transaction(p.config, tid, pid, epoch, commit=True,
+                                     timeout=p.connect_timeout_s)
+        except TxnWireError as exc:
+            answer = exc.name if exc.name != "NETWORK" else "REQUEST_TIMED_OUT"
+            cause: str = str(exc)
+        else:
+            cause = answer
+        if answer == "NONE":
+            return
+        if answer in RETRIABLE:
+            if time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            raise ParticipantError(
+                f"{p.describe()}: commit of branch {branch.branch_id} of batch "
+                f"{branch.batch_id} (transactional id {tid!r}) still in doubt after "
+                f"{p.commit_retry_s:g}s: {cause}; call commit again")
+        if _marker_committed(p, branch):
+            return
+        raise ParticipantError(
+            f"{p.describe()}: transaction of branch {branch.branch_id} of batch "
+            f"{branch.batch_id} (transactional id {tid!r}, producer {pid} epoch {epoch}) "
+            f"was ended by the broker before its commit ({cause}: the transaction timeout "
+            "passed or the id was initialised again); the branch must be redone under "
+            "the COMMIT decision")
+
+
+def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
+    """``EndTxn(abort)``; a transaction already ended (any answer but a busy or moving
+    coordinator) leaves nothing to undo."""
+    p._check_branch(branch)
+    if handle.get("already_committed") == "yes":
+        return
+    tid, pid, epoch = _ids(handle)
+    deadline = time.monotonic() + p.commit_retry_s
+    while True:
+        try:
+            answer = end_transaction(p.config, tid, pid, epoch, commit=False,
+                                     timeout=p.connect_timeout_s)
+        except TxnWireError as exc:
+            answer = exc.name if exc.name != "NETWORK" else "REQUEST_TIMED_OUT"
+        if answer not in RETRIABLE:
+            return
+        if time.monotonic() > deadline:
+            raise ParticipantError(
+                f"{p.describe()}: abort of branch {branch.branch_id} of batch "
+                f"{branch.batch_id} (transactional id {tid!r}) not answered within "
+                f"{p.commit_retry_s:g}s: {answer}")
+        time.sleep(0.1)
+
+
+def abort_unvoted(p: KafkaParticipant, branch: BranchRef) -> None:
+    """Abort whatever is open on the branch's pool ids (a vote lost with its process:
+    the handle is unknown, the broker names the producer id and epoch). Like fencing an
+    in-task branch, call it only when no newer attempt is preparing that branch."""
+    p._check_branch(branch)
+    for slot in range(SLOTS):
+        tid = pool_id(p, branch, slot)
+        state = describe_transaction(p.config, tid, p.connect_timeout_s)
+        if state is not None and state.state == "Ongoing":
+            abort(p, branch, {"transactional_id": tid, "producer_id": str(state.producer_id),
+                              "producer_epoch": str(state.producer_epoch)})
+
+
+def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> BranchStatus:
+    """COMMITTED by the marker; PREPARED while the coordinator holds the handle's
+    transaction open (or completing its commit); else ABSENT, read after the marker
+    again (a commit completing between the two reads)."""
+    p._check_branch(branch)
+    if read_marker_now(p, branch) >= branch.batch_id + 1:
+        return BranchStatus.COMMITTED
+    if handle.get("already_committed") == "yes":
+        return BranchStatus.ABSENT  # a redo that found it committed: the marker says so
+    tid, pid, epoch = _ids(handle)
+    state = describe_transaction(p.config, tid, p.connect_timeout_s)
+    if state is not None and (state.producer_id, state.producer_epoch) == (pid, epoch) \
+            and state.state in ("Ongoing", "PrepareCommit"):
+        return BranchStatus.PREPARED
+    return BranchStatus.COMMITTED if _marker_committed(p, branch) else BranchStatus.ABSENT
