@@ -41,3 +41,60 @@ def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: s
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [150, 150]
     assert _prepared(pg_dsn) == []
+
+
+def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
+    """No sink object in the job: participants as descriptors, a coordinator daemon, its
+    token by file. Six partitions on two task slots; a replay after the checkpoint's
+    commit log is lost writes nothing; a new checkpoint is a new lineage (batch ids
+    restart there and are written, not skipped as committed); an inline secret is
+    refused with the fix."""
+    import json
+
+    from twophase import register
+    from twophase.participant import descriptor_of
+    from twophase.sinks.files import StagedFileParticipant
+    from twophase.sinks.postgres import PostgresParticipant
+    from twophase.testing.servers import LocalDaemon
+
+    n = next(_ids)
+    parts = [PostgresParticipant(dsn=pg_dsn, table=f"door_{n}"),
+             StagedFileParticipant(path=str(tmp_path / "out"))]
+    token = tmp_path / "token"
+    token.write_text("door-token-1\n")
+    daemon = LocalDaemon(f"sqlite:///{tmp_path}/tp.db", "door-token-1", tmp_path / "d.log")
+    daemon.start()
+    try:
+        register(spark)
+        write_input(tmp_path / "in", batches=2, rows_per_batch=30)
+
+        def start(ckpt: str, **extra: str) -> Any:
+            w = (spark.readStream.schema("id long, customer string, amount decimal(12,2), "
+                                         "ts timestamp").option("maxFilesPerTrigger", 1)
+                 .parquet(str(tmp_path / "in")).repartition(6).writeStream
+                 .format("twophase").option("sink", f"opts{n}")
+                 .option("participants", json.dumps([descriptor_of(p) for p in parts]))
+                 .option("coordinator", daemon.url).option("partitions", "8")
+                 .option("checkpointLocation", str(tmp_path / ckpt)))
+            for k, v in {"token_file": str(token), **extra}.items():
+                w = w.option(k, v)
+            q = w.trigger(availableNow=True).start()
+            q.awaitTermination()
+            return q
+
+        start("ckpt")
+        assert verify(parts, expected_ids(2, 30), sink=f"opts{n}").ok
+        commits = tmp_path / "ckpt" / "commits" / "1"
+        commits.unlink()  # Spark forgets it finished batch 1: it runs it again
+        start("ckpt")
+        report = verify(parts, expected_ids(2, 30), sink=f"opts{n}")
+        assert report.ok, report.lines()
+        start("ckpt2")  # a new checkpoint: a new query id, a new lineage
+        ids = sorted(r[0] for r in psycopg.connect(pg_dsn).execute(
+            f"SELECT id FROM door_{n}").fetchall())
+        assert ids == sorted(expected_ids(2, 30) * 2)
+        assert _prepared(pg_dsn) == []
+        with pytest.raises(Exception, match="token_env"):
+            start("ckpt3", token="door-token-1")
+    finally:
+        daemon.stop()
