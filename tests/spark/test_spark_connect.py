@@ -178,6 +178,7 @@ print(json.dumps({"foreachBatch": n}), flush=True)
 '''
 
 
+@pytest.mark.slow  # two more streaming queries on the Connect server (~1 min)
 def test_data_source_door_and_foreach_batch_uncloned_under_spark_connect(
     connect_server: str, tmp_path: Path, pg_dsn: str
 ) -> None:
