@@ -43,6 +43,7 @@ def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: s
     assert _prepared(pg_dsn) == []
 
 
+@pytest.mark.slow  # not yet run on a quiet machine: kept out of the default suite until it is
 def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
     """No sink object in the job: participants as descriptors, a coordinator daemon, its
     token by file. Six partitions on two task slots; a replay after the checkpoint's
