@@ -43,7 +43,7 @@ def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: s
     assert _prepared(pg_dsn) == []
 
 
-@pytest.mark.slow  # not yet run on a quiet machine: kept out of the default suite until it is
+@pytest.mark.slow  # its last run failed before the timezone option was passed: not rerun
 def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
     """No sink object in the job: participants as descriptors, a coordinator daemon, its
     token by file. Six partitions on two task slots; a replay after the checkpoint's
@@ -76,6 +76,7 @@ def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str)
                  .format("twophase").option("sink", f"opts{n}")
                  .option("participants", json.dumps([descriptor_of(p) for p in parts]))
                  .option("coordinator", daemon.url).option("partitions", "8")
+                 .option("timezone", spark.conf.get("spark.sql.session.timeZone"))
                  .option("checkpointLocation", str(tmp_path / ckpt)))
             for k, v in {"token_file": str(token), **extra}.items():
                 w = w.option(k, v)
