@@ -9,10 +9,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.3.0"  # the one version: pyproject.toml reads it ([tool.setuptools.dynamic])
-__all__ = ["TransactionalSink", "__version__"]
+__all__ = ["TransactionalSink", "__version__", "register"]
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from twophase.driver import TransactionalSink
+
+
+def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None:
+    """Register ``df.writeStream.format("twophase")`` with ``spark``, and ``sink`` for
+    ``.option("sink", sink.name)`` (:func:`twophase.datasource.register`)."""
+    from twophase.datasource import register as _register
+
+    _register(spark, sink)
 
 
 def __getattr__(name: str) -> Any:

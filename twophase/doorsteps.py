@@ -1,0 +1,159 @@
+"""The data source door's steps over the batch engine (``format("twophase")``).
+
+A task begins the attempt (:mod:`twophase.protocol.door`), then runs the foreachBatch
+door's own ``prepare`` step for its partition (``twophase.task.run_partition``), and
+hands its votes back as Spark's commit message. The driver's ``commit(messages,
+batchId)`` sends them and decides (``twophase.decide``), then applies the decision
+(``twophase.commit.Committer``); ``abort`` abandons the attempt and aborts what its
+tasks prepared. Nothing here imports Spark: the door's Spark classes live in
+:mod:`twophase.datasource`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from twophase.batchplan import INPUT_SPLIT, PREPARE, BatchPlan
+from twophase.commit import Committer
+from twophase.decide import decide, votes_of
+from twophase.errors import BatchFailed
+from twophase.participant import EMPTY_BRANCH, Participant
+from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
+from twophase.protocol.door import (
+    TaskAction,
+    TaskAnswer,
+    check_partition,
+    commit_case,
+    task_action,
+)
+from twophase.task import _shared_client, run_partition
+from twophase.wire import VoteIn
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from twophase.client import CoordinatorClient
+
+__all__ = ["DoorSpec", "Message", "abort_batch", "commit_batch", "prepare_partition"]
+
+Message = tuple[TaskAnswer, dict[str, Any] | None]
+"""A task's commit message: its begin's answer and its outcome (votes) when it wrote."""
+
+
+@dataclass(frozen=True)
+class DoorSpec:
+    """One sink as the door's tasks and committer need it (pickled with the writer)."""
+
+    name: str
+    participants: tuple[Participant, ...]
+    coordinator_url: str
+    epoch: int
+    partitions: int  # the branches per participant each attempt is begun with
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+    ca_pem: str | None = field(default=None, repr=False)
+    vote_timeout: float = 300.0
+    retry_budget: float = 120.0
+    lineage: str | None = None  # default: the streaming query's id (per checkpoint)
+    tz: str = "UTC"  # the session time zone: Spark's Arrow timestamps carry it
+
+    def client(self) -> CoordinatorClient:
+        return _shared_client(self.coordinator_url, self.token, self.retry_budget,
+                              self.ca_pem, self.token_file)
+
+
+def prepare_partition(spec: DoorSpec, batch_id: int, query_id: str | None, partition: int,
+                      task: str, schema: pa.Schema,
+                      batches: Iterable[pa.RecordBatch]) -> Message:
+    """One task: begin (or join) the batch's attempt, then prepare this partition's
+    branches as the foreachBatch door's tasks do; a replay writes nothing."""
+    check_partition(spec.name, partition, spec.partitions)
+    lineage = spec.lineage or query_id
+    if not lineage:
+        raise BatchFailed(f"sink {spec.name!r}: the task found no streaming query id; "
+                          "the twophase data source writes streams only (writeStream)")
+    client = spec.client()
+    res = client.begin(spec.name, lineage, batch_id, spec.epoch,
+                       [p.name for p in spec.participants], spec.partitions,
+                       spec.vote_timeout)
+    key = res.txn.key if res.txn is not None else TxnKey(spec.name, lineage, batch_id, 0)
+    answer = TaskAnswer(key, res.kind, spec.epoch, partition)
+    if task_action(res.kind) != TaskAction.PREPARE or res.txn is None:
+        for _ in batches:  # Spark's plan runs to its end (a stateful query's state commits)
+            pass
+        return answer, None
+    plan = BatchPlan(
+        key=key, epoch=spec.epoch, partitions=res.txn.partitions, mode=PREPARE,
+        coordinator_url=spec.coordinator_url, token=spec.token,
+        participants=spec.participants, ca_pem=spec.ca_pem, split=INPUT_SPLIT,
+        retry_budget=spec.retry_budget, driver_acks=True, token_file=spec.token_file,
+        ack_earlier=tuple(t.attempt for t in res.recover if t.attempt != key.attempt),
+    )
+    out = run_partition(plan, partition, schema, batches, client, task=task)
+    return answer, out.as_dict()
+
+
+_COMMITTERS: dict[tuple[str, str], Committer] = {}
+_LOCK = threading.Lock()
+
+
+def _committer(spec: DoorSpec) -> Committer:
+    """One committer per sink in this process (Spark reuses the driver's Python worker
+    for the next batch's commit: its lanes' connections are kept)."""
+    with _LOCK:
+        found = _COMMITTERS.get((spec.name, spec.coordinator_url))
+        if found is None:
+            found = _COMMITTERS[(spec.name, spec.coordinator_url)] = Committer(
+                spec.participants)
+        return found
+
+
+def _unused(spec: DoorSpec, used: int) -> list[VoteIn]:
+    """Empty YES votes for the bound's branches past Spark's partitions."""
+    return [VoteIn(branch=branch_id(p.name, i), yes=True, handle=dict(EMPTY_BRANCH))
+            for p in spec.participants for i in range(used, spec.partitions)]
+
+
+def commit_batch(spec: DoorSpec, messages: Sequence[Message | None], batch_id: int) -> None:
+    """The driver's ``commit``: decide the attempt every task joined and apply the
+    decision; return only when the coordinator shows it COMMITTED, else raise (the query
+    stops; a restart replays the batch under a new attempt)."""
+    door = commit_case([m[0] if m else None for m in messages], batch_id)
+    if door.kind == BeginKind.COMMITTED:
+        return
+    client = spec.client()
+    committer = _committer(spec)
+    txn = client.get(door.key)
+    if door.kind == BeginKind.NEW:
+        votes = votes_of(m[1] for m in messages if m and m[1]) + _unused(spec, len(messages))
+        txn = decide(client, txn, door.epoch, votes, "")
+    final, error = committer.apply(client, door.epoch, txn)
+    if final.state == State.COMMITTED:
+        committer.prune(spec.name, door.key.lineage, batch_id)
+        return
+    if final.decision == Decision.ABORT:
+        committer.sweep(final)
+    raise BatchFailed(
+        f"sink {spec.name!r} batch {batch_id} attempt {door.key.attempt} ended "
+        f"{final.state.value}: {final.reason or error or 'branches left unacknowledged'}; "
+        "restart the query to replay the batch")
+
+
+def abort_batch(spec: DoorSpec, messages: Sequence[Message | None], batch_id: int) -> None:
+    """The driver's ``abort`` (a task failed): send the votes the others returned, abandon
+    the attempt (ABORT) and abort what they prepared. A failed task's leftovers are found
+    by name by the next attempt's tasks (the recovery rule) or ``twophase resolve``."""
+    known = [m for m in messages if m is not None and m[0].kind == BeginKind.NEW]
+    if not known:
+        return  # nothing begun here, or a replay: the next begin settles it
+    client = spec.client()
+    committer = _committer(spec)
+    for key, epoch in {(a.key, a.epoch) for a, _ in known}:
+        votes = votes_of(o for a, o in known if a.key == key and o)
+        txn = decide(client, client.get(key), epoch, votes,
+                     f"a task of batch {batch_id} failed")
+        final, _ = committer.apply(client, epoch, txn)
+        if final.decision == Decision.ABORT:
+            committer.sweep(final)
