@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,6 +20,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCom
 
 from twophase.doorsteps import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
 from twophase.errors import InvalidRequest
+from twophase.extras import missing_extra
 from twophase.names import validate_name
 from twophase.participant import Participant, descriptor_of, rebuild
 from twophase.sparkcompat import arrow_schema_of
@@ -152,7 +154,14 @@ def _spec_from_options(opts: dict[str, str]) -> DoorSpec:
             "daemon (http(s)://host:port); an embedded coordinator needs the sink in code: "
             "twophase.register(spark, TransactionalSink(..., coordinator=...))")
     name = validate_name("sink name", opts["sink"])
-    parts = tuple(rebuild(d) for d in json.loads(opts["participants"]))
+    try:
+        parts = tuple(rebuild(d) for d in json.loads(opts["participants"]))
+    except ImportError as exc:  # Spark runs the data source in its own Python processes
+        raise InvalidRequest(
+            f"the twophase data source runs in {sys.executable}, which cannot import a "
+            f"participant's module ({missing_extra(exc) or exc}); set spark.pyspark.python "
+            "(or PYSPARK_PYTHON) to an interpreter that has twophase with the "
+            "participants' extras before the session starts") from exc
     env = opts.get("token_env")
     token = os.environ.get(env) if env else None
     if env and token is None:
@@ -198,6 +207,11 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
             sink.name, sink.participants, conn.url, epoch, bound, client.token,
             conn.token_file, conn.ca_pem, sink.vote_timeout, sink.retry_budget_s,
             sink.lineage, spark.conf.get("spark.sql.session.timeZone") or "UTC"))
+    from twophase.preflight import choose_worker_python
+
+    # the data source's Python processes run the interpreter registered here: in local
+    # mode with none set, the driver's own, as for the foreachBatch door
+    choose_worker_python(spark.sparkContext)
     specs = {n: s for n, (_, s) in _SINKS.items()}
     spark.dataSource.register(type("TwophaseDataSource", (TwophaseDataSource,),
                                    {"specs": specs, "_checked": set()}))

@@ -43,7 +43,6 @@ def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: s
     assert _prepared(pg_dsn) == []
 
 
-@pytest.mark.slow  # its last run failed before the timezone option was passed: not rerun
 def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
     """No sink object in the job: participants as descriptors, a coordinator daemon, its
     token by file. Six partitions on two task slots; a replay after the checkpoint's
@@ -62,8 +61,8 @@ def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str)
     parts = [PostgresParticipant(dsn=pg_dsn, table=f"door_{n}"),
              StagedFileParticipant(path=str(tmp_path / "out"))]
     token = tmp_path / "token"
-    token.write_text("door-token-1\n")
-    daemon = LocalDaemon(f"sqlite:///{tmp_path}/tp.db", "door-token-1", tmp_path / "d.log")
+    token.write_text("door-token-0123456789\n")
+    daemon = LocalDaemon(f"sqlite:///{tmp_path}/tp.db", "door-token-0123456789", tmp_path / "d.log")
     daemon.start()
     try:
         register(spark)
@@ -97,6 +96,6 @@ def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str)
         assert ids == sorted(expected_ids(2, 30) * 2)
         assert _prepared(pg_dsn) == []
         with pytest.raises(Exception, match="token_env"):
-            start("ckpt3", token="door-token-1")
+            start("ckpt3", token="door-token-0123456789")
     finally:
         daemon.stop()
