@@ -210,8 +210,10 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     from twophase.preflight import choose_worker_python
 
     # the data source's Python processes run the interpreter registered here: in local
-    # mode with none set, the driver's own, as for the foreachBatch door
-    choose_worker_python(spark.sparkContext)
+    # mode with none set, the driver's own, as for the foreachBatch door (under Spark
+    # Connect the server chooses)
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        choose_worker_python(spark.sparkContext)
     specs = {n: s for n, (_, s) in _SINKS.items()}
     spark.dataSource.register(type("TwophaseDataSource", (TwophaseDataSource,),
                                    {"specs": specs, "_checked": set()}))
