@@ -35,7 +35,7 @@ from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe
 from twophase.sinks.kafka.log import read_branch
 from twophase.sinks.kafka.marker import add_marker, committed_marker, marker_consumer, marker_done
 from twophase.sinks.kafka.producers import cache_key, discard, new_producer, release
-from twophase.sinks.kafka.records import Refusal, headers, produce_all
+from twophase.sinks.kafka.records import Deliveries, Refusal, headers, produce_all
 
 if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
@@ -183,16 +183,7 @@ def write(
     marker offset first (the transaction's first broker call, so a fenced cached
     producer fails before any row is read: raises :class:`Stale` when ``reused``), then
     the rows, then flush."""
-    errors: list[Any] = []
-    first: dict[int, int] = {}
-
-    def on_delivery(err: Any, msg: Any) -> None:
-        if err is not None:
-            errors.append(err)
-        else:
-            part, o = msg.partition(), msg.offset()
-            if o is not None and o >= 0 and (part not in first or o < first[part]):
-                first[part] = o
+    deliveries = Deliveries()
 
     step = "begin the transaction"
     rows = 0
@@ -215,11 +206,11 @@ def write(
         ) from exc
     try:
         step = "produce"
-        rows = produce_all(p, producer, schema, batches, on_delivery, errors, headers(branch))
+        rows = produce_all(p, producer, schema, batches, deliveries, deliveries.errors,
+                           headers(branch))
         step = "flush"
         left = producer.flush(p.connect_timeout_s)
-        if errors:
-            raise Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+        deliveries.check()
         if left:
             raise Refusal(f"{left} messages not delivered within {p.connect_timeout_s:g}s")
     except (Refusal, ValueError) as exc:
@@ -234,7 +225,7 @@ def write(
             f"{p.describe()}: branch {branch.branch_id} of batch "
             f"{branch.batch_id} refused: cannot {step}: {describe_error(exc)}"
         ) from exc
-    return rows, first
+    return rows, deliveries.first
 
 
 def abort_own(p: KafkaParticipant, producer: Any) -> None:

@@ -22,11 +22,35 @@ from twophase.sinks.kafka.config import RECORD_OVERHEAD_BYTES
 if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["Refusal", "check_columns", "headers", "messages", "produce_all"]
+__all__ = ["Deliveries", "Refusal", "check_columns", "headers", "messages", "produce_all"]
 
 
 class Refusal(TwophaseError):
     """Internal: a reason to vote NO that the data or the broker explains."""
+
+
+class Deliveries:
+    """The delivery reports of one transaction's records (the producer's ``on_delivery``):
+    the failures, and the first offset written in each partition, which the vote's
+    handle names (the in-task and resumable prepares alike)."""
+
+    def __init__(self) -> None:
+        self.errors: list[Any] = []
+        self.first: dict[int, int] = {}
+
+    def __call__(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self.errors.append(err)
+            return
+        part, offset = msg.partition(), msg.offset()
+        if offset is not None and offset >= 0 and offset < self.first.get(part, offset + 1):
+            self.first[part] = offset
+
+    def check(self) -> None:
+        """After the flush: the first failed delivery refuses the vote."""
+        if self.errors:
+            first = self.errors[0]
+            raise Refusal(f"delivery failed: {first.name()}: {first.str()}")
 
 
 def headers(branch: BranchRef) -> list[tuple[str, bytes]]:

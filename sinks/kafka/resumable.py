@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.errors import describe_error
 from twophase.sinks.kafka.marker import add_marker, held_consumer, read_marker_now
-from twophase.sinks.kafka.records import Refusal, headers, produce_all
+from twophase.sinks.kafka.records import Deliveries, Refusal, headers, produce_all
 from twophase.sinks.kafka.txnwire import (
     RETRIABLE,
     TxnState,
@@ -159,26 +159,17 @@ def _write(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef,
     """Begin, produce, flush, describe, add the marker: (rows, the transaction's state,
     the first offset written per partition). A failure aborts this producer's own
     transaction (it is this process's) and refuses the vote."""
-    errors: list[Any] = []
-    first: dict[int, int] = {}
-
-    def on_delivery(err: Any, msg: Any) -> None:
-        if err is not None:
-            errors.append(err)
-        else:
-            part, o = msg.partition(), msg.offset()
-            if o is not None and o >= 0 and (part not in first or o < first[part]):
-                first[part] = o
+    deliveries = Deliveries()
 
     step = "begin the transaction"
     try:
         producer.begin_transaction()
         step = "produce"
-        rows = produce_all(p, producer, schema, batches, on_delivery, errors, headers(branch))
+        rows = produce_all(p, producer, schema, batches, deliveries, deliveries.errors,
+                           headers(branch))
         step = "flush"
         left = producer.flush(p.connect_timeout_s)
-        if errors:
-            raise Refusal(f"delivery failed: {errors[0].name()}: {errors[0].str()}")
+        deliveries.check()
         if left:
             raise Refusal(f"{left} messages not delivered within {p.connect_timeout_s:g}s")
         step = "describe the transaction"
@@ -199,7 +190,7 @@ def _write(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef,
             f"cannot {step}: {describe_error(exc)}"
         raise PrepareRefused(f"{p.describe()}: branch {branch.branch_id} of batch "
                              f"{branch.batch_id} refused: {cause}") from exc
-    return rows, state, first
+    return rows, state, deliveries.first
 
 
 def _ids(handle: Handle) -> tuple[str, int, int]:
