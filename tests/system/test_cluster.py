@@ -239,12 +239,15 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     write_input(tmp_path / "in", batches, ROWS)
     table = "orders_" + secrets.token_hex(4)
     store = tmp_path / "coord.db"
-    # Partition 7's first task of the run stalls 20 s after preparing its files branch, so
-    # Spark launches a speculative copy of it; every prepare of partition 7 is counted.
+    # Partition 7's first task of the run stalls after preparing its files branch, so Spark
+    # launches a speculative copy of it; every prepare of partition 7 is counted. The copy
+    # needs the other worker's executor, which dynamic allocation may still be starting on a
+    # loaded machine (a CI run saw none within 20 s): the stall is long, and it costs
+    # nothing when the copy runs, since Spark kills the stalled attempt once the copy wins.
     once = tmp_path / "once"
     files_name = StagedFileParticipant(path=str(tmp_path / "files")).name
     spec = (f"before_prepare@{files_name}/7=sleep(0.01)*1000;"
-            f"after_prepare@{files_name}/7=sleep(20)*1")
+            f"after_prepare@{files_name}/7=sleep(90)*1")
     cfg = {"pg_dsn": cluster.pg_dsn, "table": table, "files": str(tmp_path / "files"),
            "coordinator": f"sqlite:///{store}", "input": str(tmp_path / "in"),
            "ckpt": str(tmp_path / "ckpt"),
