@@ -149,6 +149,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-kills-per-run", type=int, default=4,
                    help="worker/coordinator kills one driver run may take before it is left "
                    "to finish (default 4)")
+    p.add_argument("--aim-endtxn", type=int, default=0, metavar="N",
+                   help="aim the failpoint kills of the driver and coordinator between a "
+                   "Kafka vote and its EndTxn (resumable or in-task prepare) until N have "
+                   "landed there; the report counts them (default 0: points drawn evenly)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop killing after this many minutes, then finish and verify")
     p.add_argument("--quiet", action="store_true", help="print only the final report")
@@ -316,6 +320,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
             broker_down_max_s=args.broker_down_max,
             partitions=args.partitions, failpoint_share=args.failpoint_share,
             json_out=args.json_out, log=say, max_kills_per_run=args.max_kills_per_run,
+            aim_endtxn=args.aim_endtxn,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
         )
         say(f"chaos in {workdir}: {args.kills} kills of {', '.join(victims)}, seed {args.seed}")

@@ -43,6 +43,7 @@ from twophase.protocol import CommitScope
 from twophase.testing.chaosplan import (
     COORDINATOR_POINTS,
     DRIVER_POINTS,
+    ENDTXN_POINTS,
     KAFKA_COPY_POINTS,
     PER_BRANCH_POINTS,
     TABLE_POINTS,
@@ -114,8 +115,10 @@ class _Chaos:
         self.in_task = any(not p.durable_prepare for p in built)
         from twophase.sinks.kafka import KafkaParticipant
 
-        self.kafka_staged = [p.name for p in built
-                             if isinstance(p, KafkaParticipant) and p.durable_prepare]
+        kafka = [p for p in built if isinstance(p, KafkaParticipant)]
+        self.kafka_staged = [p.name for p in kafka if p.prepare_mode == "staged"]
+        # Written once (resumable, in-task): open from the vote until EndTxn.
+        self.kafka_once = [p.name for p in kafka if p.prepare_mode != "staged"]
         self.batch_seconds: list[float] = [3.0]
         self.broker_down: list[float] = []
         self.broker_targets: list[str] = []  # a cluster's kills: what the node led
@@ -209,13 +212,26 @@ class _Chaos:
                             bool(self.kafka_staged))
         if not points:
             return None
+        aim = (self.kafka_once and sum(ev.endtxn for ev in self.events) < self.o.aim_endtxn
+               and any(p in ENDTXN_POINTS for p in points))
+        if aim:
+            points = tuple(p for p in points if p in ENDTXN_POINTS)
         point = self.rng.choice(points)
         if point in PER_BRANCH_POINTS:
             who = self.rng.choice(self.kafka_staged if point in KAFKA_COPY_POINTS
-                                  else self.participant_names)
+                                  else self.kafka_once if aim else self.participant_names)
             part = self.rng.randrange(self.cfg.partitions or 1)
             return f"{point}@{who}/{part}=kill*1"
         return f"{point}=kill*1"
+
+    def _in_endtxn_window(self, spec: str) -> bool:
+        """A failpoint kill that leaves a written-once Kafka branch voted with its
+        transaction open (``EndTxn`` not sent): the coordinator's points, or
+        ``before_commit`` of that Kafka branch."""
+        point, _, who = spec.split("=")[0].partition("@")
+        if not self.kafka_once or point not in ENDTXN_POINTS:
+            return False
+        return point != "before_commit" or who.split("/")[0] in self.kafka_once
 
     def _start_run(self, spec: str, victim: str) -> tuple[JobRun, Path]:
         first = self.total_batches
@@ -408,7 +424,7 @@ class _Chaos:
                     self.missed[f"{victim}:{method}"] += 1
                     continue
                 event = KillEvent(len(self.events) + 1, job.number, victim, method, step,
-                                  where, self.now())
+                                  where, self.now(), endtxn=self._in_endtxn_window(spec))
                 self.events.append(event)
                 kills_in_run += 1
                 o.log(f"kill {event.n}/{o.kills}: {victim} by {method} at {step} ({where}), "
@@ -468,6 +484,7 @@ class _Chaos:
             "by_step": dict(Counter(ev.step for ev in self.events)),
             "by_victim_step": {k: dict(v) for k, v in by_victim_step.items()},
             "missed": dict(self.missed),
+            "kafka_vote_to_endtxn": sum(ev.endtxn for ev in self.events),
             "runs": len(self.runs),
             "job_failures": sum(1 for r in self.runs
                                 if r["returncode"] not in (0, -signal.SIGKILL)),

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from twophase.testing.kafkacluster import KafkaCluster
     from twophase.testing.localkafka import LocalTansu
 
-__all__ = ["COORDINATOR_POINTS", "DRIVER_POINTS", "KAFKA_COPY_POINTS", "PER_BRANCH_POINTS",
+__all__ = ["COORDINATOR_POINTS", "DRIVER_POINTS", "ENDTXN_POINTS", "KAFKA_COPY_POINTS",
+           "PER_BRANCH_POINTS",
            "TABLE_POINTS", "VICTIMS", "WORKER_POINTS", "ChaosError", "ChaosOptions", "KillEvent",
            "points_for"]
 
@@ -36,6 +37,11 @@ DRIVER_COMMIT_POINTS = ("before_commit", "after_commit")
 """Where the driver applies a decision to each branch (no in-task participant)."""
 KAFKA_COPY_POINTS = ("mid_commit",)
 """Inside a staged Kafka branch's commit on the driver: the copy's transaction open."""
+ENDTXN_POINTS = ("coordinator_before_decision", "after_decision", "before_commit")
+"""Where a kill leaves a written-once Kafka branch (resumable or in-task) voted and its
+transaction open, ``EndTxn`` not sent: every vote in, decision not written; decision
+written, not answered; decision known, not applied (``before_commit`` of a Kafka branch:
+on the driver for the resumable prepare, in the task for the in-task one)."""
 # Points hit once per branch (participant and partition known); the others are hit once
 # per task (partition only) or outside tasks.
 PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit",
@@ -104,6 +110,9 @@ class ChaosOptions:
     partitions: int = 2
     failpoint_share: float = 0.5  # the rest of the kills are timer kills
     max_kills_per_run: int = 4
+    # Aim failpoint kills between a Kafka vote and its EndTxn (ENDTXN_POINTS) until this
+    # many have landed there (--aim-endtxn); 0: points drawn evenly.
+    aim_endtxn: int = 0
     run_timeout: float = 900.0
     max_seconds: float | None = None  # stop killing after this long, then finish and verify
     json_out: Path | None = None
@@ -135,6 +144,8 @@ class ChaosOptions:
         if not 0.0 <= self.broker_down_max_s <= 60.0:
             raise ChaosError(f"--broker-down-max must be within 0..60 seconds, got "
                              f"{self.broker_down_max_s:g}")
+        if self.aim_endtxn < 0:
+            raise ChaosError(f"--aim-endtxn must be >= 0, got {self.aim_endtxn}")
         if not 0.0 <= self.failpoint_share <= 1.0:
             raise ChaosError("failpoint share must be within 0..1")
 
@@ -149,3 +160,4 @@ class KillEvent:
     where: str  # failpoint firing place, or the pid killed
     at: float  # seconds since the chaos run started
     recovery_s: float | None = None
+    endtxn: bool = False  # a Kafka branch voted, its EndTxn not sent (ENDTXN_POINTS)

@@ -45,6 +45,9 @@ def render(report: dict[str, Any]) -> list[str]:
     for victim, steps in sorted(report["by_victim_step"].items()):
         for step, n in sorted(steps.items()):
             lines.append(f"  {victim:<12} {step:<32} {n}")
+    if report.get("kafka_vote_to_endtxn"):
+        lines.append(f"kills between a Kafka vote and its EndTxn (failpoints): "
+                     f"{report['kafka_vote_to_endtxn']}")
     if report["missed"]:
         lines.append("planned kills that did not land (job ended first): "
                      + ", ".join(f"{k}={v}" for k, v in sorted(report["missed"].items())))
