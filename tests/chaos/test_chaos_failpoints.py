@@ -83,3 +83,52 @@ def test_victim_points_cover_every_point() -> None:
     assert points_for("coordinator", "embedded") == ()
     with pytest.raises(ValueError, match="unknown victim"):
         points_for("executor", "embedded")
+
+
+def _kafka_chaos(tmp_path: Path, prepare: str, aim: int) -> object:
+    from twophase.testing.chaos import ChaosOptions, _Chaos
+
+    return _Chaos(ChaosOptions(workdir=tmp_path / f"{prepare}-{aim}", seed=3, files=True,
+                               kafka_bootstrap="127.0.0.1:9", kafka_prepare=prepare,
+                               aim_endtxn=aim))
+
+
+@pytest.mark.parametrize("prepare", ["resumable", "in_task"])
+def test_aim_endtxn_draws_only_points_between_a_kafka_vote_and_its_endtxn(
+    tmp_path: Path, prepare: str
+) -> None:
+    """``--aim-endtxn``: until N such kills landed, the driver's failpoints (embedded: the
+    coordinator's too) are drawn where a written-once Kafka branch is voted and open,
+    and each counts; a before_commit of another participant does not count."""
+    from twophase.testing.chaos import ENDTXN_POINTS, _Chaos
+
+    c = _kafka_chaos(tmp_path, prepare, aim=2)
+    assert isinstance(c, _Chaos)
+    kafka = c.kafka_once[0]
+    victim = "driver" if prepare == "resumable" else "worker"
+    specs = {c._choose_failpoint(victim) or "" for _ in range(40)}
+    if prepare == "in_task":  # the worker commits on the in-task path
+        specs |= {c._choose_failpoint("driver") or "" for _ in range(40)}
+    assert specs and all(c._in_endtxn_window(s) for s in specs), specs
+    points = {s.split("=")[0].split("@")[0] for s in specs}
+    assert points <= set(ENDTXN_POINTS) and "before_commit" in points
+    assert all(f"@{kafka}/" in s for s in specs if s.startswith("before_commit"))
+    assert not c._in_endtxn_window("before_commit@files/0=kill*1")
+    assert not c._in_endtxn_window("after_commit@" + kafka + "/0=kill*1")
+
+
+def test_without_aim_points_are_drawn_evenly_and_mid_commit_is_staged_only(
+    tmp_path: Path
+) -> None:
+    from twophase.testing.chaos import _Chaos
+
+    c = _kafka_chaos(tmp_path, "resumable", aim=0)
+    assert isinstance(c, _Chaos)
+    specs = {c._choose_failpoint("driver") or "" for _ in range(200)}
+    points = {s.split("=")[0].split("@")[0] for s in specs}
+    assert {"before_begin", "before_return", "after_commit"} <= points
+    assert "mid_commit" not in points  # a resumable branch never hits it: a wasted kill
+    staged = _kafka_chaos(tmp_path, "staged", aim=0)
+    assert isinstance(staged, _Chaos)
+    assert staged.kafka_once == [] and staged.kafka_staged
+    assert not staged._in_endtxn_window("after_decision=kill*1")
