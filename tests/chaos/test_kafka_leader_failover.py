@@ -8,6 +8,8 @@ and ``min.insync.replicas=2``. The job (local Spark on the host side) is held wi
 
 - staged (the default prepare): ``mid_commit`` on the driver, inside the copy's
   transaction (records and the marker offset sent, ``commit_transaction`` not called);
+- resumable: ``before_commit`` on the driver, where it sends ``EndTxn`` for the
+  transaction the task produced and left open (the vote's id, producer id and epoch);
 - in-task: ``before_commit`` in the task (its transaction produced and open).
 
 Meanwhile the node that leads the target partition, or the one coordinating the open
@@ -55,6 +57,9 @@ CASES = [
     # (prepare, failpoint, victim, restart during the job)
     pytest.param("staged", "mid_commit", "leader", False, id="staged-leader"),
     pytest.param("staged", "mid_commit", "coordinator", True, id="staged-coordinator"),
+    pytest.param("resumable", "before_commit", "leader", False, id="resumable-leader"),
+    pytest.param("resumable", "before_commit", "coordinator", True,
+                 id="resumable-coordinator"),
     pytest.param("in_task", "before_commit", "leader", True, id="in_task-leader"),
 ]
 
