@@ -120,6 +120,7 @@ class _Chaos:
         self.kafka_staged = [p.name for p in kafka if p.prepare_mode == "staged"]
         # Written once (resumable, in-task): open from the vote until EndTxn.
         self.kafka_once = [p.name for p in kafka if p.prepare_mode != "staged"]
+        self.kafka_prepare = kafka[0].prepare_mode if kafka else None  # as run
         self.batch_seconds: list[float] = [3.0]
         self.broker_down: list[float] = []
         self.broker_targets: list[str] = []  # a cluster's kills: what the node led
@@ -152,7 +153,6 @@ class _Chaos:
                 kafka_bootstrap=o.kafka_bootstrap,
                 kafka_topic=f"chaos-{tag}",
                 kafka_reuse=o.kafka_reuse,
-                kafka_prepare=o.kafka_prepare,
                 kafka_config_file=o.kafka_config_file,
                 sql_urls=[o.sql_url] if o.sql_url else None,
                 sql_table=f"chaos_{tag}",
@@ -167,6 +167,8 @@ class _Chaos:
                 max_attempts=5,
                 vote_timeout=60.0,
             )
+            if o.kafka_prepare is not None:  # else the participant's default
+                cfg.kafka_prepare = o.kafka_prepare
         if o.coordinator_mode == "daemon":
             if store.startswith(("http://", "https://")):
                 if "coordinator" in o.victims:
@@ -497,7 +499,7 @@ class _Chaos:
             "coordinator_unsettled": unsettled,
             "coordinator_store": self.store_url,
             "kafka_reuse": self.cfg.kafka_reuse,
-            "kafka_prepare": self.cfg.kafka_prepare,
+            "kafka_prepare": self.kafka_prepare,
             "broker_down_seconds": summary(self.broker_down),
             "broker_kills_by_target": dict(Counter(self.broker_targets)),
             "duration_s": self.now(),
