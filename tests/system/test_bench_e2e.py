@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from tests.support.user import user_env
+from twophase.sinks.kafka.staged import DEFAULT_PREPARE
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM = r"-?\d+(?:\.\d+)?"
@@ -22,7 +23,8 @@ LAST = re.compile(
     rf"^e2e: ratio@100k=(?:{NUM}|n/a) ratio@1M=(?:{NUM}|n/a) "
     rf"added_p50@100k=(?:{NUM}|n/a) ms empty_batch_p50=({NUM}) ms "
     rf"empty_relation_p50=({NUM}) ms ratio@10k=(?:{NUM}|n/a) added_p50@10k=(?:{NUM}|n/a) ms "
-    rf"empty_added_p50=({NUM}) ms kafka_ratio@100k=(?:{NUM}|n/a)$"
+    rf"empty_added_p50=({NUM}) ms kafka_ratio@100k=(?:{NUM}|n/a) "
+    rf"kafka_ratio@1M=(?:{NUM}|n/a)$"
 )
 
 
@@ -58,7 +60,8 @@ def test_the_e2e_bench_runs_from_the_venv_as_a_user_runs_it(tmp_path: Path) -> N
                      text, re.M), text
     assert re.search(rf"^empty file: {phase}", text, re.M), text
     # the Kafka section (by default), its warm-up counted in the topic's log
-    assert re.search(r"^kafka section: .*Apache Kafka; B's prepare staged", text, re.M), text
+    assert re.search(rf"^kafka section: .*Apache Kafka; B's prepare {DEFAULT_PREPARE}", text,
+                     re.M), text
     assert re.search(r"^  warm-up B: 2000 rows written, 2000 committed records", text,
                      re.M), text
     assert re.search(rf"^kafka 2k: B/A rows/s per pair \[{NUM}\] median {NUM}$", text,
