@@ -143,6 +143,7 @@ def test_same_seed_same_kill_plan(tmp_path: Path) -> None:
         (["--kafka-local", "--kafka-cluster", "3"], "pass one of --kafka-bootstrap"),
         (["--kafka-cluster", "2"], "--kafka-cluster needs 3 or more nodes"),
         (["--broker-down-max", "-1"], "--broker-down-max must be within 0..60 seconds"),
+        (["--aim-endtxn", "-1"], "--aim-endtxn must be >= 0"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
