@@ -35,6 +35,7 @@ from twophase.participant import (
     TargetBacklog,
     Verifiable,
 )
+from twophase.protocol import TxnKey
 from twophase.sinks.kafka import intask, lanes, options, records, resumable, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
@@ -403,6 +404,14 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             except PrepareRefused as exc:
                 raise ParticipantError(str(exc)) from exc
         return found
+
+    def end_other_attempts(self, key: TxnKey, kept: Mapping[int, Handle]) -> int:
+        """Resumable: abort what other attempts of the batch's branches left open on the
+        sink's pool ids (:func:`.resumable.abort_other_attempts`), so ``read_committed``
+        readers do not wait for the transaction timeout. Staged, in-task: nothing."""
+        if self.prepare_mode != "resumable":
+            return 0
+        return resumable.abort_other_attempts(self, key.sink, kept.values())
 
     def clear_left_open(self, sink: str, decisions: SinkDecisions) -> list[LeftOpen]:
         """The sink's start-up clean-up (the driver calls it before the first batch):
