@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.config import common_config
 from twophase.sinks.kafka.errors import describe_error
-from twophase.sinks.kafka.lingering import list_open_transactions
+from twophase.sinks.kafka.lingering import admin_client, list_open_transactions
 from twophase.sinks.kafka.marker import add_marker, held_consumer, read_marker_now
 from twophase.sinks.kafka.records import Deliveries, Refusal, headers, produce_all
 from twophase.sinks.kafka.txnwire import (
@@ -304,9 +304,20 @@ def abort_other_attempts(p: KafkaParticipant, sink: str, kept: Iterable[Handle])
     of the sink's pool is legitimately open then. Returns how many were aborted."""
     keep = {_ids(h) for h in kept if is_resumable(h) and h.get("already_committed") != "yes"}
     prefix = f"twophase.{sink}.{p.name}."
-    found = [t for t in list_open_transactions(p.describe(), common_config(p.config), prefix,
-                                               p.connect_timeout_s)
-             if t.transactional_id[len(prefix):].startswith("w")
+    config = common_config(p.config)
+    # the admin client is kept on the (driver's) participant for the next batch: one
+    # ListTransactions per broker is then all a batch with nothing to abort costs
+    if p.sweep_admin is None:
+        p.sweep_admin = admin_client(p.describe(), config, p.connect_timeout_s)
+    try:
+        listed = list_open_transactions(p.describe(), config, prefix, p.connect_timeout_s,
+                                        admin=p.sweep_admin)
+    except Exception:
+        admin, p.sweep_admin = p.sweep_admin, None
+        with contextlib.suppress(Exception):
+            admin.close()
+        raise
+    found = [t for t in listed if t.transactional_id[len(prefix):].startswith("w")
              and (t.transactional_id, t.producer_id, t.producer_epoch) not in keep]
     for t in found:
         abort(p, BranchRef(sink, "other", 0, 0, p.name, 0), {
