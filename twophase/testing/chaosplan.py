@@ -87,7 +87,7 @@ class ChaosOptions:
     files_options: dict[str, Any] | None = None  # storage_options of an s3:// files_path
     kafka_bootstrap: str | None = None
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=True)
-    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...)
+    kafka_prepare: str | None = None  # KafkaParticipant(prepare=...); None: its default
     kafka_config_file: str | None = None  # librdkafka settings (TLS, SASL): a properties file
     # The Kafka broker chaos may kill (victim "broker"): a started LocalKafka (or a
     # LocalTansu on S3 storage), whose kafka_bootstrap this is; None without that victim.
