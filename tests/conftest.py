@@ -28,6 +28,15 @@ if str(ROOT) not in sys.path:
 from twophase.testing.localmariadb import LocalMariaDB  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 
+# Every JVM the suite starts (Spark drivers and executors, Kafka brokers and tools, the
+# standalone cluster's daemons) runs short: C1 only and the serial collector spend the two
+# cores on the tests instead of on C2 compilation and GC threads (about 30% less time for
+# a Spark kill test, A/B on 2 cores, docs/testing.md). `java` reads JDK_JAVA_OPTIONS
+# before its command line, so a flag a JVM is started with still wins; set the variable
+# yourself (even empty) to run the suite's JVMs as they run in production.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("JDK_JAVA_OPTIONS", JVM_OPTIONS)
+
 # kafka_bootstrap / kafka_bootstrap, s3 / s3_bucket and cluster fixtures for every
 # test module
 pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.cluster"]
@@ -40,19 +49,19 @@ pytest_plugins = ["tests.support.kafka", "tests.support.s3", "tests.support.clus
 LONG_FILES_FIRST: tuple[str, ...] = (
     "tests/system/test_cluster.py",
     "tests/chaos/test_chaos_matrix.py",
-    "tests/spark/test_spark_modes.py",
-    "tests/sinks/sql/test_sql_spark.py",
+    "tests/system/test_wheel.py",
     "tests/system/test_new_user.py",
+    "tests/chaos/test_chaos_cli.py",
     "tests/spark/test_native_tables_kill.py",
     "tests/system/test_error_catalogue.py",
-    "tests/chaos/test_chaos_cli.py",
     "tests/spark/test_spark_sink.py",
-    "tests/system/test_wheel.py",
-    "tests/spark/test_s3_spark.py",
     "tests/sinks/test_spark_reads_tables.py",
+    "tests/spark/test_s3_spark.py",
     "tests/sinks/delta/test_delta_spark.py",
-    "tests/sinks/iceberg/test_iceberg_spark.py",
     "tests/spark/test_native_s3.py",
+    "tests/sinks/iceberg/test_iceberg_spark.py",
+    "tests/spark/test_spark_modes.py",
+    "tests/sinks/sql/test_sql_spark.py",
     "tests/chaos/test_kafka_server_faults.py",
     "tests/spark/test_spark_connect.py",
     "tests/spark/test_kafka_source.py",

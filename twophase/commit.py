@@ -131,7 +131,35 @@ class Committer:
         if decision == Decision.COMMIT:
             after, batch_error = commit_batches(client, epoch, self.participants, after)
             error = error or batch_error
+        if not error:
+            self.end_other_attempts(after)
         return after, error
+
+    def end_other_attempts(self, txn: Transaction) -> int:
+        """Once ``txn``'s decision is applied: each participant ends what other attempts
+        of its branches left open that no recorded vote carries (a speculative or retried
+        task's, :meth:`~twophase.participant.Participant.end_other_attempts`), before the
+        next batch begins. A failure is logged: the prune and the target's own timeout
+        end it later. Returns how many were ended."""
+        lane = self._lanes[0]
+        ended = 0
+        for part in self.participants:
+            kept = {parse_branch_id(bid)[1]: dict(st.handle or {})
+                    for bid, st in txn.branches.items()
+                    if parse_branch_id(bid)[0] == part.name and st.vote == Decision.COMMIT}
+            mine = lane.get(part.name)
+            if mine is None:
+                mine = lane[part.name] = pickle.loads(pickle.dumps(part))  # noqa: S301
+            try:
+                ended += mine.end_other_attempts(txn.key, kept)
+            except Exception as exc:  # readers wait until the prune or the timeout
+                log.warning("sink %s batch %d: %s could not end what other attempts left "
+                            "open (ended later by the prune or the target's timeout): %s",
+                            txn.sink, txn.batch_id, part.describe(), exc)
+        if ended:
+            log.info("sink %s batch %d: ended %d transaction(s) other attempts left open",
+                     txn.sink, txn.batch_id, ended)
+        return ended
 
     def prune(self, sink: str, lineage: str, batch_id: int, *,
               keep: int | None = None, every: int = PRUNE_EVERY) -> Future[int] | None:

@@ -20,7 +20,8 @@ The contract, in three parts (docs/writing-a-participant.md):
   of ``commit``;
 - **optional protocol hooks** with safe defaults (``check``, ``probe``, ``redo``,
   ``voted_status``, ``partition_columns``, ``single_branch``, ``check_vote_window``,
-  ``required_modules``, ``close``, ``describe``);
+  ``required_modules``, ``close``, ``describe``, ``prune_markers``,
+  ``end_other_attempts``, ``open_on_target``, ``clear_left_open``);
 - **optional operator interfaces**, separate classes a participant may also inherit:
   :class:`Rebuildable` (``twophase resolve`` and the console rebuild it from the
   coordinator's record) and :class:`Verifiable` (the exactly-once verifier reads its
@@ -317,6 +318,14 @@ class Participant(abc.ABC):
         with its committed batch minus a kept window (``twophase.commit``), so markers do
         not grow by P rows per batch forever: no recovery asks about those batches (Spark
         replays only batches its checkpoint still retains). Default: nothing to prune."""
+        return 0
+
+    def end_other_attempts(self, key: TxnKey, kept: Mapping[int, Handle]) -> int:
+        """On the driver, once a decision is applied to every branch of ``key``'s batch:
+        end what other attempts of its branches left open on the target (a retried or
+        speculative task whose vote was not recorded, or that died before voting) and
+        readers wait behind, sparing the recorded votes' handles ``kept`` (by partition).
+        Returns how many were ended. Default: nothing is left open that readers wait for."""
         return 0
 
     def open_on_target(self, sink: str) -> TargetBacklog | None:

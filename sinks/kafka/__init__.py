@@ -6,7 +6,9 @@ Modules, one concern each:
 - ``errors``: what a librdkafka error means for a branch (retry or report);
 - ``admin``: driver-side checks of columns, brokers and topic;
 - ``participant``: the participant contract, each hook sent to its prepare mode's path;
-- ``staged``: the default prepare, staged in the task and copied by the driver;
+- ``resumable``: the default prepare, the task's own transaction left open and ended by
+  the driver with ``EndTxn`` (``txnwire``: the requests on Kafka's wire);
+- ``staged``: the staged prepare, staged in the task and copied by the driver;
 - ``intask``: the in-task prepare, a transaction opened and committed in the task;
 - ``marker``: the branch's marker (its marker group's committed offset), read;
 - ``records``: rows as Kafka records (key, value, headers, size limit), produced;

@@ -36,7 +36,8 @@ COMMIT_LANE = "commit."
 """What follows ``twophase.<sink>.<participant>.`` in a staged copy lane's transactional
 id (its number follows)."""
 
-__all__ = ["COMMIT_LANE", "OpenTransaction", "committing_ids", "list_open_transactions"]
+__all__ = ["COMMIT_LANE", "OpenTransaction", "admin_client", "committing_ids",
+           "list_open_transactions"]
 
 
 def committing_ids(decisions: SinkDecisions, sink: str, participant: str,
@@ -91,12 +92,8 @@ def _numbered(rest: str) -> bool:
         rest.startswith("w") and part.isdigit() and slot.isdigit())
 
 
-def list_open_transactions(
-    who: str, config: Mapping[str, object], prefix: str, timeout: float
-) -> list[OpenTransaction]:
-    """Every ``Ongoing`` transaction whose transactional.id is ``prefix`` followed by a
-    partition number (an in-task branch's) or by ``commit.`` and a lane number (a staged
-    copy's, :mod:`~twophase.sinks.kafka.staged`), oldest first."""
+def admin_client(who: str, config: Mapping[str, object], timeout: float) -> Any:
+    """A kafka-python admin client with the participant's connection settings."""
     from kafka.admin import KafkaAdminClient
 
     bootstrap = str(config["bootstrap.servers"])
@@ -108,10 +105,24 @@ def list_open_transactions(
     }
     kwargs.update({_KAFKA_PYTHON[k]: v for k, v in config.items() if k in _KAFKA_PYTHON})
     try:
-        admin = KafkaAdminClient(**kwargs)
+        return KafkaAdminClient(**kwargs)
     except Exception as exc:
         raise ParticipantError(f"{who}: cannot reach Kafka at {bootstrap} to list open "
                                f"transactions: {type(exc).__name__}: {exc}") from exc
+
+
+def list_open_transactions(
+    who: str, config: Mapping[str, object], prefix: str, timeout: float,
+    admin: Any | None = None,
+) -> list[OpenTransaction]:
+    """Every ``Ongoing`` transaction whose transactional.id is ``prefix`` followed by a
+    partition number (an in-task branch's) or by ``commit.`` and a lane number (a staged
+    copy's, :mod:`~twophase.sinks.kafka.staged`), oldest first. ``admin``: a client of
+    :func:`admin_client` kept by the caller (else one is made and closed here)."""
+    bootstrap = str(config["bootstrap.servers"])
+    own = admin is None
+    if admin is None:
+        admin = admin_client(who, config, timeout)
     try:
         listed = admin.list_transactions(state_filters=["Ongoing"])
         ids = sorted(t.transactional_id for per_broker in listed.values() for t in per_broker
@@ -130,7 +141,8 @@ def list_open_transactions(
             f"{exc} (the principal needs Describe on the cluster and on the transactional "
             "ids twophase.<sink>.*)") from exc
     finally:
-        admin.close()
+        if own:
+            admin.close()
     now_ms = time.time() * 1000
     out = [
         OpenTransaction(

@@ -1,9 +1,11 @@
 """Kafka participant: a transactional producer per branch, committed offsets as the marker.
 
-Two prepares (``prepare=``): "staged" (the default, :mod:`.staged`: records staged in
-the task, copied with the marker in one transaction by the driver; durable, no barrier
-stage) and "in_task" (:mod:`.intask`: the branch's transaction opened in its task and
-committed there). This module is the participant contract and its options; the paths
+Three prepares (``prepare=``): "resumable" (the default, :mod:`.resumable`: the branch
+written once in its task's own transaction, left open and committed by the driver with
+``EndTxn``; durable until the transaction timeout, no barrier stage), "staged"
+(:mod:`.staged`: records staged in the task, copied with the marker in one transaction
+by the driver) and "in_task" (:mod:`.intask`: the branch's transaction opened in its
+task and committed there). This module is the participant contract and its options; the paths
 live in their modules, with what they share: the marker (:mod:`.marker`), the records
 (:mod:`.records`), the branch's producer and its reuse (:mod:`.producers`), the options'
 rules (:mod:`.options`).
@@ -11,6 +13,7 @@ rules (:mod:`.options`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -35,6 +38,7 @@ from twophase.participant import (
     TargetBacklog,
     Verifiable,
 )
+from twophase.protocol import TxnKey
 from twophase.sinks.kafka import intask, lanes, options, records, resumable, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
@@ -122,11 +126,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         self.broker_max_message_bytes: int | None = None
         self._prepared: dict[BranchRef, intask.Prepared] = {}
         self._lock = threading.Lock()
+        self.sweep_admin: Any = None  # the driver's admin client for the losers' sweep
 
     # -- pickling: producers live in one process only ---------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_prepared"] = {}
+        state["sweep_admin"] = None
         del state["_lock"]
         return state
 
@@ -404,6 +410,14 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                 raise ParticipantError(str(exc)) from exc
         return found
 
+    def end_other_attempts(self, key: TxnKey, kept: Mapping[int, Handle]) -> int:
+        """Resumable: abort what other attempts of the batch's branches left open on the
+        sink's pool ids (:func:`.resumable.abort_other_attempts`), so ``read_committed``
+        readers do not wait for the transaction timeout. Staged, in-task: nothing."""
+        if self.prepare_mode != "resumable":
+            return 0
+        return resumable.abort_other_attempts(self, key.sink, kept.values())
+
     def clear_left_open(self, sink: str, decisions: SinkDecisions) -> list[LeftOpen]:
         """The sink's start-up clean-up (the driver calls it before the first batch):
         :meth:`abort_lingering`, sparing the COMMIT-decided batches' transactions."""
@@ -467,6 +481,10 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         for p in prepared:
             if p.producer is not None:
                 discard(self, p.producer)
+        admin, self.sweep_admin = self.sweep_admin, None
+        if admin is not None:
+            with contextlib.suppress(Exception):
+                admin.close()
 
     def describe(self) -> str:
         return f"kafka participant {self.name!r} (topic {self.topic!r})"

@@ -28,7 +28,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
+from twophase.sinks.kafka.config import common_config
 from twophase.sinks.kafka.errors import describe_error
+from twophase.sinks.kafka.lingering import admin_client, list_open_transactions
 from twophase.sinks.kafka.marker import add_marker, held_consumer, read_marker_now
 from twophase.sinks.kafka.records import Deliveries, Refusal, headers, produce_all
 from twophase.sinks.kafka.txnwire import (
@@ -44,7 +46,8 @@ if TYPE_CHECKING:
 
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_unvoted", "choose_id",
+__all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_other_attempts",
+           "abort_unvoted", "choose_id",
            "commit", "is_resumable", "pool_id", "prepare", "voted_status"]
 
 MODE: Final = "resumable"
@@ -290,6 +293,37 @@ def abort_unvoted(p: KafkaParticipant, branch: BranchRef) -> None:
         if state is not None and state.state == "Ongoing":
             abort(p, branch, {"transactional_id": tid, "producer_id": str(state.producer_id),
                               "producer_epoch": str(state.producer_epoch)})
+
+
+def abort_other_attempts(p: KafkaParticipant, sink: str, kept: Iterable[Handle]) -> int:
+    """``EndTxn(abort)`` for every transaction open on ``sink``'s pool ids of this
+    participant, but the ``kept`` handles' (the recorded votes): what another attempt
+    of a branch left open (a speculative or retried copy whose vote lost, or that Spark
+    killed after it began), with the producer id and epoch the broker shows. Called by
+    the driver once its batch is applied, before the next begins: no other transaction
+    of the sink's pool is legitimately open then. Returns how many were aborted."""
+    keep = {_ids(h) for h in kept if is_resumable(h) and h.get("already_committed") != "yes"}
+    prefix = f"twophase.{sink}.{p.name}."
+    config = common_config(p.config)
+    # the admin client is kept on the (driver's) participant for the next batch: one
+    # ListTransactions per broker is then all a batch with nothing to abort costs
+    if p.sweep_admin is None:
+        p.sweep_admin = admin_client(p.describe(), config, p.connect_timeout_s)
+    try:
+        listed = list_open_transactions(p.describe(), config, prefix, p.connect_timeout_s,
+                                        admin=p.sweep_admin)
+    except Exception:
+        admin, p.sweep_admin = p.sweep_admin, None
+        with contextlib.suppress(Exception):
+            admin.close()
+        raise
+    found = [t for t in listed if t.transactional_id[len(prefix):].startswith("w")
+             and (t.transactional_id, t.producer_id, t.producer_epoch) not in keep]
+    for t in found:
+        abort(p, BranchRef(sink, "other", 0, 0, p.name, 0), {
+            "transactional_id": t.transactional_id, "producer_id": str(t.producer_id),
+            "producer_epoch": str(t.producer_epoch)})
+    return len(found)
 
 
 def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> BranchStatus:

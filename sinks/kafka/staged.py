@@ -72,9 +72,11 @@ __all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "
            "voted_status"]
 
 PREPARE_MODES: Final = ("resumable", "staged", "in_task")
-DEFAULT_PREPARE: Final = "staged"
-"""The default: no barrier stage, so dynamic allocation and speculation are allowed
-(docs/decisions.md, 2026-11-25); "in_task" is the opt-in fast path for guaranteed slots."""
+DEFAULT_PREPARE: Final = "resumable"
+"""The default: each record written once, in its task's transaction, committed by the
+driver with ``EndTxn``; no barrier stage, so dynamic allocation and speculation are
+allowed (docs/decisions.md, "resumable prepare as the default"). "staged" and "in_task"
+stay selectable."""
 STAGING_SUFFIX: Final = ".twophase-staged"
 STAGING_PARTITIONS: Final = 8
 """A created staging topic's least partition count: branches that share a staging

@@ -41,11 +41,11 @@ from twophase.testing.verify import verify
 pytestmark = pytest.mark.spark
 
 KINDS = ("postgres", "files", "kafka", "kafka_in_task", "kafka_resumable")
-"""``kafka``: the default, staged prepare (tasks stage, the driver copies and commits);
+"""``kafka``: the staged prepare (tasks stage, the driver copies and commits);
 ``kafka_in_task``: ``prepare="in_task"``, a barrier stage (tasks vote, wait, commit);
-``kafka_resumable``: ``prepare="resumable"`` (tasks leave their transactions open, the
-driver ends them with ``EndTxn``: its driver points fall between a vote and its
-``EndTxn``), slow only for now."""
+``kafka_resumable``: ``prepare="resumable"``, the default (tasks leave their
+transactions open, the driver ends them with ``EndTxn``: its driver points fall between
+a vote and its ``EndTxn``)."""
 BATCHES, ROWS = 3, 40
 _n = itertools.count()
 
@@ -75,10 +75,12 @@ FAST = {
     # Kafka, judged from the log: the driver dies after the COMMIT decision (every Kafka
     # branch is redone under it).
     ("driver", "after_decision", "kafka_in_task"),
-    # staged Kafka (the default): the driver dies after copying a branch into the topic
-    # and committing it, before the ack; the restart finds the marker and does not copy
-    # again
+    # staged Kafka: the driver dies after copying a branch into the topic and committing
+    # it, before the ack; the restart finds the marker and does not copy again
     ("driver", "after_commit", "kafka"),
+    # resumable Kafka (the default): the driver dies after the COMMIT decision, before
+    # any EndTxn; the restart commits every branch from its vote's handle
+    ("driver", "after_decision", "kafka_resumable"),
     # the coordinator victim: tests/chaos/test_chaos_cli.py's short run kills the daemon,
     # tests/coordinator/test_coordinator_daemon.py kills it at the decision (its matrix
     # row, 2-3 minutes, is in the slow matrix to keep CI within 45 minutes)
@@ -251,5 +253,4 @@ def test_matrix_covers_every_point_kind_and_victim() -> None:
     default_hard = {v for i, v, _, _, _ in KAFKA_HARD if i == "killed-during-redo"}
     assert default_hard == {"worker"}
     assert {v for v, _, _ in FAST} | default_hard == process_victims - {"coordinator"}
-    # (the resumable Kafka prepare is opt-in: its rows are slow until it is the default)
-    assert {k for _, _, k in FAST} == set(KINDS) - {"kafka_resumable"}
+    assert {k for _, _, k in FAST} == set(KINDS)

@@ -98,7 +98,8 @@ KILLS = ("after_decision=kill*1", "coordinator_before_decision=kill*1",
 
 @pytest.mark.timeout(1200)  # four driver processes; about a minute on an idle machine
 @pytest.mark.parametrize("output_mode", [
-    "update", pytest.param("complete", marks=pytest.mark.slow)])  # CI time: one mode by default
+    pytest.param("update", marks=pytest.mark.slow),  # CI time (144 s): docs/testing.md
+    pytest.param("complete", marks=pytest.mark.slow)])
 def test_aggregation_with_driver_killed_mid_commit_ends_with_exact_counts(
     tmp_path: Path, pg_dsn: str, output_mode: str
 ) -> None:

@@ -132,6 +132,9 @@ def os_kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+# slow (130 s in CI): a failover run. By default the daemon is killed in the short chaos
+# run and network faults are cut in tests/chaos/test_network_faults.py (docs/testing.md).
+@pytest.mark.slow
 def test_daemon_exactly_once_through_link_cut_and_driver_kill(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -189,20 +189,23 @@ def test_the_pages_name_only_the_in_task_prepares_for_a_barrier_stage() -> None:
 
 def test_the_kafka_timeout_rule_is_the_codes() -> None:
     """``transaction_timeout_ms`` must exceed ``vote_timeout`` + 60 s only where a
-    transaction stays open while the batch votes, as configuration.md says."""
+    transaction stays open while the batch votes (the resumable prepare, the default,
+    and the in-task ones), as configuration.md says; the staged prepare is exempt."""
     from twophase.participant import IN_TASK_PREPARES
     from twophase.sinks.kafka import KafkaParticipant
 
     option, values = IN_TASK_PREPARES["kafka"]
     config = {"bootstrap.servers": "127.0.0.1:9"}
-    KafkaParticipant("t", config, transaction_timeout_ms=1000).check_vote_window(600)
-    for value in values:
+    KafkaParticipant("t", config, transaction_timeout_ms=1000,
+                     prepare="staged").check_vote_window(600)
+    for kw in ({}, {"prepare": "resumable"}, *({option: v} for v in values)):
         with pytest.raises(InvalidRequest, match="vote_timeout"):
             KafkaParticipant("t", config, transaction_timeout_ms=1000,
-                             **{option: value}).check_vote_window(600)
+                             **kw).check_vote_window(600)
     row = next(line for line in _read(DOCS / "user" / "configuration.md").splitlines()
                if line.startswith("| `transaction_timeout_ms` |"))
-    assert all(f"{option}='{v}'" in row for v in values) and "+ 60 s" in row, row
+    assert all(f"{option}='{v}'" in row for v in (*values, "resumable")), row
+    assert "+ 60 s" in row and "(the default)" in row, row
 
 
 # ---- environment variables ---------------------------------------------------------------

@@ -110,12 +110,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the Kafka participant keeps its producers across batches "
                    "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
                    "under kills too")
-    p.add_argument("--kafka-prepare", choices=("staged", "resumable", "in_task"),
+    p.add_argument("--kafka-prepare", choices=("resumable", "staged", "in_task"),
                    default=None,
                    help="the Kafka participant's prepare: resumable (the task's transaction "
                    "left open, ended by the driver with EndTxn), staged (records staged in a "
-                   "topic, copied by the driver) or in_task (a barrier stage); docs/kafka.md "
-                   "(default: the participant's default)")
+                   "topic, copied by the driver) or in_task (a barrier stage; docs/kafka.md) "
+                   "(default: the participant's default, resumable)")
     add_kafka_config_flag(p)
     p.add_argument("--broker-down-max", type=float, default=5.0, metavar="SECONDS",
                    help="victim broker: it stays down a random 0..SECONDS after each kill "

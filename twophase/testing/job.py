@@ -65,7 +65,8 @@ class JobConfig:
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
-    kafka_prepare: str = "staged"  # KafkaParticipant(prepare=...): "staged", "resumable", "in_task"
+    # KafkaParticipant(prepare=...): "resumable", "staged", "in_task"; None: its default
+    kafka_prepare: str | None = None
     # librdkafka settings (TLS, SASL) from a properties file, read where the participant
     # is made; the password from TWOPHASE_KAFKA_SASL_PASSWORD, never in this config
     kafka_config_file: str | None = None
@@ -192,10 +193,12 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
 
         settings = load_client_config(cfg.kafka_config_file, "kafka_config_file") \
             if cfg.kafka_config_file else {}
+        chosen: dict[str, Any] = {} if cfg.kafka_prepare is None else {
+            "prepare": cfg.kafka_prepare}
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
                              config={**settings, "bootstrap.servers": cfg.kafka_bootstrap},
-                             reuse_clients=cfg.kafka_reuse, prepare=cfg.kafka_prepare)
+                             reuse_clients=cfg.kafka_reuse, **chosen)
         )
     if cfg.sql_urls:
         from twophase.sinks.sql import SqlAlchemyParticipant

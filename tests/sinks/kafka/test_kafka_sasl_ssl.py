@@ -37,7 +37,7 @@ def _participant(broker: LocalKafka, topic: str, prepare: str,
                             connect_timeout_s=15, prepare=prepare)
 
 
-@pytest.mark.parametrize("prepare", ["staged", "in_task"])
+@pytest.mark.parametrize("prepare", ["resumable", "staged", "in_task"])
 def test_participant_commits_aborts_and_is_judged_over_sasl_ssl(
     secure_kafka: LocalKafka, prepare: str
 ) -> None:
@@ -51,9 +51,16 @@ def test_participant_commits_aborts_and_is_judged_over_sasl_ssl(
     p.check(SCHEMA)
     sink, lineage = f"sec_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:12]
     kept = make_branch(p, sink=sink, lineage=lineage, partition=0)
-    p.commit(kept, p.prepare(kept, SCHEMA, [batch_for(kept)]))
+    voted = p.prepare(kept, SCHEMA, [batch_for(kept)])
+    p.commit(kept, voted)
     dropped = make_branch(p, sink=sink, lineage=lineage, partition=1)
     p.abort(dropped, p.prepare(dropped, SCHEMA, [batch_for(dropped)]))
+    aborted = batch_for(dropped).num_rows if prepare != "staged" else 0
+    if prepare == "resumable":  # a losing attempt, ended by the driver's sweep (ACLs)
+        p.prepare(dropped, SCHEMA, [batch_for(dropped)])
+        assert p.end_other_attempts(kept.key, {0: voted}) == 1
+        assert p.open_transactions(sink) == []
+        aborted *= 2
 
     assert p.log_readable()
     assert p.status(kept) is BranchStatus.COMMITTED  # the marker, read through SASL_SSL
@@ -63,8 +70,7 @@ def test_participant_commits_aborts_and_is_judged_over_sasl_ssl(
     assert sorted(back.values) == sorted(r["id"] for r in batch_for(kept).to_pylist())
     assert back.mismatch == 0 and back.open == 0, back
     assert "consumer agrees" in back.note, back.note
-    if prepare == "in_task":  # a staged abort writes nothing to the topic
-        assert back.aborted == batch_for(dropped).num_rows
+    assert back.aborted == aborted  # a staged abort writes nothing to the topic
     p.close()
 
 
