@@ -262,24 +262,31 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             "staged; finish the batch from the coordinator's record (twophase resolve)")
     tid = copy_id(p, branch)
     with using(tid):
-        for attempt in range(TAKEOVERS + 1):
+        for attempt in range(1, TAKEOVERS + 2):
             lane = Lane(tid)
+            began = False
             try:
                 ready(p, lane)  # fences every other copy of this branch
+                began = True
                 _copy_unless_committed(p, lane, branch, handle)
             except Exception as exc:
                 drop(lane)
-                if not _fenced(exc):
+                if not (began and _fenced(exc)):
                     return _failed(p, branch, lane, exc)
-                # Another process copies this branch now (its init fenced this copy): its
-                # copy, once committed, shows in the marker. Only when it did not commit
-                # (it died, or failed) does this one take the branch over.
+                # Another copy of this branch began since (its init fenced this one): once
+                # committed, it shows in the marker. Only when it did not commit (its
+                # process died, or it failed) does this one take the branch over.
                 if _committed_after_fence(p, branch):
                     return None
-                if attempt == TAKEOVERS:
-                    _named(p, branch, lane, exc, f"fenced {attempt + 1} times by other "
-                           "copies of this branch, none of which committed it")
-                    raise
+                if attempt > TAKEOVERS:
+                    raise ParticipantError(
+                        f"{p.describe()}: copy of branch {branch.branch_id} of batch "
+                        f"{branch.batch_id} on transactional.id {tid!r} was fenced "
+                        f"{attempt} times by other copies of the branch (another process "
+                        "finishing the same batch), none of which committed it: "
+                        f"{describe_error(exc)}; nothing of this copy is visible, and it is "
+                        "redone from the staged records when the batch is finished "
+                        "again") from exc
                 log.info("%s: copy of branch %s of batch %d was fenced by another copy of "
                          "the branch (transactional.id %r), which did not commit it: "
                          "taking it over", p.describe(), branch.branch_id, branch.batch_id,
