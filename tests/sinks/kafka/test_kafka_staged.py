@@ -280,7 +280,7 @@ def test_a_fenced_copy_takes_the_branch_over_when_the_fencing_copy_died(
     reads the marker, waiting for B's transaction until ``connect_timeout_s``, finds it
     not committed and takes the branch over: its init aborts B's copy, and it copies
     once. By the log: A's first copy and B's aborted, one copy committed."""
-    p = staged(kafka_bootstrap, connect_timeout_s=4.0)
+    p = staged(kafka_bootstrap, connect_timeout_s=5.0)
     b = branch(p, batch_id=3, sink="takeover")
     handle = fresh(p).prepare(b, SCHEMA, [batch(0, 200)])
     at, go, hits = _held_at_mid_commit(monkeypatch, "A")
