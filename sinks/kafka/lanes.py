@@ -1,22 +1,24 @@
-"""The staged prepare's commit lanes: transactional producers that copy staged records
-into the target topic, pooled per process and (settings, sink, participant).
+"""The staged prepare's copy lanes: the transactional producer that copies one branch's
+staged records into the target topic, on a transactional id of the branch's own.
 
-Each lane is one transactional id, ``twophase.<sink>.<participant>.commit<i>``, with its
-producer and a reader of the staging topic; :data:`COMMIT_IDS` of them per pool, all
-initialised when a process first commits, so a copy a dead process left open is aborted
-(``init_transactions`` fences it) before any copy of this one reads a marker.
+A branch's copies always use ``twophase.<sink>.<participant>.commit.p<partition>``
+(:func:`copy_id`), whoever makes them (the driver, a restarted driver, ``twophase
+resolve``, a Spark task's redo), so two copies of one branch fence each other: the
+later ``init_transactions`` aborts the earlier copy's open transaction, and a copy
+reads the branch's marker only after its own init (docs/kafka.md, "Staged prepare").
+The ids are bounded by the partition count per (sink, participant), never by batches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-from twophase.participant import ParticipantError
+from twophase.participant import BranchRef, ParticipantError
 from twophase.sinks.kafka.clients import abandon, txn_producer
 from twophase.sinks.kafka.config import common_config
 from twophase.sinks.kafka.errors import describe_error
@@ -25,11 +27,7 @@ from twophase.sinks.kafka.lingering import COMMIT_LANE
 if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["COMMIT_IDS", "POOL", "CommitPool", "Lane", "drop", "fence_lane", "ready", "retire"]
-
-COMMIT_IDS: Final = 8
-"""Transactional ids per (sink, participant) for the copies: as many as the driver's
-commit threads (``twophase.commit.COMMIT_THREADS``), so no copy waits for an id."""
+__all__ = ["Lane", "copy_id", "copying", "drop", "fence_lane", "ready", "retire", "using"]
 
 
 @dataclass
@@ -39,82 +37,34 @@ class Lane:
     reader: Any = None
 
 
-class CommitPool:
-    """Per process and (settings, sink, participant): :data:`COMMIT_IDS` transactional
-    producers with stable ids. The first use initialises every id, which aborts any copy
-    a dead process left open on it (its marker offsets would otherwise hold stable reads
-    of the marker until the broker's transaction timeout)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._free: dict[str, list[Lane]] = {}
-        self._busy: set[str] = set()  # transactional ids of the lanes copying now
-        self._pid = os.getpid()
-
-    def take(self, p: KafkaParticipant, sink: str) -> tuple[str, Lane]:
-        key = json.dumps([p.config, sink, p.name, p.transaction_timeout_ms],
-                         sort_keys=True, default=str)
-        with self._cond:
-            if self._pid != os.getpid():
-                self._free, self._busy, self._pid = {}, set(), os.getpid()
-            fresh = key not in self._free
-            if fresh:
-                self._free[key] = [Lane(f"twophase.{sink}.{p.name}.{COMMIT_LANE}{i}")
-                                   for i in range(COMMIT_IDS)]
-            while not self._free[key]:
-                self._cond.wait()
-            lane = self._free[key].pop()
-            self._busy.add(lane.transactional_id)
-            fence, self._free[key] = (self._free[key], []) if fresh else ([], self._free[key])
-        if fence:  # never used in this process: initialise (fence) them all, at once,
-            # out of the free list (a lane initialised twice fences its own producer)
-            threads = [threading.Thread(target=_fence, args=(p, other), daemon=True)
-                       for other in fence]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            with self._cond:
-                self._free[key].extend(fence)
-                self._cond.notify_all()
-        return key, lane
-
-    def give(self, key: str, lane: Lane) -> None:
-        with self._cond:
-            self._busy.discard(lane.transactional_id)
-            self._free.setdefault(key, []).append(lane)
-            self._cond.notify()
-
-    def busy(self) -> set[str]:
-        """The transactional ids copying in this process now (never fenced from here)."""
-        with self._cond:
-            return set(self._busy)
-
-    def forget(self, transactional_id: str) -> None:
-        """An idle lane of this id is about to be fenced from outside the pool: its
-        clients are dropped, so its next use initialises a new producer."""
-        with self._cond:
-            for free in self._free.values():
-                for lane in free:
-                    if lane.transactional_id == transactional_id:
-                        drop(lane)
-
-    def close_all(self) -> None:
-        """Close every idle lane's clients (none has a transaction open)."""
-        with self._cond:
-            lanes = [lane for free in self._free.values() for lane in free]
-            self._free = {}
-        for lane in lanes:
-            with contextlib.suppress(Exception):
-                if lane.producer is not None:
-                    lane.producer.close()
-            lane.producer = None
-            drop(lane)
+def copy_id(p: KafkaParticipant, branch: BranchRef) -> str:
+    """The transactional id of every copy of ``branch``: one per partition of the sink."""
+    return f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}"
 
 
+_lock = threading.Lock()
+_copying: Counter[str] = Counter()
 
 
-POOL = CommitPool()
+@contextlib.contextmanager
+def using(transactional_id: str) -> Iterator[None]:
+    """Mark a copy of this process as running on ``transactional_id`` for the block."""
+    with _lock:
+        _copying[transactional_id] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _copying[transactional_id] -= 1
+            if _copying[transactional_id] <= 0:
+                del _copying[transactional_id]
+
+
+def copying() -> set[str]:
+    """The transactional ids copying in this process now (the start-up clean-up spares
+    them: fencing one would only make its copy start again)."""
+    with _lock:
+        return set(_copying)
 
 
 def fence_lane(p: KafkaParticipant, transactional_id: str) -> None:
@@ -122,16 +72,9 @@ def fence_lane(p: KafkaParticipant, transactional_id: str) -> None:
     starting): a new producer of its id runs ``init_transactions``, so the broker writes
     the ABORT markers and releases the marker group's pending offsets (until then every
     stable read of the marker, a redo's first step, waits)."""
-    POOL.forget(transactional_id)
     lane = Lane(transactional_id)
     ready(p, lane, reader=False)
-    with contextlib.suppress(Exception):
-        lane.producer.close()
-
-
-def _fence(p: KafkaParticipant, lane: Lane) -> None:
-    with contextlib.suppress(Exception):  # a failure here is met again when the lane is used
-        ready(p, lane, reader=False)
+    retire(lane)
 
 
 def ready(p: KafkaParticipant, lane: Lane, *, reader: bool = True) -> None:

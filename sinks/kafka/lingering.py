@@ -33,8 +33,8 @@ from twophase.participant import BranchRef, SinkDecisions
 from twophase.protocol import parse_branch_id
 
 COMMIT_LANE = "commit."
-"""What follows ``twophase.<sink>.<participant>.`` in a staged copy lane's transactional
-id (its number follows)."""
+"""What follows ``twophase.<sink>.<participant>.`` in a staged copy's transactional id
+(``p`` and the branch's partition follow, :func:`.lanes.copy_id`)."""
 
 __all__ = ["COMMIT_LANE", "OpenTransaction", "admin_client", "committing_ids",
            "list_open_transactions"]
@@ -83,9 +83,9 @@ class OpenTransaction:
 
 
 def _numbered(rest: str) -> bool:
-    """``N`` (an in-task branch's id), ``commit.N`` (a staged copy lane's, the driver's
-    pool), ``commit.pN`` (a staged copy made by partition N's task) or ``wN.K`` (a
-    resumable prepare's pool id: partition N, slot K)."""
+    """``N`` (an in-task branch's id), ``commit.pN`` (a staged copy of partition N's
+    branch), ``commit.N`` (a staged copy lane of releases before the per-branch copy ids,
+    still cleared) or ``wN.K`` (a resumable prepare's pool id: partition N, slot K)."""
     lane = rest[len(COMMIT_LANE):] if rest.startswith(COMMIT_LANE) else None
     part, _, slot = rest.removeprefix("w").partition(".")
     return rest.isdigit() or (lane is not None and lane.removeprefix("p").isdigit()) or (

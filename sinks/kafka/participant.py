@@ -387,7 +387,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             older_than_s = max(older_than_s, time.time() - before)
         with self._lock:
             held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None} | set(keep) | lanes.POOL.busy()
+                    if p.producer is not None} | set(keep) | lanes.copying()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         prefix = f"twophase.{sink}.{self.name}."

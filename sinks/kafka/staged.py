@@ -11,23 +11,25 @@ prepare does not open one in the task:
   and a token unique to this prepare call. Once every record is acknowledged the vote's
   handle names where they are: staging partition, first and last offset, count, token.
   A failed or duplicate attempt leaves records under another token: never copied.
-- **commit** (the driver's :class:`~twophase.commit.Committer`): one Kafka transaction per
+- **commit** (the driver's :class:`~twophase.commit.Committer`, a restarted driver,
+  ``twophase resolve``, or a Spark task redoing the branch): one Kafka transaction per
   branch reads the staged range, keeps the records carrying the handle's token,
   produces them to the target topic with their key, value and original headers (the
   target's partitioner places them, as in-task), and commits the branch's marker (its
   marker group's offset, ``send_offsets_to_transaction``) in the same transaction:
   Kafka's read-process-write rule. The staged count is checked against the handle
   before ``commit_transaction``; a mismatch aborts the transaction (nothing visible) and
-  is an error. Transactional ids come from a pool of :data:`COMMIT_IDS` per (sink,
-  participant), all initialised when a process first commits: a copy cut by a crash is
-  aborted by the next process's ``init_transactions`` and copied again, and a branch
-  whose marker is committed is skipped (the pool: :mod:`.lanes`).
+  is an error. Every copy of a branch runs on the branch's own transactional id,
+  ``...commit.p<partition>`` (:mod:`.lanes`), and reads the marker only after its
+  ``init_transactions``: two processes finishing one batch at once fence each other's
+  copies of a branch, so at most one commits it; the fenced one reads the marker
+  again (waiting for the other's transaction to end) and takes the branch over only
+  if it is still not committed. A copy cut by a crash is aborted by the next copy's
+  init and copied again.
 - **recovery**: a branch reads PREPARED while its staged range is in the staging topic
   (:func:`voted_status`), so a restart finishes a COMMIT-decided batch from the driver
   (``twophase.recover``) without the batch's rows. Only a branch whose records retention
-  took is written again from the replay, by Spark tasks: each copies on a lane of the
-  branch's own (``commit.p<partition>``, :func:`_commit_in_task`), as the workers' pools
-  would fence each other.
+  took is written again from the replay, by Spark tasks, on the same per-branch ids.
 - **abort**: nothing is visible and nothing is held (no transaction, no lock): the staged
   records are never copied; the driver's background prune deletes those of committed
   batches below the marker window (:mod:`.stagedprune`), retention the rest.
@@ -39,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -48,11 +51,9 @@ from typing import TYPE_CHECKING, Any, Final
 from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
-from twophase.sinks.kafka.clients import healthy
 from twophase.sinks.kafka.config import common_config, validate_topic
 from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe_error, kafka_error
-from twophase.sinks.kafka.lanes import COMMIT_IDS, POOL, Lane, drop, ready, retire
-from twophase.sinks.kafka.lingering import COMMIT_LANE
+from twophase.sinks.kafka.lanes import Lane, copy_id, drop, ready, retire, using
 from twophase.sinks.kafka.marker import (
     add_marker,
     committed_marker,
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
     from twophase.sinks.kafka.participant import KafkaParticipant
 
-__all__ = ["COMMIT_IDS", "DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
+__all__ = ["DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
            "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare",
            "voted_status"]
 
@@ -84,6 +85,14 @@ partition interleave there, and each copy reads past the others' records."""
 _ATTEMPT: Final = "twophase.attempt"
 log = logging.getLogger("twophase.sink")
 _STAGE_ID: Final = "twophase.stage"  # header of the prepare call's token
+TAKEOVERS: Final = 2
+"""Times one commit call takes a branch over after a fence whose copy did not commit it
+(a process that died or failed): bounded, so two finishers never fence each other on
+and on; past it the error is raised and the batch is finished again."""
+_FENCING: Final = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH"})
+_FENCED_PAUSE_S: Final = (0.2, 0.6)
+"""A fenced copy's pause before it reads the marker: the fencing copy adds its marker
+offset first thing, so the read then waits for that copy's end instead of missing it."""
 
 
 def is_staged(p: KafkaParticipant, handle: Handle | None) -> bool:
@@ -253,37 +262,96 @@ def commit(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> Non
             f"{p.describe()}: branch {branch.branch_id} of batch {branch.batch_id} cannot be "
             "committed without its vote's handle: the handle says where its records are "
             "staged; finish the batch from the coordinator's record (twophase resolve)")
-    if _in_spark_task():
-        return _commit_in_task(p, branch, handle)
-    key, lane = POOL.take(p, branch.sink)
-    try:
-        if lane.producer is not None and not healthy(lane.producer):
-            # It lived through a broker error while idle (a broker restart): librdkafka's
-            # cached coordinator then blocks send_offsets_to_transaction past its timeout
-            # (confluentinc/librdkafka#5456, #5511) until some broker state changes (the
-            # broker closing the idle connection: 10 minutes by default, issue 31). It has
-            # no transaction open: closed, and the lane starts again with a new producer.
-            log.info("%s: commit lane %s saw a broker error while idle (%s): a new "
-                     "producer is initialised", p.describe(), lane.transactional_id,
-                     lane.producer.broker_errors[-1])
+    tid = copy_id(p, branch)
+    with using(tid):
+        for attempt in range(1, TAKEOVERS + 2):
+            lane = Lane(tid)
+            began = False
+            try:
+                ready(p, lane)  # fences every other copy of this branch
+                began = True
+                _copy_unless_committed(p, lane, branch, handle)
+            except Exception as exc:
+                drop(lane)
+                if not (began and _fenced(exc)):
+                    return _failed(p, branch, lane, exc)
+                # Another copy of this branch began since (its init fenced this one): once
+                # committed, it shows in the marker. Only when it did not commit (its
+                # process died, or it failed) does this one take the branch over.
+                if _committed_after_fence(p, branch):
+                    return None
+                if attempt > TAKEOVERS:
+                    raise ParticipantError(
+                        f"{p.describe()}: copy of branch {branch.branch_id} of batch "
+                        f"{branch.batch_id} on transactional.id {tid!r} was fenced "
+                        f"{attempt} times by other copies of the branch (another process "
+                        "finishing the same batch), none of which committed it: "
+                        f"{describe_error(exc)}; nothing of this copy is visible, and it is "
+                        "redone from the staged records when the batch is finished "
+                        "again") from exc
+                log.info("%s: copy of branch %s of batch %d was fenced by another copy of "
+                         "the branch (transactional.id %r), which did not commit it: "
+                         "taking it over", p.describe(), branch.branch_id, branch.batch_id,
+                         tid)
+                continue
+            except BaseException:
+                drop(lane)
+                raise
             retire(lane)
-        ready(p, lane)
-        _copy_unless_committed(p, lane, branch, handle)
-    except BaseException as exc:
+            return None
+    return None
+
+
+def _fenced(exc: BaseException) -> bool:
+    """Whether a copy failed because a newer producer of its transactional id fenced it
+    (the error itself or one it was raised from)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; bounded against a cycle
+        if seen is None:
+            return False
+        err = kafka_error(seen)
+        if err is not None and (err.name() in _FENCING or err.fatal()):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _committed_after_fence(p: KafkaParticipant, branch: BranchRef) -> bool:
+    """The branch's marker read stably once the fencing copy had time to add it to its
+    transaction (a short pause): the read then waits until that transaction ends, up to
+    ``connect_timeout_s`` (a copy whose process died holds it until the broker's
+    transaction timeout: then it reads not committed, and is taken over)."""
+    time.sleep(random.uniform(*_FENCED_PAUSE_S))  # noqa: S311 - a jitter, not crypto
+    with held_consumer(p, branch) as consumer:
+        return committed_marker(p, consumer, branch,
+                                pending_wait_s=p.connect_timeout_s) >= branch.batch_id + 1
+
+
+def _failed(p: KafkaParticipant, branch: BranchRef, lane: Lane, exc: Exception) -> None:
+    """A copy that failed for another cause than a fence: its id is initialised again at
+    once (the copy it may have left open holds the marker group's offsets; an ambiguous
+    commit is completed by the init), then the marker tells whether the copy committed
+    after all (success); if not, the error is raised, naming what happens next."""
+    try:
+        ready(p, lane, reader=False)
+        retire(lane)
+        fenced = "fenced (its open copy, if any, aborted)"
+    except Exception as again:
         drop(lane)
-        try:  # fence now: a copy left open holds the marker group's offsets
-            ready(p, lane)
-            fenced = "fenced (its open copy, if any, aborted)"
-        except Exception as again:
-            fenced = f"not fenced ({again}); its next use fences it"
-        log.warning("%s: copy of branch %s of batch %d failed on lane %s: %s; the lane "
-                    "is %s, and the copy is redone when the batch is finished again",
-                    p.describe(), branch.branch_id, branch.batch_id,
-                    lane.transactional_id, exc, fenced)
-        _named(p, branch, lane, exc, fenced)
-        raise
-    finally:
-        POOL.give(key, lane)
+        fenced = f"not fenced ({again}); its next use fences it"
+    else:
+        with contextlib.suppress(Exception):
+            if read_marker(p, branch) >= branch.batch_id + 1:
+                log.info("%s: copy of branch %s of batch %d reported %s, and its marker "
+                         "reads committed: done", p.describe(), branch.branch_id,
+                         branch.batch_id, exc)
+                return
+    log.warning("%s: copy of branch %s of batch %d failed on lane %s: %s; the lane "
+                "is %s, and the copy is redone when the batch is finished again",
+                p.describe(), branch.branch_id, branch.batch_id, lane.transactional_id, exc,
+                fenced)
+    _named(p, branch, lane, exc, fenced)
+    raise exc
 
 
 def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> BranchStatus:
@@ -335,39 +403,9 @@ def _named(p: KafkaParticipant, branch: BranchRef, lane: Lane, exc: BaseExceptio
             "fences this one's copies)") from exc
 
 
-def _in_spark_task() -> bool:
-    """True in a Spark task (a batch finished by tasks after a restart), False on the
-    driver and in `twophase resolve` (no pyspark there, or no task)."""
-    try:
-        from pyspark import TaskContext
-    except ImportError:
-        return False
-    return TaskContext.get() is not None
-
-
-def _commit_in_task(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
-    """The copy from a Spark task: on a lane of the branch's own, ``...commit.p<N>``, not
-    the driver's pool. Each Python worker has its own pool, and two workers initialising
-    the same eight ids fence each other's copies, again and again (a 100-kill chaos run,
-    issue 31); an id per partition lets the partitions' tasks copy side by side, while a
-    second attempt of one partition (a retry, a speculative copy) still fences the first,
-    so only one of them commits the branch and the marker check after ``init`` sees
-    whether it already did."""
-    lane = Lane(f"twophase.{branch.sink}.{p.name}.{COMMIT_LANE}p{branch.partition}")
-    try:
-        ready(p, lane)
-        _copy_unless_committed(p, lane, branch, handle)
-    except BaseException as exc:
-        drop(lane)
-        _named(p, branch, lane, exc, "dropped; its next use fences it")
-        raise
-    retire(lane)
-
-
 def _copy_unless_committed(p: KafkaParticipant, lane: Lane, branch: BranchRef,
                            handle: Handle) -> None:
-    """Read the branch's marker on an initialised lane; copy only if it is not committed
-    (the driver's pool and a task's own lane alike)."""
+    """Read the branch's marker on an initialised lane; copy only if it is not committed."""
     with held_consumer(p, branch) as consumer:
         if committed_marker(p, consumer, branch) < branch.batch_id + 1:
             _copy(p, lane, consumer, branch, handle)
@@ -477,7 +515,7 @@ def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle | None) -> None
 
 
 def close_all() -> None:
-    """Close this process's staging producers and commit lanes: for a test or tool
-    stopping the broker it started (idle clients would go on reconnecting to it)."""
+    """Close this process's staging producers: for a test or tool stopping the broker it
+    started (idle clients would go on reconnecting to it). Copy lanes are closed after
+    each copy."""
     STAGERS.close_all()
-    POOL.close_all()

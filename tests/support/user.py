@@ -9,8 +9,10 @@ from pathlib import Path
 import twophase
 from twophase.testing.servers import clean_env
 
-INTERNAL = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH", "SPARK_LOCAL_IP")
-"""Variables a user does not set: Spark's interpreter choice, and the suite's own."""
+INTERNAL = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH", "SPARK_LOCAL_IP",
+            "JDK_JAVA_OPTIONS")
+"""Variables a user does not set: Spark's interpreter choice, and the suite's own (the
+JVM options of tests/conftest.py: a user's JVMs run as Java starts them)."""
 
 
 def user_env() -> dict[str, str]:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from tests.sinks.kafka.test_kafka_participant import SCHEMA, batch, branch, make
 from tests.support.kafka import committed_offset, kafka_bootstrap, read_all
+from twophase import failpoints
 from twophase.participant import BranchStatus, ParticipantError
 from twophase.sinks.kafka import KafkaParticipant
 
@@ -163,16 +165,15 @@ def test_a_starting_sink_aborts_a_dead_drivers_open_copy(kafka_bootstrap: str) -
     assert visible(p) == list(range(50))
 
 
-# Slow until fixed: a known hole (docs/kafka.md, "Known hole"): two pools initialised side
-# by side can both hold live ids and copy one branch twice; seen once in a two-worker run.
-@pytest.mark.slow
 def test_two_processes_committing_one_batch_at_once_commit_each_branch_once(
     kafka_bootstrap: str,
 ) -> None:
     """A driver and a concurrent ``twophase resolve`` finishing the same COMMIT-decided
-    batch: both initialise the same pool of copy ids, so they fence each other's copies
-    (a fenced copy fails, by design); after one more pass every record is in the topic
-    exactly once and nothing is left open."""
+    batch at once: every copy of a branch runs on the branch's own transactional id, so
+    the two processes' copies of one branch fence each other and at most one commits it;
+    a fenced copy reads the marker and returns without copying again. Judged right
+    after the race (no record twice, every branch a process reported done committed),
+    then after one more pass (every record exactly once, nothing open)."""
     p = staged(kafka_bootstrap)
     lineage = branch(p).lineage
     work = []
@@ -190,18 +191,118 @@ def test_two_processes_committing_one_batch_at_once_commit_each_branch_once(
         outs = [proc.communicate(timeout=180) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], [e[-2000:] for _, e in outs]
     outcomes = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    for one in outcomes:  # each failure is a fenced or aborted copy, never anything else
+    for one in outcomes:  # a failure is a copy fenced again and again, never anything else
         for part, what in one.items():
             assert what == "ok" or (what.startswith("ParticipantError: ") and "fenced"
                                     in what and f"branch {p.name}/{part} of batch 2" in what
                                     and "redone" in what), (part, what)
-    assert any(what == "ok" for one in outcomes for what in one.values()), outcomes
+    done = {int(part) for one in outcomes for part, what in one.items() if what == "ok"}
+    assert done, outcomes
+    back = p.read_back("id")  # right after the race: nothing twice, nothing left open
+    assert back.exact and back.open == 0 and back.mismatch == 0, back.note
+    assert len(back.values) == len(set(back.values)), "a record committed twice"
+    for b, _ in work:  # a branch a process reported done is committed
+        assert b.partition not in done or p.status(b) is BranchStatus.COMMITTED, b
     finisher = fresh(p)
     for b, handle in work:  # what a fenced copy left is finished once, never twice
         finisher.commit(b, handle)
     finisher.close()
     assert visible(p) == sorted(i for part in range(8) for i in range(part * 1000,
                                                                      part * 1000 + 200))
+
+
+def _held_at_mid_commit(monkeypatch: pytest.MonkeyPatch, thread: str
+                        ) -> tuple[threading.Event, threading.Event, list[str]]:
+    """Hold the named thread's first copy at ``mid_commit`` (its transaction open, the
+    records and the marker offset sent) until ``go`` is set; ``at`` is set once it is
+    there. Returns (at, go, the threads' names at each hit of the point)."""
+    at, go, hits = threading.Event(), threading.Event(), []
+    real = failpoints.hit
+
+    def hit(point: str, participant: str | None = None, partition: int | None = None) -> None:
+        if point == "mid_commit":
+            name = threading.current_thread().name
+            hits.append(name)
+            if name == thread and hits.count(name) == 1:
+                at.set()
+                assert go.wait(120), "never released"
+        real(point, participant, partition)
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+    return at, go, hits
+
+
+def _in_thread(name: str, call: Any) -> tuple[threading.Thread, list[BaseException | None]]:
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            out.append(None)
+        except BaseException as exc:  # judged by the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_fenced_copy_finds_the_branch_committed_and_never_copies_it_again(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two finishers of one branch interleaved at ``mid_commit``: A's copy is open when
+    B copies the branch; B's init aborts A's copy, B commits. Released, A's commit is
+    fenced; A reads the marker, finds it committed and returns without a second copy.
+    By the log: A's 200 records aborted, B's 200 committed, nothing else."""
+    p = staged(kafka_bootstrap)
+    b = branch(p, batch_id=2, sink="interleaved")
+    handle = fresh(p).prepare(b, SCHEMA, [batch(0, 200)])
+    at, go, hits = _held_at_mid_commit(monkeypatch, "A")
+    a, a_out = _in_thread("A", lambda: fresh(p).commit(b, handle))
+    assert at.wait(120), a_out
+    fresh(p).commit(b, handle)  # B, in this thread: not held
+    assert visible(p) == list(range(200)) and p.read_back("id").aborted == 200
+    go.set()
+    a.join(120)
+    assert a_out == [None]  # A's fenced copy ended as success: the branch is committed
+    assert hits == ["A", "MainThread"]  # A never copied again
+    back = p.read_back("id")
+    assert back.aborted == 200 and back.open == 0, back
+    assert visible(p) == list(range(200))
+    assert p.open_transactions("interleaved") == []
+
+
+def test_a_fenced_copy_takes_the_branch_over_when_the_fencing_copy_died(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's copy is open when B copies the branch and is SIGKILLed before its commit
+    (its transaction left open, holding the marker). Released, A's commit is fenced; A
+    reads the marker, waiting for B's transaction until ``connect_timeout_s``, finds it
+    not committed and takes the branch over: its init aborts B's copy, and it copies
+    once. By the log: A's first copy and B's aborted, one copy committed."""
+    p = staged(kafka_bootstrap, connect_timeout_s=5.0)
+    b = branch(p, batch_id=3, sink="takeover")
+    handle = fresh(p).prepare(b, SCHEMA, [batch(0, 200)])
+    at, go, hits = _held_at_mid_commit(monkeypatch, "A")
+    a, a_out = _in_thread("A", lambda: fresh(p).commit(b, handle))
+    assert at.wait(120), a_out
+    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        job.write_bytes(pickle.dumps((p, b, dict(handle))))
+        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
+                               str(job)], capture_output=True, text=True, timeout=120,
+                              check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    [left] = p.open_transactions("takeover")  # B's copy, open on the branch's id
+    assert left.transactional_id.endswith(".commit.p0"), left
+    go.set()
+    a.join(120)
+    assert a_out == [None]
+    assert hits == ["A", "A"]  # A's first copy, fenced; A's second, committed
+    back = p.read_back("id")
+    assert back.aborted == 400 and back.open == 0, back
+    assert visible(p) == list(range(200))
+    assert p.open_transactions("takeover") == []
 
 
 def test_staged_branch_reads_prepared_until_its_records_are_gone(kafka_bootstrap: str) -> None:

@@ -1,8 +1,8 @@
-"""The staged Kafka commit across a broker crash (issue 31): the driver's commit lanes
-(``twophase.<sink>.<participant>.commit.N``, kept across batches) lived through a SIGKILL
-and restart of the broker, and the next batch's copy blocked in librdkafka's
-``send_offsets_to_transaction`` past its timeout until the broker's transaction timeout
-(10 minutes by default) ended it: a silent stall of the driver's commit.
+"""The staged Kafka commit across a broker crash: copy producers kept across batches
+once lived through a SIGKILL and restart of the broker, and the next batch's copy
+blocked in librdkafka's ``send_offsets_to_transaction`` past its timeout until the
+broker's transaction timeout (10 minutes by default) ended it: a silent stall of the
+driver's commit. (A copy's producer is now made for the copy and closed after it.)
 
 One broker of its own (the test kills it); Kafka judged by its partition log and a
 ``read_committed`` consumer (``read_back``: they must agree, nothing open), exactly once.
