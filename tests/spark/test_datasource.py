@@ -50,6 +50,31 @@ def test_door_writes_every_id_exactly_once(spark: Any, job: JobConfig, pg_dsn: s
     assert _prepared(pg_dsn) == []
 
 
+def test_door_checkpoint_reset_starts_new_lineage(spark: Any, job: JobConfig) -> None:
+    """The same query on a fresh checkpoint: batch ids restart at 0 under a new lineage
+    (the new query id) and are written again, not skipped as committed."""
+    from twophase.coordinator.store import Store
+    from twophase.protocol import State
+
+    write_input(job.input_dir, batches=2, rows_per_batch=5)
+    run(job, spark)
+    job.checkpoint = job.checkpoint + "-reset"
+    run(job, spark)
+    store = Store(job.coordinator)
+    try:
+        rows = store.list(sink=job.sink)
+    finally:
+        store.close()
+    by_lineage: dict[str, list[tuple[int, State]]] = {}
+    for row in rows:
+        by_lineage.setdefault(row.txn.lineage, []).append((row.txn.batch_id, row.txn.state))
+    assert sorted(sorted(v) for v in by_lineage.values()) == \
+        [[(0, State.COMMITTED), (1, State.COMMITTED)]] * 2, by_lineage
+    report = verify(build_participants(job), expected_ids(2, 5), sink=job.sink)
+    assert [s.duplicates for s in report.systems] == [10, 10]  # the input read again
+    assert [s.prepared_leftovers for s in report.systems] == [0, 0]
+
+
 def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str) -> None:
     """No sink object in the job: participants as descriptors, a coordinator daemon, its
     token by file. Six partitions on two task slots; a replay after the checkpoint's
@@ -82,7 +107,6 @@ def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str)
                  .format("twophase").option("sink", f"opts{n}")
                  .option("participants", json.dumps([descriptor_of(p) for p in parts]))
                  .option("coordinator", daemon.url).option("partitions", "8")
-                 .option("timezone", spark.conf.get("spark.sql.session.timeZone"))
                  .option("checkpointLocation", str(tmp_path / ckpt)))
             for k, v in {"token_file": str(token), **extra}.items():
                 w = w.option(k, v)
@@ -104,6 +128,17 @@ def test_door_declared_by_options_alone(spark: Any, tmp_path: Path, pg_dsn: str)
         assert _prepared(pg_dsn) == []
         with pytest.raises(Exception, match="token_env"):
             start("ckpt3", token="door-token-0123456789")
+        # no timezone option above: the session's zone; another one named is refused
+        # in the tasks, before anything is begun or written
+        zone = spark.conf.get("spark.sql.session.timeZone")
+        other = "Asia/Tokyo" if zone != "Asia/Tokyo" else "Europe/Paris"
+        with pytest.raises(Exception) as err:
+            start("ckpt4", timezone=other)
+        assert (f"option timezone={other!r}, but the session's time zone "
+                "(spark.sql.session.timeZone, which Spark's batches carry) is "
+                f"{zone!r}; leave the option out") in str(err.value), str(err.value)[-2000:]
+        assert len(psycopg.connect(pg_dsn).execute(f"SELECT id FROM door_{n}").fetchall()) \
+            == 120
     finally:
         daemon.stop()
 
