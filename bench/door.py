@@ -90,6 +90,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="door-bench-"))
     pg = LocalPostgres(fsync=True)
     pg.start()
+    # A's mapInArrow runs Spark's worker Python, which without PYSPARK_PYTHON is the
+    # PATH's python3 (the sinks choose the driver's; A has no sink): the same for all
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = spark_session({"spark.sql.execution.arrow.maxRecordsPerBatch": "10000"})
     try:
         for size in map(int, args.sizes.split(",")):
