@@ -26,6 +26,7 @@ from twophase.doorsteps import (
     adopt_zone,
     commit_batch,
     prepare_partition,
+    refuse_in_task,
 )
 from twophase.errors import InvalidRequest
 from twophase.extras import missing_extra
@@ -204,6 +205,8 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     every earlier run's writer."""
     if sink is not None:
         from twophase.plan import jvm_context
+
+        refuse_in_task(sink.name, sink.participants)  # before anything is started
         from twophase.preflight import preflight_sink
 
         df = spark.range(0)
