@@ -62,10 +62,10 @@ def run(spark: Any, dsn: str, work: Path, input_dir: Path, variant: str, batches
             df.mapInArrow(writer, "rows long, task_s double").collect()
 
         w = stream.writeStream.foreachBatch(at_least_once)
-    else:
+    else:  # D's bound: Spark reads one input file as up to 3 splits (1M rows)
         sink = TransactionalSink(f"door{tag}", [pg, StagedFileParticipant(str(out))],
                                  coordinator=f"sqlite:///{work / f'c-{tag}.db'}",
-                                 vote_timeout=120.0, partitions=2 if variant == "D" else None)
+                                 vote_timeout=120.0, partitions=4 if variant == "D" else None)
         if variant == "B":
             w = stream.writeStream.foreachBatch(sink)
         else:
@@ -90,6 +90,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="door-bench-"))
     pg = LocalPostgres(fsync=True)
     pg.start()
+    # A's mapInArrow runs Spark's worker Python, which without PYSPARK_PYTHON is the
+    # PATH's python3 (the sinks choose the driver's; A has no sink): the same for all
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = spark_session({"spark.sql.execution.arrow.maxRecordsPerBatch": "10000"})
     try:
         for size in map(int, args.sizes.split(",")):

@@ -9,6 +9,7 @@ options alone (``participants`` as JSON descriptors or a ``config`` file, a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -18,7 +19,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
 
-from twophase.doorsteps import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
+from twophase.doorsteps import (
+    DoorSpec,
+    Message,
+    abort_batch,
+    adopt_zone,
+    commit_batch,
+    prepare_partition,
+    refuse_in_task,
+)
 from twophase.errors import InvalidRequest
 from twophase.extras import missing_extra
 from twophase.names import validate_name
@@ -62,12 +71,17 @@ class TwophaseWriter(_Writer):
         if batch is None:
             raise InvalidRequest("the twophase data source writes streams only: use "
                                  "df.writeStream.format('twophase')")
+        schema = self.schema
         if not isinstance(self, _ArrowIn):
-            iterator = _rows_to_batches(iterator, self.schema)
+            iterator = _rows_to_batches(iterator, schema)
+        else:  # Spark's batches carry the session's zone: prepare in it
+            first = next(iterator, None)
+            if first is not None:
+                schema = adopt_zone(self.spec, schema, first.schema)
+                iterator = itertools.chain([first], iterator)
         return DoorMessage(prepare_partition(
             self.spec, int(batch), ctx.getLocalProperty("sql.streaming.queryId"),
-            ctx.partitionId(), f"{ctx.stageId()}/{ctx.taskAttemptId()}", self.schema,
-            iterator))
+            ctx.partitionId(), f"{ctx.stageId()}/{ctx.taskAttemptId()}", schema, iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         commit_batch(self.spec, _unwrap(messages), batchId)
@@ -109,7 +123,7 @@ class TwophaseDataSource(DataSource):
 
     def streamWriter(self, schema: Any, overwrite: bool) -> TwophaseWriter:
         spec = self._spec()
-        arrow = arrow_schema_of(schema, spec.tz)
+        arrow = arrow_schema_of(schema, spec.tz or "UTC")  # the tasks adopt the batches' zone
         if (spec.name, str(arrow)) not in self._checked:  # once per process and schema
             for p in spec.participants:
                 p.check(arrow)
@@ -173,7 +187,7 @@ def _spec_from_options(opts: dict[str, str]) -> DoorSpec:
         epoch = client.register(name, _descriptors(parts))
     return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
                     opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
-                    lineage=opts.get("lineage"), tz=opts.get("timezone", "UTC"))
+                    lineage=opts.get("lineage"), tz=opts.get("timezone"))
 
 
 def _descriptors(parts: Iterable[Participant]) -> Any:
@@ -191,6 +205,8 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     every earlier run's writer."""
     if sink is not None:
         from twophase.plan import jvm_context
+
+        refuse_in_task(sink.name, sink.participants)  # before anything is started
         from twophase.preflight import preflight_sink
 
         df = spark.range(0)
@@ -206,7 +222,7 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
         _SINKS[sink.name] = (sink, DoorSpec(
             sink.name, sink.participants, conn.url, epoch, bound, client.token,
             conn.token_file, conn.ca_pem, sink.vote_timeout, sink.retry_budget_s,
-            sink.lineage, spark.conf.get("spark.sql.session.timeZone") or "UTC"))
+            sink.lineage))
     from twophase.preflight import choose_worker_python
 
     # the data source's Python processes run the interpreter registered here: in local

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from twophase.batchplan import INPUT_SPLIT, PREPARE, BatchPlan
 from twophase.commit import Committer
 from twophase.decide import decide, votes_of
-from twophase.errors import BatchFailed
-from twophase.participant import EMPTY_BRANCH, Participant
+from twophase.errors import BatchFailed, InvalidRequest
+from twophase.participant import EMPTY_BRANCH, IN_TASK_PREPARES, Participant
 from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
 from twophase.protocol.door import (
     TaskAction,
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     from twophase.client import CoordinatorClient
 
-__all__ = ["DoorSpec", "Message", "abort_batch", "commit_batch", "prepare_partition"]
+__all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
+           "prepare_partition", "refuse_in_task"]
 
 Message = tuple[TaskAnswer, dict[str, Any] | None]
 """A task's commit message: its begin's answer and its outcome (votes) when it wrote."""
@@ -57,11 +58,51 @@ class DoorSpec:
     vote_timeout: float = 300.0
     retry_budget: float = 120.0
     lineage: str | None = None  # default: the streaming query's id (per checkpoint)
-    tz: str = "UTC"  # the session time zone: Spark's Arrow timestamps carry it
+    # the time zone the options name; None: the session's (spark.sql.session.timeZone),
+    # which the tasks read from the Arrow batches Spark hands them
+    tz: str | None = None
+
+    def __post_init__(self) -> None:
+        refuse_in_task(self.name, self.participants)
 
     def client(self) -> CoordinatorClient:
         return _shared_client(self.coordinator_url, self.token, self.retry_budget,
                               self.ca_pem, self.token_file)
+
+
+def refuse_in_task(sink: str, participants: Iterable[Participant]) -> None:
+    """A branch prepared inside its task (Kafka's in-task prepare) lives only as long as
+    the task, which must wait for the decision in one barrier stage: only the
+    foreachBatch door runs one."""
+    bad = [p for p in participants if not p.durable_prepare]
+    if bad:
+        what = ", ".join(f"{p.describe()} ({IN_TASK_PREPARES[p.kind][0]}="
+                         f"{IN_TASK_PREPARES[p.kind][1][0]!r})" if p.kind in IN_TASK_PREPARES
+                         else p.describe() for p in bad)
+        raise InvalidRequest(
+            f"sink {sink!r}: {what} keeps its prepared branch inside its Spark task, which "
+            "must wait for the decision in a barrier stage that only foreachBatch runs; "
+            "through format('twophase') give it a durable prepare (Kafka: "
+            "prepare='resumable' or 'staged'), or write with foreachBatch(sink)")
+
+
+def adopt_zone(spec: DoorSpec, expected: pa.Schema, got: pa.Schema) -> pa.Schema:
+    """The schema a task prepares with: ``expected`` (planned on the driver) in the zone
+    of Spark's batches (``got``: the session's), unless the sink names another zone,
+    which is refused naming both. A difference besides zones is left to the
+    participants' own checks."""
+    from twophase.sparkcompat import in_zone, zone_of
+
+    zone = zone_of(got)
+    if zone is None or got == expected or in_zone(got, "UTC") != in_zone(expected, "UTC"):
+        return expected
+    if spec.tz is not None and spec.tz != zone:
+        raise InvalidRequest(
+            f"sink {spec.name!r}: option timezone={spec.tz!r}, but the session's time zone "
+            f"(spark.sql.session.timeZone, which Spark's batches carry) is {zone!r}; "
+            f"leave the option out (the sink then takes the session's zone) or set "
+            f"timezone={zone!r}")
+    return in_zone(expected, zone)
 
 
 def prepare_partition(spec: DoorSpec, batch_id: int, query_id: str | None, partition: int,

@@ -29,7 +29,8 @@ from typing import Any
 
 from twophase.errors import EnvironmentProblem
 
-__all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "spark_version"]
+__all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "in_zone", "spark_version",
+           "zone_of"]
 
 SPARK_FLOOR = (3, 5)
 """The oldest Spark release the sink runs on (``mapInArrow``'s ``barrier=``, Connect's
@@ -83,10 +84,10 @@ def arrow_schema_of(schema: Any, tz: str | None) -> Any:
 
     if _zone_argument():
         return to_arrow_schema(schema, timezone=tz)
-    return _in_zone(to_arrow_schema(schema), tz)
+    return in_zone(to_arrow_schema(schema), tz)
 
 
-def _in_zone(schema: Any, tz: str | None) -> Any:
+def in_zone(schema: Any, tz: str | None) -> Any:
     """``schema`` with its timestamps' zone set to ``tz`` (nested ones too); pyspark
     before 4.2 says UTC."""
     import pyarrow as pa
@@ -106,6 +107,19 @@ def _in_zone(schema: Any, tz: str | None) -> Any:
         return t
 
     return pa.schema([f.with_type(fix(f.type)) for f in schema], metadata=schema.metadata)
+
+
+def zone_of(schema: Any) -> str | None:
+    """The zone of ``schema``'s first zoned timestamp (nested ones too): the session
+    zone Spark wrote its Arrow batches in; None when it has none."""
+    import pyarrow as pa
+
+    def walk(t: Any) -> str | None:
+        if pa.types.is_timestamp(t):
+            return t.tz  # type: ignore[no-any-return]
+        return next((z for i in range(t.num_fields) if (z := walk(t.field(i).type))), None)
+
+    return next((z for f in schema if (z := walk(f.type))), None)
 
 
 _COLUMN_MAP: dict[str, bool] = {}  # "ok": whether Dataset.mapInArrow takes a Column here

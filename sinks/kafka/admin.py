@@ -17,7 +17,7 @@ import pyarrow.types as pat
 
 from twophase.errors import Failure, ParticipantError, TargetProblem, classify
 from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS, common_config
-from twophase.sinks.kafka.errors import describe_error, kafka_error
+from twophase.sinks.kafka.errors import TRANSIENT, describe_error, kafka_error
 
 __all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic",
            "probe_transactional_write", "security_refusal"]
@@ -215,16 +215,36 @@ def unstable_records(config: Mapping[str, object], topic: str, *, timeout: float
     return {f"{topic}-{n}": max(0, high[n] - stable[n]) for n in sorted(high)}
 
 
+def _transient(exc: BaseException) -> bool:
+    """A broker restarting or a leader moving: asked again shortly, it answers."""
+    err = kafka_error(exc)
+    return err is not None and not err.fatal() and (
+        err.retriable() or err.name() in TRANSIENT)
+
+
 def _configs(
     who: str, bootstrap: str, admin: Any, kind: str, resource: str, timeout: float
 ) -> dict[str, str]:
-    """A resource's configs; empty when the broker reports none (tansu)."""
+    """A resource's configs; empty when the broker reports none (tansu). A transient
+    error (the broker that answered the metadata restarting) is asked again within
+    ``timeout``, as the commits ride out a broker restart: a query must not fail at its
+    first batch's check for what a second later would have answered."""
+    import tenacity
     from confluent_kafka.admin import _config, _resource
 
     res = _config.ConfigResource(getattr(_resource.ResourceType, kind), resource)
-    try:
+
+    def ask() -> Any:
         [future] = admin.describe_configs([res], request_timeout=timeout).values()
-        entries = future.result(timeout=timeout)
+        return future.result(timeout=timeout)
+
+    try:
+        entries = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_transient),
+            stop=tenacity.stop_after_delay(timeout),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=2.0),
+            reraise=True,
+        )(ask)
     except Exception as exc:
         raise ParticipantError(
             f"{who}: cannot read {kind.lower()} {resource!r} configs at "

@@ -11,8 +11,8 @@ from typing import Any, Final, Literal
 
 from twophase.errors import ParticipantError
 
-__all__ = ["COORDINATOR_MOVES", "CommitAction", "CommitNotDone", "classify_commit_error",
-           "commit_retrying", "describe_error", "kafka_error"]
+__all__ = ["COORDINATOR_MOVES", "TRANSIENT", "CommitAction", "CommitNotDone",
+           "classify_commit_error", "commit_retrying", "describe_error", "kafka_error"]
 
 CommitAction = Literal["retry", "fatal"]
 
@@ -21,6 +21,12 @@ _AMBIGUOUS: Final = frozenset(
      "NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "CONCURRENT_TRANSACTIONS",
      "_ALL_BROKERS_DOWN", "NETWORK_EXCEPTION", "_WAIT_COORD", "_IN_PROGRESS"}
 )
+
+
+TRANSIENT: Final = _AMBIGUOUS | {"LEADER_NOT_AVAILABLE", "NOT_LEADER_OR_FOLLOWER",
+                                  "NOT_CONTROLLER"}
+"""Errors a broker restart or a leader election gives for a while: a read asked again
+shortly gets its answer."""
 
 
 COORDINATOR_MOVES: Final = frozenset(

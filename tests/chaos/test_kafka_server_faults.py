@@ -200,3 +200,30 @@ def test_status_answers_on_a_fresh_and_on_a_restarted_broker(broker: LocalKafka)
     assert sorted(back.values) == list(range(5)) and back.open == 0, back
     assert "a read_committed consumer agrees" in back.note, back.note
     kafka.close()
+
+
+def test_the_topic_check_rides_out_a_broker_restart(broker: LocalKafka) -> None:
+    """The driver's first-batch check reads the topic's configs after the metadata; a
+    broker killed in between (a chaos run saw it: the query failed with ``_TRANSPORT``
+    at its first batch) answers again after its restart, and the check waits for it
+    within ``connect_timeout_s`` instead of failing the query."""
+    import threading
+
+    from twophase.sinks.kafka.admin import _admin, _configs
+
+    topic = f"check-{secrets.token_hex(4)}"
+    kafka = KafkaParticipant(topic=topic, config={"bootstrap.servers": broker.bootstrap},
+                             connect_timeout_s=30.0)
+    kafka.check(pa.schema([("id", pa.int64())]))  # creates the topic
+    admin, _errors = _admin({"bootstrap.servers": broker.bootstrap})
+    assert broker.kill()
+    back = threading.Timer(3.0, broker.restart)
+    back.start()
+    try:
+        began = time.monotonic()
+        cfg = _configs("kafka", broker.bootstrap, admin, "TOPIC", topic, 30.0)
+        waited = time.monotonic() - began
+    finally:
+        back.join(90)
+    assert "max.message.bytes" in cfg, cfg
+    assert 3.0 <= waited < 30.0, waited  # it waited for the restart, within its bound

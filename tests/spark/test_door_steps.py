@@ -114,3 +114,48 @@ def test_a_stale_writers_commit_fails_without_touching_the_newer(spec: DoorSpec)
         commit_batch(spec, msgs, 3)  # the zombie's attempt was aborted by the take-over
     commit_batch(newer, taken, 3)
     assert len(_ids(spec)) == 10
+
+
+def test_the_tasks_take_the_sessions_zone_and_refuse_another_named_one() -> None:
+    """Spark's batches carry the session's zone: a sink that names none prepares in it
+    (a session on Etc/UTC against a plan made in UTC, nested timestamps too); one that
+    names another zone is refused with both zones and the fix."""
+    from twophase.doorsteps import adopt_zone
+
+    def schema(tz: str) -> pa.Schema:
+        ts = pa.timestamp("us", tz=tz)
+        return pa.schema([("id", pa.int64()), ("ts", ts), ("at", pa.list_(pa.struct(
+            [("when", ts)])))])
+
+    plan, spark = schema("UTC"), schema("Etc/UTC")
+    free = DoorSpec("zones", (), "http://127.0.0.1:1", 1, 1)
+    assert adopt_zone(free, plan, spark) == spark
+    assert adopt_zone(free, plan, plan) == plan
+    assert adopt_zone(free, SCHEMA, SCHEMA) == SCHEMA  # no timestamp at all
+    other = pa.schema([("id", pa.string())])  # not a zone difference: the checks' business
+    assert adopt_zone(free, plan, other) == plan
+    named = DoorSpec("zones", (), "http://127.0.0.1:1", 1, 1, tz="UTC")
+    assert adopt_zone(named, plan, plan) == plan
+    with pytest.raises(InvalidRequest) as err:
+        adopt_zone(named, plan, spark)
+    assert str(err.value) == (
+        "sink 'zones': option timezone='UTC', but the session's time zone "
+        "(spark.sql.session.timeZone, which Spark's batches carry) is 'Etc/UTC'; leave the "
+        "option out (the sink then takes the session's zone) or set timezone='Etc/UTC'")
+
+
+def test_an_in_task_prepare_is_refused_naming_the_fix() -> None:
+    """Kafka's in-task prepare needs the barrier stage only foreachBatch runs."""
+    from twophase.sinks.kafka import KafkaParticipant
+
+    kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"}, prepare="in_task")
+    with pytest.raises(InvalidRequest) as err:
+        DoorSpec("intask", (kafka,), "http://127.0.0.1:1", 1, 1)
+    assert str(err.value) == (
+        "sink 'intask': kafka participant 'kafka-t' (topic 't') (prepare='in_task') keeps its "
+        "prepared branch inside its Spark task, which must wait for the decision in a barrier "
+        "stage that only foreachBatch runs; through format('twophase') give it a durable prepare "
+        "(Kafka: prepare='resumable' or 'staged'), or write with foreachBatch(sink)")
+    for prepare in ("resumable", "staged"):
+        DoorSpec("durable", (KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
+                                              prepare=prepare),), "http://127.0.0.1:1", 1, 1)
