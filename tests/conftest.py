@@ -65,6 +65,7 @@ LONG_FILES_FIRST: tuple[str, ...] = (
     "tests/chaos/test_kafka_server_faults.py",
     "tests/spark/test_spark_connect.py",
     "tests/spark/test_kafka_source.py",
+    "tests/spark/test_datasource.py",
 )
 
 
