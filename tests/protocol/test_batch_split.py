@@ -130,10 +130,10 @@ def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:
 def test_pyspark_41s_utc_schema_gets_the_session_zone_nested_too() -> None:
     # pyspark < 4.2's to_arrow_schema has no ``timezone`` and says UTC; the tasks'
     # batches carry the session zone (bench/tables_vs_spark.py runs on pyspark 4.1)
-    from twophase.sparkcompat import _in_zone
+    from twophase.sparkcompat import in_zone
 
     utc = pa.timestamp("us", tz="UTC")
-    got = _in_zone(pa.schema([("ts", utc), ("s", pa.struct([("t", utc)])),
+    got = in_zone(pa.schema([("ts", utc), ("s", pa.struct([("t", utc)])),
                               ("l", pa.list_(utc)), ("m", pa.map_(pa.string(), utc)),
                               ("n", pa.timestamp("us")), ("id", pa.int64())]), "Asia/Tokyo")
     tokyo = pa.timestamp("us", tz="Asia/Tokyo")
