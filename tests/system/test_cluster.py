@@ -249,7 +249,7 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     with the cause and the fix."""
     batches, partitions = 3, 48
     write_input(tmp_path / "in", batches, ROWS)
-    broker = LocalKafka(host=cluster.spark.host_address, base_dir=str(tmp_path / "kafka"))
+    broker = LocalKafka(host=cluster.spark.host_address, base_dir=str(tmp_path))
     broker.start(timeout=120)
     topic = "orders-" + secrets.token_hex(4)
     table = "orders_" + secrets.token_hex(4)
@@ -307,7 +307,8 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     assert copies > batches, f"no speculative copy of partition 7 ran ({copies} prepares)"
     print(json.dumps({"elastic": {"batches": batches, "partitions": partitions,
                                   "slots": 4, "rows": len(ids),
-                                  "prepares_of_partition_7": copies}}))
+                                  "prepares_of_partition_7": copies,
+                                  "kafka_aborted_rows": judged.aborted}}))
 
 
 if __name__ == "__main__":
