@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import Cluster, Driver, executor_failpoints
+from tests.support.cluster import (
+    Cluster,
+    Driver,
+    assert_exactly_once_with_a_copy,
+    executor_failpoints,
+)
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.job import expected_ids, write_input
 
@@ -86,19 +91,7 @@ def test_door_under_dynamic_allocation_and_speculation(cluster: Cluster, tmp_pat
     assert driver.wait(400) == 0, driver.tail()
     [out] = driver.lines
     assert out["error"] is None, (out["error"][-3000:], driver.tail())
-    import psycopg
-    import pyarrow.dataset as ds
-
-    with psycopg.connect(cluster.pg_dsn) as conn:
-        ids = [r[0] for r in conn.execute(f"select id from {table}").fetchall()]
-        prepared = conn.execute("select count(*) from pg_prepared_xacts").fetchone()
-    assert sorted(ids) == expected_ids(batches, ROWS)
-    assert prepared == (0,)
-    files = ds.dataset(tmp_path / "files", format="parquet").to_table(columns=["id"])
-    assert sorted(files.column("id").to_pylist()) == expected_ids(batches, ROWS)
-    staged = [f for f in (tmp_path / "files").rglob("*") if f.is_file() and "/_" in str(f)]
-    assert not staged, staged
-    copies = len(list(once.glob("before_prepare*")))
-    assert copies > batches, f"no speculative copy of partition 7 ran ({copies} prepares)"
+    copies = assert_exactly_once_with_a_copy(cluster, table, tmp_path / "files", once,
+                                             expected_ids(batches, ROWS), batches)
     print(json.dumps({"door_elastic": {"batches": batches, "partitions": partitions,
                                        "slots": 4, "prepares_of_partition_7": copies}}))

@@ -145,6 +145,28 @@ def wait_for_claims(once_dir: Path, prefix: str, n: int, driver: Driver,
         time.sleep(0.1)
 
 
+def assert_exactly_once_with_a_copy(cluster: Cluster, table: str, files: Path,
+                                    once: Path, expected: list[int], batches: int) -> int:
+    """The elastic runs' verdict: every id once in PostgreSQL and the files, nothing
+    prepared or staged, and partition 7 prepared more often than once a batch (a
+    speculative copy ran). Returns how many prepares of partition 7 there were."""
+    import psycopg
+    import pyarrow.dataset as ds
+
+    with psycopg.connect(cluster.pg_dsn) as conn:
+        ids = [r[0] for r in conn.execute(f'select id from "{table}"').fetchall()]
+        prepared = conn.execute("select count(*) from pg_prepared_xacts").fetchone()
+    assert sorted(ids) == expected
+    assert prepared == (0,)
+    got = ds.dataset(files, format="parquet").to_table(columns=["id"])
+    assert sorted(got.column("id").to_pylist()) == expected
+    staged = [f for f in files.rglob("*") if f.is_file() and "/_" in str(f)]
+    assert not staged, staged
+    copies = len(list(once.glob("before_prepare*")))
+    assert copies > batches, f"no speculative copy of partition 7 ran ({copies} prepares)"
+    return copies
+
+
 def claim_pid(claim: str) -> int:
     return int(claim.split("pid=")[1].split()[0])
 

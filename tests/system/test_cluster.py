@@ -26,6 +26,7 @@ import pytest
 from tests.support.cluster import (
     Cluster,
     Driver,
+    assert_exactly_once_with_a_copy,
     claim_pid,
     executor_failpoints,
     wait_for_claims,
@@ -290,23 +291,10 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     assert kafka["error"] and "spark.dynamicAllocation.enabled=true" in kafka["error"], kafka
     assert "in-task" in kafka["error"] and "spark.dynamicAllocation.enabled=false" in kafka[
         "error"], kafka
-    import psycopg
-    import pyarrow.dataset as ds
-
-    with psycopg.connect(cluster.pg_dsn) as conn:
-        ids = [r[0] for r in conn.execute(f"select id from {table}").fetchall()]
-        prepared = conn.execute("select count(*) from pg_prepared_xacts").fetchone()
-    assert sorted(ids) == expected_ids(batches, ROWS)
-    assert prepared == (0,)
-    files = ds.dataset(tmp_path / "files", format="parquet").to_table(columns=["id"])
-    assert sorted(files.column("id").to_pylist()) == expected_ids(batches, ROWS)
-    staged = [f for f in (tmp_path / "files").rglob("*") if f.is_file() and "/_" in str(f)]
-    assert not staged, staged
-    # partition 7 was prepared more often than once a batch: a speculative copy ran
-    copies = len(list(once.glob("before_prepare*")))
-    assert copies > batches, f"no speculative copy of partition 7 ran ({copies} prepares)"
+    copies = assert_exactly_once_with_a_copy(cluster, table, tmp_path / "files", once,
+                                             expected_ids(batches, ROWS), batches)
     print(json.dumps({"elastic": {"batches": batches, "partitions": partitions,
-                                  "slots": 4, "rows": len(ids),
+                                  "slots": 4, "rows": batches * ROWS,
                                   "prepares_of_partition_7": copies,
                                   "kafka_aborted_rows": judged.aborted}}))
 

@@ -145,13 +145,7 @@ def test_a_starting_sink_aborts_a_dead_drivers_open_copy(kafka_bootstrap: str) -
     sink = "deadcopy"
     b = branch(p, batch_id=2, sink=sink)
     handle = fresh(p).prepare(b, SCHEMA, [batch(0, 50)])
-    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
-        job = Path(tmp) / "job.pkl"
-        job.write_bytes(pickle.dumps((p, b, dict(handle))))
-        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
-                               str(job)], capture_output=True, text=True, timeout=120,
-                              check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    _copy_and_die(p, b, handle)
     [lane] = p.open_transactions(sink)
     assert ".commit." in lane.transactional_id, lane
     restarted = fresh(p)
@@ -286,13 +280,7 @@ def test_a_fenced_copy_takes_the_branch_over_when_the_fencing_copy_died(
     at, go, hits = _held_at_mid_commit(monkeypatch, "A")
     a, a_out = _in_thread("A", lambda: fresh(p).commit(b, handle))
     assert at.wait(120), a_out
-    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
-        job = Path(tmp) / "job.pkl"
-        job.write_bytes(pickle.dumps((p, b, dict(handle))))
-        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
-                               str(job)], capture_output=True, text=True, timeout=120,
-                              check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    _copy_and_die(p, b, handle)
     [left] = p.open_transactions("takeover")  # B's copy, open on the branch's id
     assert left.transactional_id.endswith(".commit.p0"), left
     go.set()
@@ -391,3 +379,15 @@ def test_the_prune_deletes_only_staged_records_of_committed_batches(
     assert low(first) == int(other_handle["first_offset"])
     fresh(p).commit(other, other_handle)
     assert visible(p) == [i for s in (0, 100, 200, 300, 400) for i in range(s, s + 20)]
+
+
+def _copy_and_die(p: Any, b: Any, handle: Any) -> None:
+    """A process that opens the branch's copy, sends its records and marker, and is
+    SIGKILLed before committing (tests/support/kafka_copy_and_die.py)."""
+    with tempfile.TemporaryDirectory(prefix="twophase-kstaged-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        job.write_bytes(pickle.dumps((p, b, dict(handle))))
+        proc = subprocess.run([sys.executable, "-m", "tests.support.kafka_copy_and_die",
+                               str(job)], capture_output=True, text=True, timeout=120,
+                              check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
