@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import (
+    ELASTIC,
     Cluster,
     Driver,
     assert_exactly_once_with_a_copy,
@@ -70,17 +71,7 @@ def test_door_under_dynamic_allocation_and_speculation(cluster: Cluster, tmp_pat
     files_name = StagedFileParticipant(path=str(tmp_path / "files")).name
     spec = (f"before_prepare@{files_name}/7=sleep(0.01)*1000;"
             f"after_prepare@{files_name}/7=sleep(90)*1")
-    conf = cluster.spark_conf(**executor_failpoints(spec, once), **{
-        "spark.dynamicAllocation.enabled": "true",
-        "spark.dynamicAllocation.shuffleTracking.enabled": "true",
-        "spark.dynamicAllocation.minExecutors": "0",
-        "spark.dynamicAllocation.maxExecutors": "2",
-        "spark.dynamicAllocation.executorIdleTimeout": "30s",
-        "spark.executor.cores": "2",
-        "spark.speculation": "true", "spark.speculation.multiplier": "1.1",
-        "spark.speculation.quantile": "0.5", "spark.speculation.minTaskRuntime": "50ms",
-        "spark.speculation.efficiency.enabled": "false",
-        "spark.scheduler.minRegisteredResourcesRatio": "0"})
+    conf = cluster.spark_conf(**executor_failpoints(spec, once), **ELASTIC)
     cfg = {"pg_dsn": cluster.pg_dsn, "table": table, "files": str(tmp_path / "files"),
            "coordinator": f"sqlite:///{tmp_path / 'coord.db'}", "input": str(tmp_path / "in"),
            "ckpt": str(tmp_path / "ckpt"), "conf": conf, "partitions": partitions}

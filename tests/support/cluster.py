@@ -67,6 +67,22 @@ class Cluster:
         raise AssertionError(f"pid {pid} runs on no worker of the cluster")
 
 
+ELASTIC: dict[str, str] = {
+    "spark.dynamicAllocation.enabled": "true",
+    "spark.dynamicAllocation.shuffleTracking.enabled": "true",
+    "spark.dynamicAllocation.minExecutors": "0",
+    "spark.dynamicAllocation.maxExecutors": "2",
+    "spark.dynamicAllocation.executorIdleTimeout": "30s",
+    "spark.executor.cores": "2",
+    "spark.speculation": "true", "spark.speculation.multiplier": "1.1",
+    "spark.speculation.quantile": "0.5", "spark.speculation.minTaskRuntime": "50ms",
+    "spark.speculation.efficiency.enabled": "false",
+    "spark.scheduler.minRegisteredResourcesRatio": "0",
+}
+"""An elastic, eagerly speculating cluster: executors from 0 to 2 (one per worker),
+a stalled task copied as soon as half of its stage is done."""
+
+
 def executor_failpoints(spec: str, once_dir: Path) -> dict[str, str]:
     """Spark conf that arms failpoints in the executors' Python workers only."""
     return {

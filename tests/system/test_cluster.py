@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import (
+    ELASTIC,
     Cluster,
     Driver,
     assert_exactly_once_with_a_copy,
@@ -211,16 +212,7 @@ def run(conf, participants, partitions, ckpt):
     spark.stop()
     print(json.dumps(out), flush=True)
 
-elastic = {**cfg["conf"], "spark.dynamicAllocation.enabled": "true",
-           "spark.dynamicAllocation.shuffleTracking.enabled": "true",
-           "spark.dynamicAllocation.minExecutors": "0",
-           "spark.dynamicAllocation.maxExecutors": "2",
-           "spark.dynamicAllocation.executorIdleTimeout": "30s",
-           "spark.executor.cores": "2",
-           "spark.speculation": "true", "spark.speculation.multiplier": "1.1",
-           "spark.speculation.quantile": "0.5", "spark.speculation.minTaskRuntime": "50ms",
-           "spark.speculation.efficiency.enabled": "false",
-           "spark.scheduler.minRegisteredResourcesRatio": "0"}
+elastic = cfg["conf"]  # tests.support.cluster.ELASTIC on the cluster's conf
 run(elastic, [PostgresParticipant(dsn=cfg["pg_dsn"], table=cfg["table"]),
               StagedFileParticipant(path=cfg["files"])], cfg["partitions"], "durable")
 run(elastic, [KafkaParticipant(topic="orders", config={"bootstrap.servers": "127.0.0.1:9"},
@@ -255,7 +247,7 @@ def test_dynamic_allocation_speculation_and_more_partitions_than_slots(
     cfg = {"pg_dsn": cluster.pg_dsn, "table": table, "files": str(tmp_path / "files"),
            "coordinator": f"sqlite:///{store}", "input": str(tmp_path / "in"),
            "ckpt": str(tmp_path / "ckpt"),
-           "conf": cluster.spark_conf(**executor_failpoints(spec, once)),
+           "conf": cluster.spark_conf(**executor_failpoints(spec, once), **ELASTIC),
            "partitions": partitions}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     (tmp_path / "any_shape.py").write_text(ANY_SHAPE)
