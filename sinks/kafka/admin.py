@@ -17,7 +17,7 @@ import pyarrow.types as pat
 
 from twophase.errors import Failure, ParticipantError, TargetProblem, classify
 from twophase.sinks.kafka.config import DEFAULT_TRANSACTION_MAX_TIMEOUT_MS, common_config
-from twophase.sinks.kafka.errors import TRANSIENT, describe_error, kafka_error
+from twophase.sinks.kafka.errors import FENCED, TRANSIENT, describe_error, kafka_error
 
 __all__ = ["check_columns", "check_topic", "list_metadata", "probe_topic",
            "probe_transactional_write", "security_refusal"]
@@ -312,8 +312,7 @@ def _missing_topic_ops(admin: Any, topic: str, needs: tuple[str, ...],
     return [op for op in needs if op not in names]
 
 
-_PROBE_RACES = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH",
-                          "CONCURRENT_TRANSACTIONS"})
+_PROBE_RACES = FENCED | {"CONCURRENT_TRANSACTIONS"}
 """Executors probing at once share the probe's transactional.id: one fences another."""
 
 

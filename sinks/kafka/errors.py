@@ -11,7 +11,7 @@ from typing import Any, Final, Literal
 
 from twophase.errors import ParticipantError
 
-__all__ = ["COORDINATOR_MOVES", "TRANSIENT", "CommitAction", "CommitNotDone",
+__all__ = ["COORDINATOR_MOVES", "FENCED", "TRANSIENT", "CommitAction", "CommitNotDone",
            "classify_commit_error", "commit_retrying", "describe_error", "kafka_error"]
 
 CommitAction = Literal["retry", "fatal"]
@@ -21,6 +21,10 @@ _AMBIGUOUS: Final = frozenset(
      "NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "CONCURRENT_TRANSACTIONS",
      "_ALL_BROKERS_DOWN", "NETWORK_EXCEPTION", "_WAIT_COORD", "_IN_PROGRESS"}
 )
+
+
+FENCED: Final = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH"})
+"""A newer producer of the same transactional.id took over: this one can do nothing more."""
 
 
 TRANSIENT: Final = _AMBIGUOUS | {"LEADER_NOT_AVAILABLE", "NOT_LEADER_OR_FOLLOWER",

@@ -52,7 +52,13 @@ from twophase import failpoints
 from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.config import common_config, validate_topic
-from twophase.sinks.kafka.errors import CommitNotDone, commit_retrying, describe_error, kafka_error
+from twophase.sinks.kafka.errors import (
+    FENCED,
+    CommitNotDone,
+    commit_retrying,
+    describe_error,
+    kafka_error,
+)
 from twophase.sinks.kafka.lanes import Lane, copy_id, drop, ready, retire, using
 from twophase.sinks.kafka.marker import (
     add_marker,
@@ -89,7 +95,6 @@ TAKEOVERS: Final = 2
 """Times one commit call takes a branch over after a fence whose copy did not commit it
 (a process that died or failed): bounded, so two finishers never fence each other on
 and on; past it the error is raised and the batch is finished again."""
-_FENCING: Final = frozenset({"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH"})
 _FENCED_PAUSE_S: Final = (0.2, 0.6)
 """A fenced copy's pause before it reads the marker: the fencing copy adds its marker
 offset first thing, so the read then waits for that copy's end instead of missing it."""
@@ -310,7 +315,7 @@ def _fenced(exc: BaseException) -> bool:
         if seen is None:
             return False
         err = kafka_error(seen)
-        if err is not None and (err.name() in _FENCING or err.fatal()):
+        if err is not None and (err.name() in FENCED or err.fatal()):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
