@@ -56,11 +56,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from twophase import protocol as p  # noqa: E402
-from twophase.client import CoordinatorClient  # noqa: E402
+from twophase.client.api import CoordinatorClient  # noqa: E402
+from twophase.client.wire import VoteIn  # noqa: E402
 from twophase.coordinator.store import Store  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
 from twophase.testing.servers import free_port  # noqa: E402
-from twophase.wire import VoteIn  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 

@@ -38,10 +38,10 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 def run(spark: Any, dsn: str, work: Path, input_dir: Path, variant: str, batches: int) -> float:
     """One query; rows per second over its timed batches."""
     import twophase
-    from twophase.driver import TransactionalSink
-    from twophase.plan import arrow_schema
+    from twophase.doors.foreachbatch import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
+    from twophase.spark.plan import arrow_schema
 
     tag = uuid.uuid4().hex[:8]
     table, out = f"door_{variant.lower()}_{tag}", work / f"out-{tag}"

@@ -79,9 +79,9 @@ def _count_http() -> None:
 def _per_phase(store: list[dict[str, tuple[int, float, int, float]]]) -> None:
     """Each lap of a batch records the counters' growth in its phase."""
     try:
-        from twophase.report import Laps
+        from twophase.engine.report import Laps
     except ImportError:  # an older tree: the driver's own
-        from twophase.driver import _Laps as Laps  # type: ignore[attr-defined,no-redef]
+        from twophase.doors.foreachbatch import _Laps as Laps  # type: ignore[attr-defined,no-redef]
 
     original_init, original_lap = Laps.__init__, Laps.lap
 

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from twophase.report import BATCH_PHASES
+from twophase.engine.report import BATCH_PHASES
 
 
 def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str:

@@ -58,9 +58,9 @@ class Phases:
         import pyiceberg.table as ptable
         from pyspark.sql.readwriter import DataFrameWriter
 
-        import twophase.native as native
+        import twophase.engine.native as native
         import twophase.sinks.iceberg.native as inative
-        from twophase.client import CoordinatorClient
+        from twophase.client.api import CoordinatorClient
         from twophase.sinks.iceberg.participant import IcebergParticipant as P
 
         # variant B2: B with these write options too (k=v,k=v), beside B in one run

@@ -71,10 +71,10 @@ def job(args: argparse.Namespace) -> int:
     """The user's job: A or B over ``--input`` into ``--table`` and ``--out``."""
     from e2e import _at_least_once_writer
 
-    from twophase.driver import TransactionalSink
-    from twophase.plan import arrow_schema as _arrow_schema
+    from twophase.doors.foreachbatch import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
+    from twophase.spark.plan import arrow_schema as _arrow_schema
     from twophase.testing.job import EVENT_DDL, spark_session
 
     marks = Path(args.marks)

@@ -4,8 +4,8 @@ Two sections, side by side in one run (issue 30):
 
 1. **Coordinator per branch.** A daemon (``twophase serve`` as a user starts it: its own
    process, SQLite store) and the driver's own calls for one batch of P branches: begin,
-   the votes sent in chunks (``twophase.decide``, as the sink sends its tasks' votes),
-   the acknowledgements in chunks (``twophase.commit.send_acks``). Per P (default 4, 64,
+   the votes sent in chunks (``twophase.engine.decide``, as the sink sends its tasks' votes),
+   the acknowledgements in chunks (``twophase.engine.commit.send_acks``). Per P (default 4, 64,
    256, 1,024, 4,096): requests per batch, JSON bytes sent and received per batch (the
    bodies as httpx sent and read them), the
    daemon process's CPU per batch and per branch (``/proc/PID/stat``), wall time. Then
@@ -44,13 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from twophase.client import CoordinatorClient  # noqa: E402
-from twophase.commit import send_acks  # noqa: E402
-from twophase.decide import decide  # noqa: E402
+from twophase.client.api import CoordinatorClient  # noqa: E402
+from twophase.client.wire import VoteIn  # noqa: E402
+from twophase.engine.commit import send_acks  # noqa: E402
+from twophase.engine.decide import decide  # noqa: E402
 from twophase.protocol import Decision  # noqa: E402
 from twophase.testing.job import EVENT_DDL, spark_session, write_input  # noqa: E402
 from twophase.testing.servers import LocalDaemon  # noqa: E402
-from twophase.wire import VoteIn  # noqa: E402
 
 TOKEN = "bench-scale-token"
 

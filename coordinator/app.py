@@ -3,7 +3,7 @@
 The service only translates: it validates a request (:mod:`~twophase.coordinator.models`),
 stamps the event with the store's clock, hands it to :class:`~twophase.coordinator.store.
 Store` (which runs the pure state machine under compare-and-set) and encodes the answer
-with :mod:`twophase.wire`, whose TypedDicts are also the documented response schemas. The
+with :mod:`twophase.client.wire`, whose TypedDicts are also the documented response schemas. The
 API is described in ``docs/coordinator-api.md`` and served as OpenAPI at ``/openapi.json``.
 
 Routes come in groups, each built by one function below: ops (health, metrics), sinks
@@ -27,8 +27,9 @@ from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twophase import __version__, wire
+from twophase import __version__
 from twophase import protocol as p
+from twophase.client import wire
 from twophase.coordinator.apidoc import docs_page, openapi_with_roles
 from twophase.coordinator.background import Background, Settings
 from twophase.coordinator.guard import MAX_BODY, Guard
@@ -538,7 +539,7 @@ def _admin_routes(svc: _Service) -> APIRouter:
     def admin_resolve(sink: SinkName, body: ResolveIn) -> Response:
         """Settle the sink's leftovers here, with participants rebuilt from the recorded
         descriptors (secrets from this process's environment); see ``twophase resolve``."""
-        from twophase.resolve import participants_from, resolve_sink
+        from twophase.engine.resolve import participants_from, resolve_sink
 
         try:
             parts = participants_from(st.participants(sink), sink=sink, grants=grants)

@@ -4,7 +4,7 @@ The same app as the daemon, run by uvicorn in a daemon thread on a free port wit
 random tokens: a data token, which the tasks carry, and an operator token, which stays in
 this process (the console's URL, ``twophase force``/``resolve`` on a store URL). Executors
 on other hosts reach it over HTTP exactly like a daemon.
-:mod:`twophase.connection` starts and shares these servers.
+:mod:`twophase.client.connection` starts and shares these servers.
 """
 
 from __future__ import annotations

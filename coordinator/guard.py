@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
-from twophase import wire
+from twophase.client import wire
 from twophase.coordinator.roles import OPEN_PATHS, TokenSet, role_for, sink_of
 from twophase.errors import TwophaseError
 

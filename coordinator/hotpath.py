@@ -23,11 +23,11 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import Field, StringConstraints, TypeAdapter
 from starlette.responses import Response
 
+from twophase.client.wire import MAX_INT
 from twophase.coordinator.models import AcksIn, BeginIn, VotesIn
 from twophase.errors import TwophaseError
 from twophase.names import LINEAGE_PATTERN, NAME_PATTERN
 from twophase.protocol import TxnKey
-from twophase.wire import MAX_INT
 
 __all__ = ["HotPath", "HotRoutes"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twophase import wire
+from twophase.client import wire
 
 __all__ = ["fetch", "fetch_participants", "fetch_sinks"]
 
@@ -26,7 +26,7 @@ def fetch(
     if state is not None:
         state = state.upper()
     if coordinator.startswith(("http://", "https://")):
-        from twophase.client import CoordinatorClient
+        from twophase.client.api import CoordinatorClient
 
         with CoordinatorClient(coordinator, token, token_file=token_file,
                                retry_budget=10.0) as client:
@@ -49,7 +49,7 @@ def fetch_sinks(coordinator: str, *, token: str | None = None,
     """Every sink with its last committed batch, in-doubt count and age, alerts
     (``wire.SinkSummaryOut``), from a daemon or read from a store."""
     if coordinator.startswith(("http://", "https://")):
-        from twophase.client import CoordinatorClient
+        from twophase.client.api import CoordinatorClient
 
         with CoordinatorClient(coordinator, token, token_file=token_file,
                                retry_budget=10.0) as client:
@@ -67,7 +67,7 @@ def fetch_participants(coordinator: str, sink: str, *, token: str | None = None,
                        token_file: str | None = None) -> list[dict[str, Any]]:
     """The sink's recorded participant descriptors, from a daemon or read from a store."""
     if coordinator.startswith(("http://", "https://")):
-        from twophase.client import CoordinatorClient
+        from twophase.client.api import CoordinatorClient
 
         with CoordinatorClient(coordinator, token, token_file=token_file,
                                retry_budget=10.0) as client:

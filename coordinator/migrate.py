@@ -3,7 +3,7 @@
 Version 2 to 3 adds the participants table. Version 3 to 4 moves each transaction's
 branches out of its ``txns.branches`` JSON value into ``twophase_branches``, a row per
 branch in the value's order, then drops the column. Each transaction's branches are
-decoded and re-encoded with :mod:`twophase.wire` (rows written before the store used
+decoded and re-encoded with :mod:`twophase.client.wire` (rows written before the store used
 wire's layout omit null keys), so an in-doubt transaction comes out exactly as it went
 in and the new daemon finishes it. All of it is one database transaction: a crash
 mid-way leaves the old layout, and the next start migrates again.
@@ -17,7 +17,7 @@ from typing import Final
 
 from sqlalchemy import Connection, insert, text
 
-from twophase import wire
+from twophase.client import wire
 from twophase.coordinator import schema as s
 
 __all__ = ["upgrade"]

@@ -1,7 +1,7 @@
 """What the service accepts: strict request bodies with their bounds, and path parameters.
 
 Strict: ``"5"`` is not an int and unknown fields are refused. The client builds these
-bodies with :mod:`twophase.wire` (``begin_body``, ``votes_body``, ...), whose TypedDicts
+bodies with :mod:`twophase.client.wire` (``begin_body``, ``votes_body``, ...), whose TypedDicts
 name the same fields; a test keeps the two in step. What the service answers is
 documented with wire's TypedDicts directly (``wire.TxnOut``, ``wire.BeginOut``, ...).
 """
@@ -22,9 +22,9 @@ from pydantic import (
     field_validator,
 )
 
-from twophase import wire
+from twophase.client import wire
+from twophase.client.wire import MAX_EPOCH, MAX_INT, MAX_TEXT
 from twophase.names import BRANCH_PATTERN, LINEAGE_PATTERN, NAME_PATTERN, validate_name
-from twophase.wire import MAX_EPOCH, MAX_INT, MAX_TEXT
 
 __all__ = [
     "ERRORS",
@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 def _no_nul(value: str) -> str:
     if "\x00" in value:
         raise ValueError("text must not contain NUL characters (PostgreSQL cannot store "
-                         "them): remove or escape them (twophase.wire.clip_text does)")
+                         "them): remove or escape them (twophase.client.wire.clip_text does)")
     return value
 
 

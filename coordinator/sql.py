@@ -4,7 +4,7 @@ Hot-path statements are plain SQL run on the driver's cursor
 (:func:`~twophase.coordinator.db.run`), written with ``:name`` parameters and turned into
 psycopg's ``%(name)s`` form for PostgreSQL; cold paths (listings, history) use
 SQLAlchemy Core. A transaction's branches are rows of their own, each one JSON value in
-:mod:`twophase.wire`'s branch layout (the one the HTTP API shows); a change writes the
+:mod:`twophase.client.wire`'s branch layout (the one the HTTP API shows); a change writes the
 transaction's row with a compare-and-set on ``version`` (a lost race raises
 :class:`~twophase.coordinator.db.Conflict`), then only the branch rows that changed.
 A load reads the transaction's row, its branch rows, then its ``version`` again, and
@@ -26,7 +26,7 @@ from typing import Any, Final
 from sqlalchemy import Connection, and_, bindparam, delete, insert, select
 
 from twophase import protocol as p
-from twophase import wire
+from twophase.client import wire
 from twophase.coordinator import schema as s
 from twophase.coordinator.db import Conflict, run
 from twophase.protocol import TxnKey

@@ -69,7 +69,7 @@ class TargetWatch:
         return sorted(found.values(), key=lambda s: (s.sink, s.participant))
 
     def _parts(self, sink: str) -> list[Participant]:
-        from twophase.resolve import participants_from
+        from twophase.engine.resolve import participants_from
 
         descriptors = self.store.participants(sink)
         # a grant added or revoked rebuilds the sink's participants too

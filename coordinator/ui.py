@@ -34,7 +34,7 @@ REFRESH_MS: Final = 2000
 
 
 class StoreDecisions:
-    """:class:`twophase.resolve.Decisions` over the service's own store (the console's
+    """:class:`twophase.engine.resolve.Decisions` over the service's own store (the console's
     resolve runs in the service, with no HTTP round trip to itself)."""
 
     def __init__(self, store: Store) -> None:

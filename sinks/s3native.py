@@ -3,7 +3,7 @@ writes the attempt's objects through Hadoop's S3A file system, and ``adopt`` mak
 the branch's prepared state server-side; no row crosses into Python
 (docs/decisions.md, 2026-11-26, "S3 files native").
 
-- **write** (``twophase.native``): ``s3a://bucket/P/_twophase_staging/<native name>/``,
+- **write** (``twophase.engine.native``): ``s3a://bucket/P/_twophase_staging/<native name>/``,
   one ``part-NNNNN-*.parquet`` object per task; the participant's ``storage_options``
   ride as per-write Hadoop options (``fs.s3a.endpoint``, keys, path-style access,
   region). The folder starts with ``_``: readers of the prefix skip it.

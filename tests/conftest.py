@@ -121,7 +121,7 @@ def mariadb(mariadb_server: LocalMariaDB) -> str:
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
     # No PYSPARK_PYTHON: the suite meets Spark's interpreter as users do (the sink picks
-    # the driver's in local mode, twophase.preflight).
+    # the driver's in local mode, twophase.spark.preflight).
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark on loopback
     from pyspark.sql import SparkSession
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.protocol.test_participant_contract import _Bare
 from twophase import failpoints
-from twophase.commit import Committer
+from twophase.engine.commit import Committer
 from twophase.participant import BranchRef
 from twophase.protocol import Decision
 

@@ -1,5 +1,5 @@
 """The driver's finish of a recovered batch runs its statuses and commits in lanes
-(``twophase.recover``): a batch of many partitions is committed whole, each branch by a
+(``twophase.engine.recover``): a batch of many partitions is committed whole, each branch by a
 participant no other thread uses, and a failure is raised, not lost."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from twophase import recover
-from twophase.finish import apply_decision
+from twophase.engine.finish import apply_decision
 from twophase.participant import BranchRef, BranchStatus, Handle, Participant
 from twophase.protocol import Decision
 from twophase.sinks.files import StagedFileParticipant

@@ -14,20 +14,20 @@ __all__ = ["TransactionalSink", "__version__", "register"]
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
 
 
 def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None:
     """Register ``df.writeStream.format("twophase")`` with ``spark``, and ``sink`` for
-    ``.option("sink", sink.name)`` (:func:`twophase.datasource.register`)."""
-    from twophase.datasource import register as _register
+    ``.option("sink", sink.name)`` (:func:`twophase.doors.datasource.register`)."""
+    from twophase.doors.datasource import register as _register
 
     _register(spark, sink)
 
 
 def __getattr__(name: str) -> Any:
     if name == "TransactionalSink":
-        from twophase.driver import TransactionalSink
+        from twophase.doors.foreachbatch import TransactionalSink
 
         return TransactionalSink
     raise AttributeError(f"module 'twophase' has no attribute {name!r}")

@@ -178,7 +178,7 @@ class LeftOpen:
 
 class SinkDecisions(Protocol):
     """What the start-up clean-up may ask the coordinator: a sink's COMMIT-decided,
-    unfinished transactions (:meth:`twophase.client.CoordinatorClient.committing`, a
+    unfinished transactions (:meth:`twophase.client.api.CoordinatorClient.committing`, a
     route the jobs' data token may call)."""
 
     def committing(self, sink: str) -> list[Transaction]: ...
@@ -305,7 +305,7 @@ class Participant(abc.ABC):
 
     def required_modules(self) -> tuple[str, ...]:
         """Modules the executors must import to run this participant, beyond the one it
-        is defined in (checked by :mod:`twophase.preflight` before the first batch; name
+        is defined in (checked by :mod:`twophase.spark.preflight` before the first batch; name
         what it imports lazily, e.g. a client library loaded in :meth:`prepare`)."""
         return ()
 
@@ -315,7 +315,7 @@ class Participant(abc.ABC):
     def prune_markers(self, sink: str, lineage: str, below: int) -> int:
         """Delete this participant's idempotency markers of ``sink``'s ``lineage`` for
         batches below ``below``; returns how many. The driver calls it in the background
-        with its committed batch minus a kept window (``twophase.commit``), so markers do
+        with its committed batch minus a kept window (``twophase.engine.commit``), so markers do
         not grow by P rows per batch forever: no recovery asks about those batches (Spark
         replays only batches its checkpoint still retains). Default: nothing to prune."""
         return 0
@@ -490,7 +490,7 @@ def read_back_of(participant: Participant, column: str) -> ReadBack:
 
 Descriptor = dict[str, Any]
 """``{"kind": str, "name": str, "target": str, "options": {str: scalar}}``
-(``twophase.wire.DescriptorOut``)."""
+(``twophase.client.wire.DescriptorOut``)."""
 
 ENTRY_POINT_GROUP = "twophase.participants"
 """Installed packages register ``kind = "module:Class"`` here (pyproject.toml's

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 
+from twophase.client.wire import MAX_TEXT
 from twophase.errors import InvalidRequest
 from twophase.participant import (
     BranchRef,
@@ -65,7 +66,6 @@ from twophase.sinks.kafka.log import LostMarker, judge_log, read_log, settle_los
 from twophase.sinks.kafka.marker import committed_marker, held_consumer, read_marker_now
 from twophase.sinks.kafka.producers import cache_key, discard, new_producer
 from twophase.sinks.kafka.readback import read_topic
-from twophase.wire import MAX_TEXT
 
 __all__ = ["MARKER_CONSUMERS", "PRODUCERS", "KafkaParticipant"]
 

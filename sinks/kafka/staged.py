@@ -11,7 +11,7 @@ prepare does not open one in the task:
   and a token unique to this prepare call. Once every record is acknowledged the vote's
   handle names where they are: staging partition, first and last offset, count, token.
   A failed or duplicate attempt leaves records under another token: never copied.
-- **commit** (the driver's :class:`~twophase.commit.Committer`, a restarted driver,
+- **commit** (the driver's :class:`~twophase.engine.commit.Committer`, a restarted driver,
   ``twophase resolve``, or a Spark task redoing the branch): one Kafka transaction per
   branch reads the staged range, keeps the records carrying the handle's token,
   produces them to the target topic with their key, value and original headers (the
@@ -28,7 +28,7 @@ prepare does not open one in the task:
   init and copied again.
 - **recovery**: a branch reads PREPARED while its staged range is in the staging topic
   (:func:`voted_status`), so a restart finishes a COMMIT-decided batch from the driver
-  (``twophase.recover``) without the batch's rows. Only a branch whose records retention
+  (``twophase.engine.recover``) without the batch's rows. Only a branch whose records retention
   took is written again from the replay, by Spark tasks, on the same per-branch ids.
 - **abort**: nothing is visible and nothing is held (no transaction, no lock): the staged
   records are never copied; the driver's background prune deletes those of committed
@@ -363,7 +363,7 @@ def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> Bran
     """A staged branch's state under its vote: COMMITTED when its marker is; else
     PREPARED while the staged range is still in the staging topic (its copy needs
     nothing but the handle, so a finish commits it from the driver without the batch's
-    rows, ``twophase.recover``); ABSENT once the topic's retention took the range's
+    rows, ``twophase.engine.recover``); ABSENT once the topic's retention took the range's
     first record, when only a redo from the replayed rows (digest-checked) can write it."""
     if read_marker_now(p, branch) >= branch.batch_id + 1:
         return BranchStatus.COMMITTED

@@ -27,16 +27,16 @@ import pytest
 
 from tests.support.kafka import create_topic, unique_topic
 from twophase import failpoints
-from twophase.batchplan import BatchPlan
-from twophase.connection import connect
+from twophase.client.connection import connect
+from twophase.client.wire import VoteIn
 from twophase.digest import rows_digest
+from twophase.engine.plan import BatchPlan
+from twophase.engine.task import run_partition
 from twophase.errors import ParticipantError
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import read_log
-from twophase.task import run_partition
 from twophase.testing.verify import verify
-from twophase.wire import VoteIn
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "run_partition.py"
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ from tests.support.fault import (
     write_batch,
 )
 from twophase import failpoints
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
 from twophase.sinks.postgres.participant import PostgresParticipant
 from twophase.testing.localpg import LocalPostgres
 from twophase.testing.servers import LocalDaemon

@@ -9,7 +9,7 @@
 Each ends with 0 duplicates, 0 missing, nothing left prepared; while a server is down the
 errors name it; once it is back, the work proceeds without a hand.
 
-The batches run the tasks' real code (``twophase.task.run_partition``, what each Spark
+The batches run the tasks' real code (``twophase.engine.task.run_partition``, what each Spark
 task runs) driven by the driver's own rule (``protocol.next_step``) in this process, so a
 server can be killed at an exact step (a ``sleep`` failpoint holds the task there; the
 once-dir says when it got there) without a Spark job around it.
@@ -40,7 +40,7 @@ from tests.support.fault import (
     write_batch,
 )
 from twophase import failpoints
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
 from twophase.errors import ParticipantError
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres.participant import PostgresParticipant

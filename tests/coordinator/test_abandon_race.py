@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from twophase import protocol as p
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.testing.servers import LocalDaemon
-from twophase.wire import VoteIn
 
 TOKEN = "race-token-1-0123456789"
 

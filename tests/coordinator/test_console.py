@@ -18,19 +18,19 @@ import pyarrow as pa
 import pytest
 
 from tests.support.old_store import old_store
-from twophase.batchplan import BatchPlan
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.coordinator import schema as s
 from twophase.coordinator.app import create_app
 from twophase.coordinator.embedded import EmbeddedServer
 from twophase.coordinator.guard import OPEN_PATHS
 from twophase.coordinator.store import Store
+from twophase.engine.plan import BatchPlan
+from twophase.engine.task import run_partition
 from twophase.errors import SchemaMismatch
 from twophase.participant import BranchRef
 from twophase.protocol import State, TxnKey
 from twophase.sinks.files import StagedFileParticipant
-from twophase.task import run_partition
-from twophase.wire import VoteIn
 
 SINK, LINEAGE = "orders", "L-console"
 KEY = TxnKey(SINK, LINEAGE, 0, 1)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.coordinator.embedded import EmbeddedServer
 from twophase.protocol import State, TxnKey
-from twophase.wire import VoteIn
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

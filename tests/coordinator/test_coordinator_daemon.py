@@ -18,10 +18,10 @@ import pytest
 
 from tests.support.pg import fresh_pg_db
 from twophase import protocol as p
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.coordinator.store import Store
 from twophase.testing.servers import LocalDaemon, free_port
-from twophase.wire import VoteIn
 
 TOKEN = "test-token-123-0123456789"
 

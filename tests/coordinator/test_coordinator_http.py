@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from twophase import protocol as p
-from twophase.client import CoordinatorClient
-from twophase.connection import Connection, connect
+from twophase.client.api import CoordinatorClient
+from twophase.client.connection import Connection, connect
+from twophase.client.wire import VoteIn
 from twophase.coordinator.app import create_app
 from twophase.coordinator.embedded import EmbeddedServer
 from twophase.errors import (
@@ -24,7 +25,6 @@ from twophase.errors import (
     StaleEpoch,
     TransactionNotFound,
 )
-from twophase.wire import VoteIn
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One record layout (twophase.wire) for the store's branch rows, the service's
+"""One record layout (twophase.client.wire) for the store's branch rows, the service's
 answers and documented schemas, and the client's request bodies."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import update
 
 from twophase import protocol as p
-from twophase import wire
+from twophase.client import wire
 from twophase.coordinator import models
 from twophase.coordinator import schema as s
 from twophase.coordinator.app import create_app

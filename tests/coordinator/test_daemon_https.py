@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
 from twophase.testing.servers import LocalDaemon
 from twophase.testing.tlscerts import CertificateAuthority
 

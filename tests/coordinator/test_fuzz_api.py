@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.support.pg import fresh_pg_db
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
 from twophase.coordinator.guard import OPEN_PATHS
 from twophase.coordinator.roles import ROUTE_ROLES
 from twophase.testing.servers import LocalDaemon

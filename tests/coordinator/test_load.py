@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.pg import fresh_pg_db
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.errors import TwophaseError
 from twophase.testing.servers import LocalDaemon
-from twophase.wire import VoteIn
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn, votes_body
 from twophase.coordinator.app import create_app
 from twophase.coordinator.roles import ROUTE_ROLES, TokenSet, role_for
 from twophase.errors import CoordinatorError, InvalidRequest
 from twophase.protocol import Decision, State, TxnKey
 from twophase.testing.servers import LocalDaemon
-from twophase.wire import VoteIn, votes_body
 
 SINK = "orders"
 KEY = TxnKey(SINK, "L-roles", 0, 1)
@@ -208,7 +208,7 @@ def test_an_embedded_coordinator_ships_only_its_data_token(tmp_path: Path) -> No
     stays in the driver, for the console and the operators' commands."""
     import pickle
 
-    from twophase.connection import connect
+    from twophase.client.connection import connect
 
     with connect(f"sqlite:///{tmp_path / 'e.db'}") as conn:
         assert conn.operator_token and conn.token and conn.operator_token != conn.token

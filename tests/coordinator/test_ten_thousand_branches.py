@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from twophase.client import CoordinatorClient
-from twophase.commit import ACK_CHUNK, send_acks
-from twophase.decide import decide
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
+from twophase.engine.commit import ACK_CHUNK, send_acks
+from twophase.engine.decide import decide
 from twophase.protocol import Decision, State
 from twophase.testing.servers import LocalDaemon
-from twophase.wire import VoteIn
 
 TOKEN = "ten-thousand-token"
 P = 10_000

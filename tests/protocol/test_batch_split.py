@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from twophase.driver import TransactionalSink
-from twophase.plan import input_partitions as _input_partitions
+from twophase.doors.foreachbatch import TransactionalSink
 from twophase.sinks.files import StagedFileParticipant
+from twophase.spark.plan import input_partitions as _input_partitions
 from twophase.testing.job import EVENT_DDL, write_input
 
 pytestmark = pytest.mark.spark
@@ -130,7 +130,7 @@ def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:
 def test_pyspark_41s_utc_schema_gets_the_session_zone_nested_too() -> None:
     # pyspark < 4.2's to_arrow_schema has no ``timezone`` and says UTC; the tasks'
     # batches carry the session zone (bench/tables_vs_spark.py runs on pyspark 4.1)
-    from twophase.sparkcompat import in_zone
+    from twophase.spark.compat import in_zone
 
     utc = pa.timestamp("us", tz="UTC")
     got = in_zone(pa.schema([("ts", utc), ("s", pa.struct([("t", utc)])),

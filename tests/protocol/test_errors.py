@@ -67,7 +67,7 @@ def test_the_http_mapping_is_read_from_the_class() -> None:
 def test_a_failed_spark_job_is_named_by_the_jvms_reason_not_py4js_first_line() -> None:
     """Py4J's first line ("An error occurred while calling o280.collectToPython.") says
     nothing: the batch's error leads with the JVM's exception line instead."""
-    from twophase.report import short_error
+    from twophase.engine.report import short_error
 
     text = (
         "An error occurred while calling o280.collectToPython.\n"

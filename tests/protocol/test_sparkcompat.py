@@ -1,5 +1,5 @@
 """Spark 3.5 and 4.x (issue 33): the versions the sink accepts and refuses, each refusal
-naming the version, the cause and the fix (twophase.sparkcompat)."""
+naming the version, the cause and the fix (twophase.spark.compat)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from pyspark.sql.types import StructField, StructType, TimestampType
 
 from twophase.errors import EnvironmentProblem
-from twophase.sparkcompat import arrow_schema_of, check_spark, spark_version
+from twophase.spark.compat import arrow_schema_of, check_spark, spark_version
 
 
 @pytest.mark.parametrize("text,want", [("3.5.9", (3, 5)), ("4.1.0-SNAPSHOT", (4, 1)),

@@ -19,7 +19,7 @@ import pytest
 
 from tests.security.conftest import OPERATOR
 from twophase.cli import main
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
 from twophase.errors import CoordinatorUnavailable
 from twophase.testing.servers import LocalDaemon, clean_env, free_port
 from twophase.testing.tlscerts import CertificateAuthority

@@ -1,5 +1,5 @@
 """The prepare job's function is pickled and handed to the JVM once, not per batch
-(``twophase.sparkcompat.ArrowMap``): what a batch then costs the driver is one py4j
+(``twophase.spark.compat.ArrowMap``): what a batch then costs the driver is one py4j
 round trip to map its DataFrame, and the rows the tasks see are the batch's own."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from twophase.preflight import choose_worker_python
-from twophase.sparkcompat import ArrowMap
+from twophase.spark.compat import ArrowMap
+from twophase.spark.preflight import choose_worker_python
 
 pytestmark = pytest.mark.spark
 

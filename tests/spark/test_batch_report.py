@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from twophase import failpoints
-from twophase.driver import TransactionalSink
-from twophase.report import BATCH_PHASES
+from twophase.doors.foreachbatch import TransactionalSink
+from twophase.engine.report import BATCH_PHASES
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
 from twophase.testing.verify import verify

@@ -12,14 +12,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from twophase.batchplan import BatchPlan, BranchOutcome
-from twophase.connection import Connection, connect
+from twophase.client.connection import Connection, connect
+from twophase.engine.plan import BatchPlan, BranchOutcome
+from twophase.engine.task import run_partition
 from twophase.errors import RedoMismatch
 from twophase.participant import BranchStatus, Participant
 from twophase.protocol import BeginKind, Decision, State
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.task import run_partition
 from twophase.testing.verify import verify
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
@@ -66,8 +66,8 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
 def _prepare_and_vote_yes(plan: BatchPlan, parts: list[Participant], client: Any,
                           epoch: int, digest_kind: str = "v2") -> None:
     """Every branch prepares and votes YES by hand: COMMIT is decided, nothing applied."""
+    from twophase.client.wire import VoteIn
     from twophase.digest import rows_digest
-    from twophase.wire import VoteIn
 
     for p in range(2):
         votes = []
@@ -315,8 +315,8 @@ def test_a_task_run_again_after_commit_commits_only_a_replay_matching_the_vote( 
     the same branches prepared again by task attempt 1/9 from other rows are aborted,
     not committed, with an error naming both attempts; a replay with the voted rows
     (task 1/10) commits."""
+    from twophase.client.wire import VoteIn
     from twophase.digest import rows_digest
-    from twophase.wire import VoteIn
 
     sink, parts, conn = setup
     client = conn.client()

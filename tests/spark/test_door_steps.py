@@ -1,4 +1,4 @@
-"""The data source door's steps (twophase/doorsteps.py) without Spark: real PostgreSQL,
+"""The data source door's steps (twophase/engine/door.py) without Spark: real PostgreSQL,
 real files, a real embedded coordinator; the tasks run in threads at once, as Spark's
 would, so their begins race (the first creates the attempt, the others join it)."""
 
@@ -14,8 +14,8 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from twophase.connection import connect
-from twophase.doorsteps import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
+from twophase.client.connection import connect
+from twophase.engine.door import DoorSpec, Message, abort_batch, commit_batch, prepare_partition
 from twophase.errors import BatchFailed, IllegalTransition, InvalidRequest
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, State
@@ -120,7 +120,7 @@ def test_the_tasks_take_the_sessions_zone_and_refuse_another_named_one() -> None
     """Spark's batches carry the session's zone: a sink that names none prepares in it
     (a session on Etc/UTC against a plan made in UTC, nested timestamps too); one that
     names another zone is refused with both zones and the fix."""
-    from twophase.doorsteps import adopt_zone
+    from twophase.engine.door import adopt_zone
 
     def schema(tz: str) -> pa.Schema:
         ts = pa.timestamp("us", tz=tz)

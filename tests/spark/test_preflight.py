@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from twophase.preflight import (
+from twophase.sinks.files import StagedFileParticipant
+from twophase.spark.preflight import (
     HostReport,
     PreflightReport,
     _mismatch,
     modules_to_check,
 )
-from twophase.sinks.files import StagedFileParticipant
 
 
 class _Lazy(StagedFileParticipant):

@@ -17,8 +17,8 @@ import pytest
 from pyspark import cloudpickle
 
 from twophase.errors import EnvironmentProblem
-from twophase.preflight import CRASH_RETRIES, WORKER_CRASHED, check_executors
 from twophase.sinks.files import StagedFileParticipant
+from twophase.spark.preflight import CRASH_RETRIES, WORKER_CRASHED, check_executors
 
 pytestmark = pytest.mark.spark
 

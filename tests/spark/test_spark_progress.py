@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from twophase.coordinator.store import Store
-from twophase.driver import BatchReport, TransactionalSink
+from twophase.doors.foreachbatch import BatchReport, TransactionalSink
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.job import EVENT_DDL, write_input
 

@@ -165,7 +165,7 @@ def test_two_queries_two_sinks_share_one_daemon(
     spark: Any, tmp_path: Path, pg_dsn: str
 ) -> None:
     from tests.coordinator.test_coordinator_daemon import TOKEN, start_daemon
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
 
     daemon = start_daemon(f"sqlite:///{tmp_path / 'daemon.db'}")
     try:
@@ -195,7 +195,7 @@ def test_two_queries_two_sinks_share_one_daemon(
             assert [r.outcome for r in sink.history] == ["committed"] * 3
             report = verify(build_participants(cfg), expected_ids(3, 25), sink=cfg.sink)
             assert report.ok, report.lines()
-        from twophase.client import CoordinatorClient
+        from twophase.client.api import CoordinatorClient
 
         with CoordinatorClient(daemon.url, TOKEN) as client:
             for cfg in jobs:
@@ -249,7 +249,7 @@ def _lineage(job: JobConfig) -> str:
 
 
 def test_sink_construction_checks(tmp_path: Path) -> None:
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.kafka import KafkaParticipant
 
@@ -269,10 +269,10 @@ def test_a_pyspark_not_of_the_jvms_release_is_refused_before_anything_is_written
 ) -> None:
     # a driver whose Python side is another Spark release than its JVM (a packed venv
     # with its own pyspark on a platform's Spark): refused at the first batch, before the
-    # coordinator is started or a participant touched (twophase.sparkcompat)
+    # coordinator is started or a participant touched (twophase.spark.compat)
     import pyspark
 
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
     from twophase.errors import EnvironmentProblem
     from twophase.sinks.files import StagedFileParticipant
 

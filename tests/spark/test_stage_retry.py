@@ -8,7 +8,7 @@ had just written although the decision was taken on other rows. Run, Spark refus
 the batch's job ends in a barrier *ResultStage*, which Spark never re-runs ("Could not
 recover from a failed barrier ResultStage"); the job fails, and the driver's finish redoes
 the lost branch in a new job only after checking its rows against the vote's digest
-(``twophase.finish.check_redo``). The topic holds the voted rows exactly once. The task's
+(``twophase.engine.finish.check_redo``). The topic holds the voted rows exactly once. The task's
 own guard for a re-run stage (``check_recorded``) is tested directly in
 tests/spark/test_branch.py."""
 

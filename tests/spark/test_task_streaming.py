@@ -13,12 +13,12 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from twophase.batchplan import BatchPlan
-from twophase.connection import Connection, connect
+from twophase.client.connection import Connection, connect
+from twophase.engine.plan import BatchPlan
+from twophase.engine.task import run_partition
 from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.task import run_partition
 
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 _n = itertools.count()

@@ -27,7 +27,7 @@ from pyspark import cloudpickle
 
 from tests.support.user import user_env
 from twophase import TransactionalSink
-from twophase.connection import connect
+from twophase.client.connection import connect
 from twophase.errors import BatchFailed, EnvironmentProblem
 from twophase.participant import BranchRef, Handle
 from twophase.sinks.files import StagedFileParticipant
@@ -157,7 +157,7 @@ def test_a_missing_module_in_prepare_is_not_retried(spark: Any, tmp_path: Path) 
 
 def test_executors_that_cannot_reach_the_coordinator_are_named(spark: Any,
                                                                tmp_path: Path) -> None:
-    from twophase.preflight import check_executors
+    from twophase.spark.preflight import check_executors
     from twophase.testing.servers import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -180,7 +180,7 @@ def test_a_coordinator_outage_at_start_is_waited_for_not_blamed_on_executors(
     import threading
     import time as _time
 
-    from twophase.preflight import check_executors
+    from twophase.spark.preflight import check_executors
     from twophase.testing.servers import free_port
 
     port = free_port()
@@ -218,7 +218,7 @@ def test_the_probe_runs_in_the_python_workers_the_batch_reuses(spark: Any,
     an RDD job made every (re)started sink start two pools before its first batch (bench/
     restart.py: +2.2 s against a plain job). Given the session, the probe is a mapInArrow
     job, and the batch's barrier mapInArrow tasks then run in the same worker processes."""
-    from twophase.preflight import check_executors
+    from twophase.spark.preflight import check_executors
 
     n = int(spark.sparkContext.defaultParallelism)
     with socket.create_server(("127.0.0.1", 0)) as srv:

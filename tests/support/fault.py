@@ -11,12 +11,12 @@ import psycopg
 import pyarrow as pa
 
 from twophase import failpoints
-from twophase.batchplan import BatchPlan
-from twophase.client import CoordinatorClient
+from twophase.client.api import CoordinatorClient
+from twophase.engine.plan import BatchPlan
+from twophase.engine.task import run_partition
 from twophase.errors import TwophaseError
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, StepKind, next_step
-from twophase.task import run_partition
 
 TOKEN = "server-faults-token"
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.string())])

@@ -15,8 +15,8 @@ import sys
 def main() -> int:
     import pyarrow as pa
 
+    from twophase.engine.task import run_partition
     from twophase.errors import TwophaseError
-    from twophase.task import run_partition
 
     plan_path, partition, rows_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     with open(plan_path, "rb") as f:

@@ -47,7 +47,7 @@ def main() -> int:
     from pyspark.sql import SparkSession
 
     from twophase import failpoints
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
 
     with open(sys.argv[1]) as f:
         job: dict[str, Any] = json.load(f)

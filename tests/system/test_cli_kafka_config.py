@@ -18,7 +18,8 @@ import pytest
 
 from tests.support.kafka import create_topic, grant_app, unique_topic
 from twophase.cli import build_parser, main
-from twophase.connection import connect
+from twophase.client.connection import connect
+from twophase.client.wire import VoteIn
 from twophase.coordinator.store import Store
 from twophase.grants import grant_line
 from twophase.participant import BranchRef
@@ -28,7 +29,6 @@ from twophase.sinks.kafka.config import KAFKA_CONFIG_ENV, KAFKA_PASSWORD_ENV
 from twophase.sinks.kafka.log import read_log
 from twophase.testing.apachekafka import LocalKafka
 from twophase.testing.conformance import SCHEMA, _prepare_in_child_and_kill, batch_for
-from twophase.wire import VoteIn
 
 pytestmark = [pytest.mark.real_kafka]
 

@@ -446,7 +446,7 @@ def test_the_executors_probe_each_target_in_the_preflight_job(spark: Any,
                                                               tmp_path: Path) -> None:
     import os
 
-    from twophase.preflight import check_executors
+    from twophase.spark.preflight import check_executors
     from twophase.testing.servers import free_port
 
     part = _executor_only_refusal(str(tmp_path / "out"), os.getpid())

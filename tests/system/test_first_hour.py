@@ -16,14 +16,14 @@ import pyarrow as pa
 import pytest
 
 from twophase.cli.demo import MARKER, WorkdirRefused, prepare_workdir
-from twophase.client import CoordinatorClient
-from twophase.connection import connect
+from twophase.client.api import CoordinatorClient
+from twophase.client.connection import connect
 from twophase.coordinator.db import lock_sqlite
 from twophase.coordinator.store import Store
+from twophase.engine.resolve import resolve_sink
 from twophase.errors import CoordinatorUnavailable, StoreError
 from twophase.participant import BranchRef
 from twophase.protocol import TxnKey
-from twophase.resolve import resolve_sink
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.servers import LocalDaemon, clean_env, free_port
 
@@ -48,13 +48,13 @@ def test_first_transient_failure_warns_once_with_the_retry_budget(
 ) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     key = TxnKey("orders", "lin", 0, 1)
-    caplog.set_level(logging.WARNING, logger="twophase.client")
+    caplog.set_level(logging.WARNING, logger="twophase.client.api")
     started = time.monotonic()
     with CoordinatorClient(url, retry_budget=2.0) as client, \
             pytest.raises(CoordinatorUnavailable, match="retry budget 2s"):
         client.get(key)
     assert 2.0 <= time.monotonic() - started < 6
-    warnings = [r.getMessage() for r in caplog.records if r.name == "twophase.client"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "twophase.client.api"]
     assert len(warnings) == 1, warnings
     assert url in warnings[0] and "retrying for up to 2s" in warnings[0]
 

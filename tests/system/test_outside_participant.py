@@ -80,10 +80,10 @@ import sys
 
 import pyarrow as pa
 
-from twophase.connection import connect
+from twophase.client.connection import connect
 from twophase.participant import BranchRef
 from twophase.protocol import Decision, TxnKey
-from twophase.wire import VoteIn
+from twophase.client.wire import VoteIn
 from twophase_jsondir import JsonDirParticipant
 
 coordinator, out = sys.argv[1], sys.argv[2]

@@ -60,8 +60,8 @@ def test_metadata_states_python_versions_and_pyspark() -> None:
         assert f"Programming Language :: Python :: {minor}" in meta["classifiers"]
     assert "3.9" not in supported
     assert "Typing :: Typed" in meta["classifiers"]
-    # the lower bound is the floor the sink checks at run time (twophase.sparkcompat)
-    from twophase.sparkcompat import SPARK_FLOOR
+    # the lower bound is the floor the sink checks at run time (twophase.spark.compat)
+    from twophase.spark.compat import SPARK_FLOOR
 
     floor = ".".join(map(str, SPARK_FLOOR))
     assert f"pyspark>={floor}" in meta["optional-dependencies"]["spark"]
@@ -71,7 +71,7 @@ def test_metadata_states_python_versions_and_pyspark() -> None:
 def test_cli_help_and_core_imports_do_not_load_extras() -> None:
     code = (
         "import sys, contextlib, io\n"
-        "import twophase, twophase.protocol, twophase.participant, twophase.client\n"
+        "import twophase, twophase.protocol, twophase.participant, twophase.client.api\n"
         "import twophase.cli as cli\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"

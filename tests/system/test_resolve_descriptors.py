@@ -17,13 +17,13 @@ import pyarrow as pa
 import pytest
 
 from tests.support.pg import fresh_pg_db
-from twophase.connection import connect
+from twophase.client.connection import connect
+from twophase.client.wire import VoteIn
 from twophase.coordinator.store import Store
 from twophase.participant import BranchRef, rebuild
 from twophase.protocol import Decision, State, TxnKey
 from twophase.sinks.files import STAGING_DIR, StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant
-from twophase.wire import VoteIn
 
 SINK = "orders"
 LINEAGE = "L-resolve"

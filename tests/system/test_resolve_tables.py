@@ -17,12 +17,12 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from tests.sinks.iceberg.iceberg_support import local_catalog
-from twophase.connection import connect
+from twophase.client.connection import connect
+from twophase.client.wire import VoteIn
 from twophase.participant import BranchRef, descriptor_of
 from twophase.protocol import Decision, TxnKey
 from twophase.sinks.delta import DeltaParticipant
 from twophase.sinks.iceberg import IcebergParticipant
-from twophase.wire import VoteIn
 
 SINK, LINEAGE = "lake", "L-resolve-tables"
 SCHEMA = pa.schema([("id", pa.int64()), ("item", pa.string())])

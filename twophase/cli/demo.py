@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         )
         # Hold the embedded coordinator for the whole run (the job's sink shares it), so
         # its console can be opened while the job streams.
-        from twophase.connection import connect
+        from twophase.client.connection import connect
 
         console_conn = connect(cfg.coordinator, cfg.token)
         conns.append(console_conn)
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
         # the table above is the demo's per-batch report: keep only the sink's warnings
-        for name in ("twophase.sink", "twophase.preflight"):
+        for name in ("twophase.sink", "twophase.spark.preflight"):
             logging.getLogger(name).setLevel(logging.WARNING)
         started = time.perf_counter()
         run_job(cfg, spark, participants=participants, on_batch=progress)

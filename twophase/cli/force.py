@@ -76,8 +76,8 @@ def _confirm(question: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from twophase import wire
-    from twophase.connection import connect
+    from twophase.client import wire
+    from twophase.client.connection import connect
     from twophase.errors import TwophaseError
 
     def fail(msg: str, rc: int = 1) -> int:

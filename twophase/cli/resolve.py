@@ -97,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from twophase.cli.common import read_store, require_store
-    from twophase.connection import check_coordinator, connect
+    from twophase.client.connection import check_coordinator, connect
     from twophase.errors import TwophaseError
 
     args.sink = args.sink or args.sink_arg
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 def _resolve(source: Any, args: argparse.Namespace) -> Any:
     """Rebuild or name the participants, then apply the recovery rule (``source``: the
     coordinator's client, or a store reader for a dry run)."""
-    from twophase.resolve import participants_from, resolve_sink
+    from twophase.engine.resolve import participants_from, resolve_sink
 
     secrets = None
     if args.secrets:

@@ -27,7 +27,7 @@ from twophase.participant import Participant
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from twophase.driver import BatchReport
+    from twophase.doors.foreachbatch import BatchReport
 
 __all__ = [
     "EVENT_DDL",
@@ -267,7 +267,7 @@ def run(
 ) -> Any:
     """Process every input file present now (``availableNow``), or with ``stream_stop``
     as a stream until that file says stop; then return the sink."""
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
 
     if spark is None:
         spark = job_session(cfg)
@@ -300,7 +300,7 @@ def run(
         side = _start_side_query(spark, cfg.side_output) if cfg.side_output else None
         writer = stream.writeStream.outputMode(output_mode)
         if cfg.door:
-            from twophase.datasource import register
+            from twophase.doors.datasource import register
 
             register(spark, sink)
             writer = writer.format("twophase").option("sink", sink.name)

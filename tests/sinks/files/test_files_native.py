@@ -109,7 +109,7 @@ def test_adopt_refuses_two_files_of_one_partition(tmp_path: Path) -> None:
 
 
 def test_which_path_each_participant_takes(tmp_path: Path) -> None:
-    from twophase.native import split_native
+    from twophase.engine.native import split_native
     from twophase.sinks.postgres import PostgresParticipant
 
     auto = StagedFileParticipant(str(tmp_path / "a"))

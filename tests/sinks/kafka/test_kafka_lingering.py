@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.support.kafka import create_topic, read_all, unique_topic
-from twophase.connection import connect
-from twophase.resolve import resolve_sink
+from twophase.client.connection import connect
+from twophase.engine.resolve import resolve_sink
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.log import read_log
 from twophase.testing.conformance import (
@@ -99,7 +99,7 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     after ``transaction.timeout.ms``. A transaction of a batch the coordinator holds as
     COMMIT-decided (another run may be committing it) is left alone."""
     from twophase import TransactionalSink
-    from twophase.wire import VoteIn
+    from twophase.client.wire import VoteIn
 
     stalled, decided_topic = unique_topic("lstart"), unique_topic("ldecided")
     for t in (stalled, decided_topic):

@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 
 from tests.support.kafka import create_topic, kafka_bootstrap, read_all, unique_topic
-from twophase.client import CoordinatorClient
-from twophase.commit import Committer
+from twophase.client.api import CoordinatorClient
+from twophase.client.wire import VoteIn
 from twophase.coordinator.embedded import EmbeddedServer
-from twophase.decide import decide
+from twophase.engine.commit import Committer
+from twophase.engine.decide import decide
 from twophase.participant import BranchRef, BranchStatus
 from twophase.protocol import Decision
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.txnwire import describe_transaction
-from twophase.wire import VoteIn
 
 __all__ = ["kafka_bootstrap"]
 

@@ -294,7 +294,7 @@ def test_a_fenced_copy_takes_the_branch_over_when_the_fencing_copy_died(
 
 
 def test_staged_branch_reads_prepared_until_its_records_are_gone(kafka_bootstrap: str) -> None:
-    """A finish commits a staged branch from the driver (twophase.recover) because its
+    """A finish commits a staged branch from the driver (twophase.engine.recover) because its
     voted state reads PREPARED while the staged range is there; once the staging topic's
     retention took it, ABSENT (only a redo from the replay can write it), and after the
     copy COMMITTED."""
@@ -337,7 +337,7 @@ def test_the_prune_deletes_only_staged_records_of_committed_batches(
     are recovered afterwards from their staged records, exactly once."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from twophase.commit import Committer
+    from twophase.engine.commit import Committer
 
     p = staged(kafka_bootstrap)
     lineage = branch(p).lineage

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from twophase.errors import InvalidRequest
-from twophase.sparkcompat import arrow_schema_of
+from twophase.spark.compat import arrow_schema_of
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -123,7 +123,7 @@ def default_partitions(df: DataFrame) -> int:
 
 def arrow_schema(df: DataFrame, tz: str | None = None) -> Any:
     """The Arrow schema ``mapInArrow`` will hand the tasks (timestamps in the session zone,
-    read from the session unless given; :func:`twophase.sparkcompat.arrow_schema_of`)."""
+    read from the session unless given; :func:`twophase.spark.compat.arrow_schema_of`)."""
     if tz is None:
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
     return arrow_schema_of(df.schema, tz)

@@ -6,8 +6,8 @@ the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 1. settle what earlier attempts of this checkpoint left prepared (recovery rule);
 2. ``prepare`` (the default, in ordinary tasks): prepare every branch and end, the votes
-   going back with the job's result; the driver sends them (``twophase.decide``) and
-   applies the decision (``twophase.commit``);
+   going back with the job's result; the driver sends them (``twophase.engine.decide``) and
+   applies the decision (``twophase.engine.commit``);
    ``run`` (a participant whose prepare dies with its process, Kafka's in-task
    transaction; one barrier stage): prepare, vote, wait for the decision, apply it,
    acknowledge;
@@ -20,8 +20,8 @@ branch is the one that counts (the protocol's vote table).
 
 A participant that commits once per batch (``CommitScope.BATCH``: a table) is prepared and
 aborted here like any other, but under COMMIT its branches are left for the driver, which
-commits the whole batch at once and acknowledges them (``twophase.driver``); a finish that
-redoes such a branch returns the new handle in its outcome for that commit.
+commits the whole batch at once and acknowledges them (``twophase.doors.foreachbatch``);
+a finish that redoes such a branch returns the new handle in its outcome for that commit.
 
 Under the sink (``BatchPlan.driver_acks``) a task does not send its acknowledgements: it
 returns them in its outcome and the driver relays every task's in one call once the job
@@ -41,17 +41,18 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.batchplan import PREPARE, BatchPlan, BranchOutcome
+from twophase.client.wire import BranchMetrics, VoteIn, votes_body
 from twophase.digest import RowsDigest
-from twophase.errors import RedoMismatch, TargetProblem
-from twophase.feed import first_rows, prepare_streaming
-from twophase.finish import (
+from twophase.engine.feed import first_rows, prepare_streaming
+from twophase.engine.finish import (
     acknowledge,
     apply_decision,
     check_recorded,
     finish_commit,
     settle_earlier,
 )
+from twophase.engine.plan import PREPARE, BatchPlan, BranchOutcome
+from twophase.errors import RedoMismatch, TargetProblem
 from twophase.participant import (
     EMPTY_BRANCH,
     BranchRef,
@@ -66,12 +67,11 @@ from twophase.protocol import (
     Decision,
     branch_id,
 )
-from twophase.wire import BranchMetrics, VoteIn, votes_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
     from twophase.protocol import Transaction
 
 __all__ = ["run_partition"]
@@ -81,7 +81,7 @@ def _settle_earlier(
     plan: BatchPlan, partition: int, client: CoordinatorClient, out: BranchOutcome
 ) -> None:
     """The recovery rule for earlier attempts' branches of this partition
-    (:func:`~twophase.finish.settle_earlier`), acknowledged to the attempts still
+    (:func:`~twophase.engine.finish.settle_earlier`), acknowledged to the attempts still
     waiting."""
     for attempt in range(1, plan.key.attempt):
         acks, aborted = settle_earlier(plan, plan.participants, partition, attempt)
@@ -198,7 +198,7 @@ def _hand_over_votes(
     t0: float,
 ) -> None:
     """``prepare`` mode: the task's votes go back with the job's result, and the driver
-    sends every task's at once (``twophase.decide``): one result per partition is what
+    sends every task's at once (``twophase.engine.decide``): one result per partition is what
     Spark keeps of a task run twice (a retry, a speculative copy), so the votes the
     coordinator sees are one task attempt's per branch. YES votes first: a NO then decides
     ABORT with every prepared branch recorded, so the driver aborts them all. An
@@ -266,8 +266,8 @@ def run_partition(
     ``task`` names the Spark task attempt running it (its votes carry it).
 
     A new attempt streams the partition's rows into every participant as Spark hands
-    them over (``twophase.feed.prepare_streaming``); only a finish, which may redo a lost branch
-    and must check its row count first, holds them.
+    them over (``twophase.engine.feed.prepare_streaming``); only a finish, which may redo a
+    lost branch and must check its row count first, holds them.
     """
     started = time.perf_counter()
     cl = client or _shared_client(plan.coordinator_url, plan.token, plan.retry_budget,
@@ -299,7 +299,7 @@ def _shared_client(
     """One client per coordinator in this process: Spark reuses its Python workers across
     tasks and batches, so a task finds the connection pool of the one before it instead
     of building a client and opening connections (the client is thread-safe)."""
-    from twophase.client import CoordinatorClient, pinned
+    from twophase.client.api import CoordinatorClient, pinned
 
     key = (url, token, retry_budget, ca_pem, token_file)
     with _CLIENTS_LOCK:

@@ -1,12 +1,12 @@
 """The data source door's steps over the batch engine (``format("twophase")``).
 
 A task begins the attempt (:mod:`twophase.protocol.door`), then runs the foreachBatch
-door's own ``prepare`` step for its partition (``twophase.task.run_partition``), and
+door's own ``prepare`` step for its partition (``twophase.engine.task.run_partition``), and
 hands its votes back as Spark's commit message. The driver's ``commit(messages,
-batchId)`` sends them and decides (``twophase.decide``), then applies the decision
-(``twophase.commit.Committer``); ``abort`` abandons the attempt and aborts what its
+batchId)`` sends them and decides (``twophase.engine.decide``), then applies the decision
+(``twophase.engine.commit.Committer``); ``abort`` abandons the attempt and aborts what its
 tasks prepared. Nothing here imports Spark: the door's Spark classes live in
-:mod:`twophase.datasource`."""
+:mod:`twophase.doors.datasource`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from twophase.batchplan import INPUT_SPLIT, PREPARE, BatchPlan
-from twophase.commit import Committer
-from twophase.decide import decide, votes_of
+from twophase.client.wire import VoteIn
+from twophase.engine.commit import Committer
+from twophase.engine.decide import decide, votes_of
+from twophase.engine.plan import INPUT_SPLIT, PREPARE, BatchPlan
+from twophase.engine.task import _shared_client, run_partition
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.participant import EMPTY_BRANCH, IN_TASK_PREPARES, Participant
 from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
@@ -28,13 +30,11 @@ from twophase.protocol.door import (
     commit_case,
     task_action,
 )
-from twophase.task import _shared_client, run_partition
-from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
 
 __all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
            "prepare_partition", "refuse_in_task"]
@@ -91,7 +91,7 @@ def adopt_zone(spec: DoorSpec, expected: pa.Schema, got: pa.Schema) -> pa.Schema
     of Spark's batches (``got``: the session's), unless the sink names another zone,
     which is refused naming both. A difference besides zones is left to the
     participants' own checks."""
-    from twophase.sparkcompat import in_zone, zone_of
+    from twophase.spark.compat import in_zone, zone_of
 
     zone = zone_of(got)
     if zone is None or got == expected or in_zone(got, "UTC") != in_zone(expected, "UTC"):

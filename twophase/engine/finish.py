@@ -11,17 +11,17 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from twophase import failpoints
-from twophase.batchplan import BatchPlan, BranchOutcome, split_of
+from twophase.client.wire import BranchMetrics, VoteIn, acks_body
 from twophase.digest import KINDS, digest_kind, rows_digest
+from twophase.engine.plan import BatchPlan, BranchOutcome, split_of
 from twophase.errors import RedoMismatch
 from twophase.participant import BranchRef, Handle, Participant, ParticipantError, is_empty_branch
 from twophase.protocol import CommitScope, Decision, RecoveryAction, branch_id, recovery_action
-from twophase.wire import BranchMetrics, VoteIn, acks_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
     from twophase.protocol import Transaction
 
 __all__ = ["acknowledge", "apply_decision", "check_recorded", "check_redo", "finish_commit",

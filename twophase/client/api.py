@@ -5,8 +5,8 @@ same reply), so connection failures and 5xx answers are retried with capped expo
 backoff (tenacity) for up to ``retry_budget`` seconds: a coordinator restart is ridden
 through. A 4xx answer is a refusal and raises at once with the server's message, as the same
 error class the server raised. Request bodies are built and answers decoded by
-:mod:`twophase.wire`; turning a ``coordinator=`` setting into a connection (and starting
-an embedded coordinator) is :mod:`twophase.connection`'s job.
+:mod:`twophase.client.wire`; turning a ``coordinator=`` setting into a connection (and starting
+an embedded coordinator) is :mod:`twophase.client.connection`'s job.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from urllib.parse import quote
 import httpx
 import tenacity
 
-from twophase import protocol, wire
+from twophase import protocol
+from twophase.client import wire
+from twophase.client.wire import VoteIn
 from twophase.errors import (
     CoordinatorUnavailable,
     InvalidRequest,
@@ -34,7 +36,6 @@ from twophase.errors import (
     error_class,
 )
 from twophase.protocol import TxnKey
-from twophase.wire import VoteIn
 
 __all__ = ["CoordinatorClient", "merge_touched", "pinned", "read_token_file"]
 
@@ -44,7 +45,7 @@ CA_ENV: Final = "TWOPHASE_CA_CERT"
 POLL_SLICE: Final = 30.0
 FIRST_CONTACT_BUDGET: Final = 5.0  # seconds register() retries a refused/unresolvable URL
 
-log = logging.getLogger("twophase.client")
+log = logging.getLogger("twophase.client.api")
 
 
 def read_token_file(path: str) -> str:

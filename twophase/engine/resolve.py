@@ -43,7 +43,7 @@ REASON = "resolved by operator: writer gone"
 
 class Decisions(Protocol):
     """What resolving needs of the coordinator: the HTTP client
-    (:class:`twophase.client.CoordinatorClient`), or the service's own store."""
+    (:class:`twophase.client.api.CoordinatorClient`), or the service's own store."""
 
     def list(
         self, sink: str | None = None, state: str | None = None, limit: int = 100

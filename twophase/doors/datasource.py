@@ -1,7 +1,7 @@
 """``df.writeStream.format("twophase")``: the sink as Spark's own Python data source.
 
 Spark runs the writer's ``write`` in each task (the task begins or joins the batch's
-attempt and prepares its branches: :mod:`twophase.doorsteps`), and ``commit(messages,
+attempt and prepares its branches: :mod:`twophase.engine.door`), and ``commit(messages,
 batchId)`` or ``abort`` on the driver, in a Python process of its own. Declare the sink
 in code (``twophase.register(spark, sink)``, then ``.option("sink", name)``) or from
 options alone (``participants`` as JSON descriptors or a ``config`` file, a
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
 
-from twophase.doorsteps import (
+from twophase.engine.door import (
     DoorSpec,
     Message,
     abort_batch,
@@ -32,7 +32,7 @@ from twophase.errors import InvalidRequest
 from twophase.extras import missing_extra
 from twophase.names import validate_name
 from twophase.participant import Participant, descriptor_of, rebuild
-from twophase.sparkcompat import arrow_schema_of
+from twophase.spark.compat import arrow_schema_of
 
 try:  # Spark 4.1+: Arrow record batches in, no Python rows
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _Writer
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import SparkSession
 
-    from twophase.driver import TransactionalSink
+    from twophase.doors.foreachbatch import TransactionalSink
 
 __all__ = ["BATCH_ID_PROPERTY", "TwophaseDataSource", "register"]
 
@@ -181,7 +181,7 @@ def _spec_from_options(opts: dict[str, str]) -> DoorSpec:
     if env and token is None:
         raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
                              "driver")
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
 
     with CoordinatorClient(url, token, token_file=opts.get("token_file")) as client:
         epoch = client.register(name, _descriptors(parts))
@@ -204,10 +204,10 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     coordinator listens in this process) and takes the sink's writer epoch, which fences
     every earlier run's writer."""
     if sink is not None:
-        from twophase.plan import jvm_context
+        from twophase.spark.plan import jvm_context
 
         refuse_in_task(sink.name, sink.participants)  # before anything is started
-        from twophase.preflight import preflight_sink
+        from twophase.spark.preflight import preflight_sink
 
         df = spark.range(0)
         client = sink._connect(df)  # where its tasks reach the coordinator
@@ -223,7 +223,7 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
             sink.name, sink.participants, conn.url, epoch, bound, client.token,
             conn.token_file, conn.ca_pem, sink.vote_timeout, sink.retry_budget_s,
             sink.lineage))
-    from twophase.preflight import choose_worker_python
+    from twophase.spark.preflight import choose_worker_python
 
     # the data source's Python processes run the interpreter registered here: in local
     # mode with none set, the driver's own, as for the foreachBatch door (under Spark

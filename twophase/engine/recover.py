@@ -7,7 +7,7 @@ committed from its vote's handle, by name, and needs none of its rows: PostgreSQ
 table's adoption. Only a branch whose prepared state is gone (ABSENT: a staged Kafka
 branch whose records left with the staging topic's retention, or a branch never voted)
 must be written again from the replayed rows, and a redo is the tasks' ``finish``
-(``twophase.finish``, digest-checked). So :func:`finish_on_driver` first asks every
+(``twophase.engine.finish``, digest-checked). So :func:`finish_on_driver` first asks every
 branch's state; when one needs its rows it changes nothing but earlier attempts'
 leftovers and returns None, and the caller runs the tasks' finish as before.
 
@@ -28,18 +28,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from twophase.batchplan import BatchPlan, BranchOutcome
-from twophase.commit import COMMIT_THREADS
-from twophase.finish import apply_decision, settle_earlier
+from twophase.client.wire import acks_body
+from twophase.engine.commit import COMMIT_THREADS
+from twophase.engine.finish import apply_decision, settle_earlier
+from twophase.engine.plan import BatchPlan, BranchOutcome
 from twophase.participant import Handle, Participant, is_empty_branch
-from twophase.plan import run_through
 from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
-from twophase.wire import acks_body
+from twophase.spark.plan import run_through
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
     from twophase.participant import BranchRef
 
 __all__ = ["finish_on_driver", "settle_all_earlier"]
@@ -60,7 +60,7 @@ def _in_lanes(items: Sequence[_Item], run: Callable[[Participant, BranchRef, Han
               ) -> list[_R]:
     """``run`` over ``items``, in lanes as the driver's commits run: a recovery of 200
     partitions asks 200 statuses and commits 200 branches. One lane per
-    :data:`BRANCHES_PER_LANE` items, at most :data:`~twophase.commit.COMMIT_THREADS`: a
+    :data:`BRANCHES_PER_LANE` items, at most :data:`~twophase.engine.commit.COMMIT_THREADS`: a
     lane past the first works on its own copies of the participants (one holds one
     connection, not to be shared between threads), and a new connection costs about what
     a few branches do, so a small batch stays on the first lane, the sink's own

@@ -21,11 +21,11 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase.client.wire import VoteIn
 from twophase.participant import EMPTY_BRANCH, is_empty_branch
-from twophase.wire import VoteIn
 
 if TYPE_CHECKING:
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
     from twophase.protocol import Transaction
 
 __all__ = ["VOTE_CHUNK", "decide", "settle_empty", "votes_of"]

@@ -23,7 +23,7 @@ import os
 import threading
 from typing import Any, Final
 
-from twophase.client import TOKEN_ENV, TOKEN_FILE_ENV, CoordinatorClient, pinned
+from twophase.client.api import TOKEN_ENV, TOKEN_FILE_ENV, CoordinatorClient, pinned
 from twophase.errors import InvalidRequest
 
 __all__ = [

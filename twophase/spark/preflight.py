@@ -39,7 +39,7 @@ from twophase.participant import Participant
 __all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
            "modules_to_check", "preflight_sink", "probe_targets"]
 
-log = logging.getLogger("twophase.preflight")
+log = logging.getLogger("twophase.spark.preflight")
 
 BASE_MODULES = ("twophase", "pyarrow")
 UNREACHABLE = "cannot reach the coordinator at"

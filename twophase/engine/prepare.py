@@ -1,5 +1,5 @@
 """The batch's Spark job (the protocol's "prepare" step, run from the driver): one task
-per partition runs ``twophase.task.run_partition`` over its rows; the job's result is
+per partition runs ``twophase.engine.task.run_partition`` over its rows; the job's result is
 one ``BranchOutcome`` row per task. Ordinary tasks when every participant prepares
 durably; one barrier stage when a participant's prepared branch lives only in its task.
 
@@ -9,7 +9,7 @@ The job's DataFrame is planned once per batch before the attempt is known
 property, which Spark's event log records) inside the task's function.
 
 Participants that take files Spark wrote prepare on the native data path instead
-(``twophase.native``): Spark's own writer, no row through Python; the Python job then
+(``twophase.engine.native``): Spark's own writer, no row through Python; the Python job then
 runs only for the others, over the same split batch (persisted when both read it)."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from twophase.batchplan import (
+from twophase.engine.native import NativePrepare, split_native
+from twophase.engine.plan import (
     INPUT_SPLIT,
     PLAN_PROPERTY,
     PREPARE,
@@ -30,18 +31,17 @@ from twophase.batchplan import (
     plan_property,
     split_of,
 )
-from twophase.native import NativePrepare, split_native
-from twophase.plan import arrow_schema, jvm_context
+from twophase.engine.recover import finish_on_driver
+from twophase.engine.report import REPORT_SCHEMA, report_struct, short_error
+from twophase.engine.task import run_partition
 from twophase.protocol import BeginKind, TxnKey
-from twophase.recover import finish_on_driver
-from twophase.report import REPORT_SCHEMA, report_struct, short_error
-from twophase.sparkcompat import ArrowMap
-from twophase.task import run_partition
+from twophase.spark.compat import ArrowMap
+from twophase.spark.plan import arrow_schema, jvm_context
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
     from twophase.participant import Participant
     from twophase.protocol import Transaction
 

@@ -15,7 +15,7 @@ Per micro-batch (see ARCHITECTURE.md for the picture):
    instead, each task waiting for the decision and applying it (ARCHITECTURE.md);
 4. decide and commit: after the job the coordinator's record holds the decision (an
    undecided attempt is abandoned: ABORT), and the driver applies it to every branch
-   that voted YES (``twophase.commit``), tables once per batch;
+   that voted YES (``twophase.engine.commit``), tables once per batch;
 5. return only when the coordinator shows the attempt COMMITTED. An aborted attempt is
    retried in place with backoff, a bounded number of times, then the query fails with
    the participant, partition and cause.
@@ -30,28 +30,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.batchplan import PREPARE, redone_handles, relay_acks
-from twophase.commit import Committer, commit_batches
-from twophase.connection import check_coordinator
-from twophase.decide import decide, settle_empty, votes_of
-from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
-from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
-from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
-from twophase.participant import Participant, descriptor_of
-from twophase.plan import (
-    check_gang,
-    coordinator_address,
-    default_partitions,
-    fixed_split,
-    input_partitions,
-    jvm_context,
-    query_lineage,
-    run_through,
-    spark_connect_client,
-)
-from twophase.prepare import PrepareJob
-from twophase.protocol import BeginKind, Decision, StepKind, next_step
-from twophase.report import (
+from twophase.client.connection import check_coordinator
+from twophase.engine.commit import Committer, commit_batches
+from twophase.engine.decide import decide, settle_empty, votes_of
+from twophase.engine.plan import PREPARE, redone_handles, relay_acks
+from twophase.engine.prepare import PrepareJob
+from twophase.engine.report import (
     DRIVER_PHASES,
     BatchReport,
     Laps,
@@ -63,13 +47,29 @@ from twophase.report import (
     short_error,
     summary,
 )
-from twophase.sparkcompat import check_spark
+from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
+from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
+from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
+from twophase.participant import Participant, descriptor_of
+from twophase.protocol import BeginKind, Decision, StepKind, next_step
+from twophase.spark.compat import check_spark
+from twophase.spark.plan import (
+    check_gang,
+    coordinator_address,
+    default_partitions,
+    fixed_split,
+    input_partitions,
+    jvm_context,
+    query_lineage,
+    run_through,
+    spark_connect_client,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from twophase.client import CoordinatorClient
-    from twophase.connection import Connection
+    from twophase.client.api import CoordinatorClient
+    from twophase.client.connection import Connection
 
 __all__ = ["BatchFailed", "BatchReport", "TransactionalSink"]
 
@@ -84,7 +84,7 @@ class TransactionalSink:
     a data token from ``token=`` or ``token_file=``, re-read after a 401: rotatable).
 
     Before its first batch the sink checks the executors (``preflight=False`` skips it;
-    :mod:`twophase.preflight`); ``retry_budget_s`` is how long the driver and the tasks
+    :mod:`twophase.spark.preflight`); ``retry_budget_s`` is how long the driver and the tasks
     ride through an unreachable coordinator (a URL nobody answers at fails within
     seconds at the first call). Logs go to the ``twophase.sink`` logger: INFO per
     committed batch, WARNING for replayed, recovered, aborted and redone ones;
@@ -181,7 +181,7 @@ class TransactionalSink:
     # ------------------------------------------------------------------ lifecycle
     def _connect(self, df: DataFrame | None = None) -> CoordinatorClient:
         if self._client is None:
-            from twophase.connection import connect
+            from twophase.client.connection import connect
 
             bind, advertise = self._coordinator_address(df)
             self._conn = connect(self.coordinator, self.token, host=bind, advertise=advertise,
@@ -296,7 +296,7 @@ class TransactionalSink:
                                  retry_budget=self.retry_budget_s,
                                  token_file=self._conn.token_file)
         if not self._preflighted:
-            from twophase.preflight import preflight_sink
+            from twophase.spark.preflight import preflight_sink
 
             assert self._conn is not None
             # the targets from here, what a crash left open, then the executors

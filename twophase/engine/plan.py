@@ -10,12 +10,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase.client.wire import AckBody
 from twophase.participant import BranchRef, Handle, Participant, ParticipantError
 from twophase.protocol import Decision, Transaction, TxnKey
-from twophase.wire import AckBody
 
 if TYPE_CHECKING:
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
 
 __all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
            "plan_from_property", "plan_property", "redone_handles", "relay_acks", "split_of"]

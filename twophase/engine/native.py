@@ -19,7 +19,7 @@ A driver killed during 2 or 3 leaves the attempt's write folder, named by the at
 ``status`` reads it as PREPARED, so the next attempt's settle step, the give-up sweep and
 ``twophase resolve`` abort it. A finish (a restart found COMMIT decided) commits the
 staged branches by name from the driver, as for any barrier-free sink
-(``twophase.recover``).
+(``twophase.engine.recover``).
 
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask
@@ -43,7 +43,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
-from twophase.batchplan import BatchPlan, BranchOutcome
+from twophase.client.wire import VoteIn, votes_body
+from twophase.engine.plan import BatchPlan, BranchOutcome
+from twophase.engine.recover import settle_all_earlier
+from twophase.engine.report import short_error
 from twophase.participant import (
     EMPTY_BRANCH,
     Handle,
@@ -52,14 +55,11 @@ from twophase.participant import (
     native_eligible,
 )
 from twophase.protocol import branch_id
-from twophase.recover import settle_all_earlier
-from twophase.report import short_error
-from twophase.wire import VoteIn, votes_body
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
 
 __all__ = ["TIMESTAMP_CONF", "NativePrepare", "split_native"]
 

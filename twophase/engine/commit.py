@@ -36,9 +36,9 @@ from twophase.participant import BranchRef, Handle, Participant, is_empty_branch
 from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse_branch_id
 
 if TYPE_CHECKING:
-    from twophase.client import CoordinatorClient
+    from twophase.client.api import CoordinatorClient
+    from twophase.client.wire import BranchMetrics
     from twophase.protocol import Transaction
-    from twophase.wire import BranchMetrics
 
 __all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "SLOW_COMMIT_S",
            "Committer", "commit_batches", "send_acks"]
