@@ -41,7 +41,7 @@ def run(spark: Any, dsn: str, work: Path, input_dir: Path, variant: str, batches
     from twophase.doors.foreachbatch import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
-    from twophase.spark.plan import arrow_schema
+    from twophase.spark.session import arrow_schema
 
     tag = uuid.uuid4().hex[:8]
     table, out = f"door_{variant.lower()}_{tag}", work / f"out-{tag}"

@@ -234,7 +234,7 @@ class Setup:
 
 def _relation_partitions(df: Any) -> int | None:
     try:
-        from twophase.spark.plan import input_partitions as _input_partitions
+        from twophase.spark.split import input_partitions as _input_partitions
     except ImportError:  # an older twophase: no such rule
         return None
     return _input_partitions(df)
@@ -258,7 +258,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
     sink: TransactionalSink | None = None
     last_batch: list[int] = []
     if variant == "A":
-        from twophase.spark.plan import arrow_schema as _arrow_schema
+        from twophase.spark.session import arrow_schema as _arrow_schema
 
         writer = _at_least_once_writer(
             dsn, table, str(out_dir), (setup.kafka, topic) if setup.kafka else None)

@@ -74,7 +74,7 @@ def job(args: argparse.Namespace) -> int:
     from twophase.doors.foreachbatch import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
-    from twophase.spark.plan import arrow_schema as _arrow_schema
+    from twophase.spark.session import arrow_schema as _arrow_schema
     from twophase.testing.job import EVENT_DDL, spark_session
 
     marks = Path(args.marks)

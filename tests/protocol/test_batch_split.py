@@ -13,7 +13,7 @@ import pytest
 
 from twophase.doors.foreachbatch import TransactionalSink
 from twophase.sinks.files import StagedFileParticipant
-from twophase.spark.plan import input_partitions as _input_partitions
+from twophase.spark.split import input_partitions as _input_partitions
 from twophase.testing.job import EVENT_DDL, write_input
 
 pytestmark = pytest.mark.spark

@@ -48,13 +48,13 @@ def test_first_transient_failure_warns_once_with_the_retry_budget(
 ) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     key = TxnKey("orders", "lin", 0, 1)
-    caplog.set_level(logging.WARNING, logger="twophase.client.api")
+    caplog.set_level(logging.WARNING, logger="twophase.client")
     started = time.monotonic()
     with CoordinatorClient(url, retry_budget=2.0) as client, \
             pytest.raises(CoordinatorUnavailable, match="retry budget 2s"):
         client.get(key)
     assert 2.0 <= time.monotonic() - started < 6
-    warnings = [r.getMessage() for r in caplog.records if r.name == "twophase.client.api"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "twophase.client"]
     assert len(warnings) == 1, warnings
     assert url in warnings[0] and "retrying for up to 2s" in warnings[0]
 

@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
         # the table above is the demo's per-batch report: keep only the sink's warnings
-        for name in ("twophase.sink", "twophase.spark.preflight"):
+        for name in ("twophase.sink", "twophase.preflight"):
             logging.getLogger(name).setLevel(logging.WARNING)
         started = time.perf_counter()
         run_job(cfg, spark, participants=participants, on_batch=progress)

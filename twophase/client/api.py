@@ -45,7 +45,7 @@ CA_ENV: Final = "TWOPHASE_CA_CERT"
 POLL_SLICE: Final = 30.0
 FIRST_CONTACT_BUDGET: Final = 5.0  # seconds register() retries a refused/unresolvable URL
 
-log = logging.getLogger("twophase.client.api")
+log = logging.getLogger("twophase.client")
 
 
 def read_token_file(path: str) -> str:

@@ -204,7 +204,7 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     coordinator listens in this process) and takes the sink's writer epoch, which fences
     every earlier run's writer."""
     if sink is not None:
-        from twophase.spark.plan import jvm_context
+        from twophase.spark.session import jvm_context
 
         refuse_in_task(sink.name, sink.participants)  # before anything is started
         from twophase.spark.preflight import preflight_sink

@@ -33,7 +33,7 @@ from twophase import failpoints
 from twophase.client.connection import check_coordinator
 from twophase.engine.commit import Committer, commit_batches
 from twophase.engine.decide import decide, settle_empty, votes_of
-from twophase.engine.plan import PREPARE, redone_handles, relay_acks
+from twophase.engine.plan import PREPARE, fixed_split, redone_handles, relay_acks
 from twophase.engine.prepare import PrepareJob
 from twophase.engine.report import (
     DRIVER_PHASES,
@@ -53,17 +53,16 @@ from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
 from twophase.participant import Participant, descriptor_of
 from twophase.protocol import BeginKind, Decision, StepKind, next_step
 from twophase.spark.compat import check_spark
-from twophase.spark.plan import (
-    check_gang,
+from twophase.spark.preflight import check_gang
+from twophase.spark.session import (
     coordinator_address,
     default_partitions,
-    fixed_split,
-    input_partitions,
     jvm_context,
     query_lineage,
     run_through,
     spark_connect_client,
 )
+from twophase.spark.split import input_partitions
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

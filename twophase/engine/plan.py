@@ -1,16 +1,18 @@
 """What travels between the driver and its tasks: the plan a task runs (``BatchPlan``,
 pickled into the task's function, its batch part in a job property) and the outcome it
 returns (``BranchOutcome``, one row of the job's result), with the driver's readers of
-those outcomes. Nothing here runs a protocol step."""
+those outcomes, and the rule that fixes how every batch of a sink is split. Nothing here
+runs a protocol step."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase.client.wire import AckBody
+from twophase.errors import InvalidRequest
 from twophase.participant import BranchRef, Handle, Participant, ParticipantError
 from twophase.protocol import Decision, Transaction, TxnKey
 
@@ -18,7 +20,8 @@ if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
 
 __all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
-           "plan_from_property", "plan_property", "redone_handles", "relay_acks", "split_of"]
+           "fixed_split", "plan_from_property", "plan_property", "redone_handles", "relay_acks",
+           "split_of", "split_rule"]
 
 PREPARE: Final = "prepare"
 """The plan's mode when every participant's prepare is durable: tasks prepare and hand
@@ -133,3 +136,37 @@ def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:
     for o in outcomes:
         out.update(json.loads(o.get("redone_handles") or "{}"))
     return out
+
+
+def split_rule(participants: Sequence[Participant]) -> tuple[tuple[str, ...], bool]:
+    """How every batch is split: (hash columns, one partition only).
+
+    No column asked for: hash by every column (stable, so a replay splits alike).
+    Participants asking for key columns get the columns all of them share (the first
+    one's order): equal keys of each then meet in one branch. Nothing shared, or a
+    participant that needs the whole batch, means a single partition."""
+    single = any(p.single_branch() for p in participants)
+    asks = [tuple(c) for p in participants if (c := p.partition_columns()) is not None]
+    if single or not asks:
+        return (), single
+    shared = [c for c in asks[0] if all(c in a for a in asks[1:])]
+    return tuple(shared), not shared
+
+
+def fixed_split(
+    sink: str, participants: Sequence[Participant], partitions: int | None
+) -> tuple[tuple[str, ...], bool, int | None]:
+    """``split_rule`` with the sink's ``partitions=``: (hash columns, one branch only,
+    partitions). One branch only refuses any other partition count, saying why."""
+    columns, single = split_rule(participants)
+    if not single:
+        return columns, False, partitions
+    if partitions not in (None, 1):
+        whole = [p.describe() for p in participants if p.single_branch()]
+        why = (", ".join(whole) + " writes each batch as one branch" if whole else
+               "the participants' key columns (partition_columns) share no column, "
+               "so only one branch keeps every key in one place")
+        raise InvalidRequest(
+            f"sink {sink!r}: partitions={partitions} but {why}; leave partitions unset (or 1)"
+        )
+    return columns, True, 1

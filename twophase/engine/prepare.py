@@ -36,7 +36,7 @@ from twophase.engine.report import REPORT_SCHEMA, report_struct, short_error
 from twophase.engine.task import run_partition
 from twophase.protocol import BeginKind, TxnKey
 from twophase.spark.compat import ArrowMap
-from twophase.spark.plan import arrow_schema, jvm_context
+from twophase.spark.session import arrow_schema, jvm_context
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

@@ -34,7 +34,7 @@ from twophase.engine.finish import apply_decision, settle_earlier
 from twophase.engine.plan import BatchPlan, BranchOutcome
 from twophase.participant import Handle, Participant, is_empty_branch
 from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
-from twophase.spark.plan import run_through
+from twophase.spark.session import run_through
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

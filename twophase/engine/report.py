@@ -126,7 +126,7 @@ class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
             super().emit(record)
 
 
-_SHOWN = ("twophase.sink", "twophase.spark.preflight")  # INFO by default: a line per batch
+_SHOWN = ("twophase.sink", "twophase.preflight")  # INFO by default: a line per batch
 
 
 def default_logging() -> None:
