@@ -288,7 +288,7 @@ def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: in
             vote_timeout=120.0,
         )
         if setup.persist is not None:
-            sink._job.persist = setup.persist  # the persist policy's override
+            sink._engine.job.persist = setup.persist  # the persist policy's override
 
         def write(df: Any, batch_id: int) -> int:
             assert sink is not None

@@ -48,7 +48,7 @@ def test_local_master_listens_on_loopback_and_coordinator_host_overrides(
                              lineage="addr-a", partitions=2)
     try:
         sink(_batch(spark, 10), 0)
-        assert sink._conn is not None and sink._conn.url.startswith("http://127.0.0.1:")
+        assert sink._engine.conn is not None and sink._engine.conn.url.startswith("http://127.0.0.1:")
     finally:
         sink.close()
     other = StagedFileParticipant(path=str(tmp_path / "b"))
@@ -56,7 +56,7 @@ def test_local_master_listens_on_loopback_and_coordinator_host_overrides(
                              lineage="addr-b", partitions=2, coordinator_host="127.0.0.2")
     try:
         sink(_batch(spark, 10), 0)
-        assert sink._conn is not None and sink._conn.url.startswith("http://127.0.0.2:")
+        assert sink._engine.conn is not None and sink._engine.conn.url.startswith("http://127.0.0.2:")
     finally:
         sink.close()
     assert verify([files], range(10)).ok
@@ -73,8 +73,8 @@ def test_tls_embedded_coordinator_tasks_trust_its_own_certificate(
     try:
         sink(_batch(spark, 20), 0)
         sink(_batch(spark, 20).selectExpr("id + 20 as id", "name"), 1)
-        assert sink._conn is not None and sink._conn.url.startswith("https://127.0.0.1:")
-        url = sink._conn.url
+        assert sink._engine.conn is not None and sink._engine.conn.url.startswith("https://127.0.0.1:")
+        url = sink._engine.conn.url
         # a client that does not trust this certificate is turned away
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"{url}/healthz", timeout=5)

@@ -104,8 +104,8 @@ def test_the_sinks_marker_window_prunes_postgres_markers_below_it(
     small = TransactionalSink(sink, [part], store, lineage=lineage, marker_keep_batches=100)
     default = TransactionalSink(sink, [part], store, lineage=lineage)
     try:
-        assert default._committer.prune(sink, lineage, 200) is None  # 200 < 1,000 kept
-        job = small._committer.prune(sink, lineage, 200)
+        assert default._engine.committer.prune(sink, lineage, 200) is None  # 200 < 1,000 kept
+        job = small._engine.committer.prune(sink, lineage, 200)
         assert job is not None and job.result(timeout=60) == 2  # batches 0 and 99
     finally:
         small.close()

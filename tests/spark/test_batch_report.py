@@ -44,10 +44,11 @@ def test_the_report_counts_the_drivers_commit_and_the_whole_batchs_rows(
             # from the coordinator's record (outcome "recovered")
             failpoints.reload("before_commit@lake/2=raise*1")
             sink(spark.range(1000, 1000 + sizes[1]).selectExpr("id", "'b' as label"), 1)
-        assert sink._conn is not None
-        metrics = httpx.get(f"{sink._conn.url}/metrics", timeout=10,
+        conn = sink._engine.conn
+        assert conn is not None
+        metrics = httpx.get(f"{conn.url}/metrics", timeout=10,
                             headers={"Authorization": "Bearer "
-                                     + str(sink._conn.operator_token or sink._conn.token)}).text
+                                     + str(conn.operator_token or conn.token)}).text
     finally:
         failpoints.reload("")
         sink.close()

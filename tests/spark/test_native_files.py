@@ -116,7 +116,7 @@ def test_the_persist_policy_and_its_override(spark: Any, tmp_path: Path) -> None
         sink = TransactionalSink("nat", parts, f"sqlite:///{tmp_path / f'{tag}.db'}",
                                  lineage="lin-1", preflight=False)
         if persist is not None:
-            sink._job.persist = persist
+            sink._engine.job.persist = persist
         try:
             sink(spark.sql(QUERY.format(n=30)), 0)
             assert sink.history[-1].outcome == "committed"

@@ -108,7 +108,7 @@ def test_s3_native_write_kills_and_the_python_path(
         sink = TransactionalSink(SINK, [S3StagedFileParticipant(
             url, name=NAME, storage_options=s3.storage_options)],
             f"sqlite:///{tmp_path / 'coord.db'}", lineage=LINEAGE, preflight=False)
-    assert sink._job.native == ()
+    assert sink._engine.job.native == ()
     assert "org.apache.hadoop:hadoop-aws" in caplog.text
     try:
         sink(batch_df(spark, 4, 30), 4)

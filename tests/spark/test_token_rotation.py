@@ -80,9 +80,9 @@ def test_a_running_query_commits_across_a_data_token_rotation(
         committed(3)
         write_input(cfg.input_dir, batches=1, rows_per_batch=ROWS, first=3)
         committed(4)
-        assert sink._client is not None and sink._client.token == new
+        assert sink._engine.client is not None and sink._engine.client.token == new
         # the tasks of the batches after the rotation carry the new token in their plan
-        assert sink._job.template is not None and sink._job.template.token == new
+        assert sink._engine.job.template is not None and sink._engine.job.template.token == new
     finally:
         if query is not None:
             query.stop()

@@ -63,7 +63,7 @@ def main() -> int:
     part = NoPythonRows(job["url"], name="files-out", storage_options=job["storage_options"])
     sink = TransactionalSink(SINK, [part], job["coordinator"], lineage=LINEAGE,
                              preflight=False, vote_timeout=60.0)
-    print(json.dumps({"native": [p.name for p in sink._job.native]}), flush=True)
+    print(json.dumps({"native": [p.name for p in sink._engine.job.native]}), flush=True)
     arm = job.get("arm") or [None, ""]
     try:
         for batch, rows in job["batches"]:

@@ -189,6 +189,6 @@ def test_the_retry_budget_is_a_sink_option(tmp_path: Path) -> None:
     sink = TransactionalSink("orders", [files], coordinator=f"sqlite:///{tmp_path / 'c.db'}",
                              retry_budget_s=7.5)
     try:
-        assert sink._connect().retry_budget == 7.5  # the driver's client
+        assert sink._engine.connect().retry_budget == 7.5  # the driver's client
     finally:
         sink.close()

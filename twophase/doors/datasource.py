@@ -10,11 +10,7 @@ options alone (``participants`` as JSON descriptors or a ``config`` file, a
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import sys
-from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
@@ -27,12 +23,10 @@ from twophase.engine.door import (
     commit_batch,
     prepare_partition,
     refuse_in_task,
+    spec_from_options,
 )
 from twophase.errors import InvalidRequest
-from twophase.extras import missing_extra
-from twophase.names import validate_name
-from twophase.participant import Participant, descriptor_of, rebuild
-from twophase.spark.compat import arrow_schema_of
+from twophase.spark.compat import arrow_schema_of, rows_to_batches
 
 try:  # Spark 4.1+: Arrow record batches in, no Python rows
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _Writer
@@ -73,7 +67,7 @@ class TwophaseWriter(_Writer):
                                  "df.writeStream.format('twophase')")
         schema = self.schema
         if not isinstance(self, _ArrowIn):
-            iterator = _rows_to_batches(iterator, schema)
+            iterator = rows_to_batches(iterator, schema)
         else:  # Spark's batches carry the session's zone: prepare in it
             first = next(iterator, None)
             if first is not None:
@@ -95,20 +89,6 @@ _ArrowIn: tuple[type, ...] = (() if _Writer is DataSourceStreamWriter else (_Wri
 
 def _unwrap(messages: list[WriterCommitMessage | None]) -> list[Message | None]:
     return [m.message if isinstance(m, DoorMessage) else None for m in messages]
-
-
-def _rows_to_batches(rows: Iterator[Any], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """Spark 4.0's row writer: rows back to Arrow, 10,000 at a time."""
-    import pyarrow as pa
-
-    chunk: list[dict[str, Any]] = []
-    for row in rows:
-        chunk.append(row.asDict())
-        if len(chunk) == 10_000:
-            yield pa.RecordBatch.from_pylist(chunk, schema=schema)
-            chunk = []
-    if chunk:
-        yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 
 
 class TwophaseDataSource(DataSource):
@@ -146,53 +126,7 @@ class TwophaseDataSource(DataSource):
                     f"application (registered: {sorted(self.specs) or 'none'}); call "
                     "twophase.register(spark, sink) first, or declare it by options")
             return found
-        return _spec_from_options(opts)
-
-
-def _spec_from_options(opts: dict[str, str]) -> DoorSpec:
-    """A sink declared by options (or a JSON ``config`` file holding the same keys): a
-    new writer epoch from the coordinator daemon for each planning of a batch."""
-    if "config" in opts:
-        opts = {**{k.lower(): (v if isinstance(v, str) else json.dumps(v)) for k, v in
-                   json.loads(Path(opts["config"]).read_text()).items()}, **opts}
-    missing = [k for k in ("sink", "participants", "coordinator") if k not in opts]
-    if missing:
-        raise InvalidRequest(
-            f"the twophase data source needs option(s) {missing}: .option('sink', NAME) "
-            "for a sink registered with twophase.register(spark, sink), or 'sink', "
-            "'participants' (JSON descriptors) and 'coordinator' (a daemon URL)")
-    url = opts["coordinator"]
-    if not url.startswith(("http://", "https://")):
-        raise InvalidRequest(
-            f"option coordinator={url!r}: a sink declared by options needs a coordinator "
-            "daemon (http(s)://host:port); an embedded coordinator needs the sink in code: "
-            "twophase.register(spark, TransactionalSink(..., coordinator=...))")
-    name = validate_name("sink name", opts["sink"])
-    try:
-        parts = tuple(rebuild(d) for d in json.loads(opts["participants"]))
-    except ImportError as exc:  # Spark runs the data source in its own Python processes
-        raise InvalidRequest(
-            f"the twophase data source runs in {sys.executable}, which cannot import a "
-            f"participant's module ({missing_extra(exc) or exc}); set spark.pyspark.python "
-            "(or PYSPARK_PYTHON) to an interpreter that has twophase with the "
-            "participants' extras before the session starts") from exc
-    env = opts.get("token_env")
-    token = os.environ.get(env) if env else None
-    if env and token is None:
-        raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
-                             "driver")
-    from twophase.client.api import CoordinatorClient
-
-    with CoordinatorClient(url, token, token_file=opts.get("token_file")) as client:
-        epoch = client.register(name, _descriptors(parts))
-    return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
-                    opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
-                    lineage=opts.get("lineage"), tz=opts.get("timezone"))
-
-
-def _descriptors(parts: Iterable[Participant]) -> Any:
-    """What the coordinator records so ``twophase resolve`` can rebuild the participants."""
-    return [d for d in map(descriptor_of, parts) if d]
+        return spec_from_options(opts)
 
 
 _SINKS: dict[str, tuple[TransactionalSink, DoorSpec]] = {}
@@ -204,20 +138,14 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     coordinator listens in this process) and takes the sink's writer epoch, which fences
     every earlier run's writer."""
     if sink is not None:
-        from twophase.spark.session import jvm_context
-
         refuse_in_task(sink.name, sink.participants)  # before anything is started
-        from twophase.spark.preflight import preflight_sink
-
-        df = spark.range(0)
-        client = sink._connect(df)  # where its tasks reach the coordinator
-        epoch = client.register(sink.name, _descriptors(sink.participants))
-        conn = sink._conn
+        engine = sink._engine
+        # where its tasks reach the coordinator, its writer epoch, the targets, what a
+        # crashed run left open, the executors' Python (its choice also picks the
+        # interpreter of the data source's driver-side processes)
+        client, epoch = engine.start(spark.range(0))
+        conn = engine.conn
         assert conn is not None
-        # the targets, what a crashed run left open, the executors' Python (its choice
-        # also picks the interpreter of the data source's driver-side processes)
-        preflight_sink(jvm_context(df), spark, sink.name, sink.participants, conn.url,
-                       executors=sink.preflight, wait_s=sink.retry_budget_s, client=client)
         bound = sink.partitions or int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
         _SINKS[sink.name] = (sink, DoorSpec(
             sink.name, sink.participants, conn.url, epoch, bound, client.token,

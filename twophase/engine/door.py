@@ -10,18 +10,25 @@ tasks prepared. Nothing here imports Spark: the door's Spark classes live in
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from twophase.client.api import CoordinatorClient
 from twophase.client.wire import VoteIn
 from twophase.engine.commit import Committer
 from twophase.engine.decide import decide, votes_of
-from twophase.engine.plan import INPUT_SPLIT, PREPARE, BatchPlan
+from twophase.engine.plan import INPUT_SPLIT, PREPARE, BatchPlan, descriptors
 from twophase.engine.task import _shared_client, run_partition
 from twophase.errors import BatchFailed, InvalidRequest
-from twophase.participant import EMPTY_BRANCH, IN_TASK_PREPARES, Participant
+from twophase.extras import missing_extra
+from twophase.names import validate_name
+from twophase.participant import EMPTY_BRANCH, IN_TASK_PREPARES, Participant, rebuild
 from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
 from twophase.protocol.door import (
     TaskAction,
@@ -34,10 +41,9 @@ from twophase.protocol.door import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.client.api import CoordinatorClient
 
 __all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
-           "prepare_partition", "refuse_in_task"]
+           "prepare_partition", "refuse_in_task", "spec_from_options"]
 
 Message = tuple[TaskAnswer, dict[str, Any] | None]
 """A task's commit message: its begin's answer and its outcome (votes) when it wrote."""
@@ -68,6 +74,45 @@ class DoorSpec:
     def client(self) -> CoordinatorClient:
         return _shared_client(self.coordinator_url, self.token, self.retry_budget,
                               self.ca_pem, self.token_file)
+
+
+def spec_from_options(opts: dict[str, str]) -> DoorSpec:
+    """A sink declared by options (or a JSON ``config`` file holding the same keys): a
+    new writer epoch from the coordinator daemon for each planning of a batch."""
+    if "config" in opts:
+        opts = {**{k.lower(): (v if isinstance(v, str) else json.dumps(v)) for k, v in
+                   json.loads(Path(opts["config"]).read_text()).items()}, **opts}
+    missing = [k for k in ("sink", "participants", "coordinator") if k not in opts]
+    if missing:
+        raise InvalidRequest(
+            f"the twophase data source needs option(s) {missing}: .option('sink', NAME) "
+            "for a sink registered with twophase.register(spark, sink), or 'sink', "
+            "'participants' (JSON descriptors) and 'coordinator' (a daemon URL)")
+    url = opts["coordinator"]
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequest(
+            f"option coordinator={url!r}: a sink declared by options needs a coordinator "
+            "daemon (http(s)://host:port); an embedded coordinator needs the sink in code: "
+            "twophase.register(spark, TransactionalSink(..., coordinator=...))")
+    name = validate_name("sink name", opts["sink"])
+    try:
+        parts = tuple(rebuild(d) for d in json.loads(opts["participants"]))
+    except ImportError as exc:  # Spark runs the data source in its own Python processes
+        raise InvalidRequest(
+            f"the twophase data source runs in {sys.executable}, which cannot import a "
+            f"participant's module ({missing_extra(exc) or exc}); set spark.pyspark.python "
+            "(or PYSPARK_PYTHON) to an interpreter that has twophase with the "
+            "participants' extras before the session starts") from exc
+    env = opts.get("token_env")
+    token = os.environ.get(env) if env else None
+    if env and token is None:
+        raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
+                             "driver")
+    with CoordinatorClient(url, token, token_file=opts.get("token_file")) as client:
+        epoch = client.register(name, descriptors(parts))
+    return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
+                    opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
+                    lineage=opts.get("lineage"), tz=opts.get("timezone"))
 
 
 def refuse_in_task(sink: str, participants: Iterable[Participant]) -> None:

@@ -13,15 +13,21 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase.client.wire import AckBody
 from twophase.errors import InvalidRequest
-from twophase.participant import BranchRef, Handle, Participant, ParticipantError
+from twophase.participant import (
+    BranchRef,
+    Handle,
+    Participant,
+    ParticipantError,
+    descriptor_of,
+)
 from twophase.protocol import Decision, Transaction, TxnKey
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
 
 __all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
-           "fixed_split", "plan_from_property", "plan_property", "redone_handles", "relay_acks",
-           "split_of", "split_rule"]
+           "descriptors", "fixed_split", "plan_from_property", "plan_property",
+           "redone_handles", "relay_acks", "split_of", "split_rule"]
 
 PREPARE: Final = "prepare"
 """The plan's mode when every participant's prepare is durable: tasks prepare and hand
@@ -170,3 +176,8 @@ def fixed_split(
             f"sink {sink!r}: partitions={partitions} but {why}; leave partitions unset (or 1)"
         )
     return columns, True, 1
+
+
+def descriptors(parts: Sequence[Participant]) -> Any:
+    """What the coordinator records so ``twophase resolve`` can rebuild the participants."""
+    return [d for d in map(descriptor_of, parts) if d]

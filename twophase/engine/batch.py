@@ -1,0 +1,275 @@
+"""One sink's engine on the driver, and one micro-batch's run through the protocol's
+steps in order: plan (``plan``, the split read from Spark), prepare (``prepare``: the
+batch's Spark job), decide (``decide``), commit (``commit``), report (``report``); a
+restart's in-doubt attempt is finished on the way (``recover``).
+
+Both doors start a sink here (``start``: its coordinator connection, its writer epoch,
+the preflight); the ``foreachBatch`` door runs each batch with ``run``, the data source
+door decides and commits the votes Spark hands its committer (``twophase.engine.door``).
+
+Per batch: ``begin`` with the coordinator, keyed by (sink, lineage, batch id); split
+the batch into P partitions the same way on every replay (P is stored with the first
+attempt: as Spark read it when a replay splits alike, else by a stable hash of every
+column); a batch known to be empty is voted and acknowledged by the driver alone. The
+tasks prepare (one ordinary task per partition, or one barrier stage for a sink with an
+in-task participant), the coordinator's record holds the decision (an undecided attempt
+is abandoned: ABORT) and the driver applies it. ``run`` returns only when the coordinator
+shows the attempt COMMITTED; an aborted attempt is retried in place with backoff, a
+bounded number of times, then the batch fails with the participant, partition and
+cause."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
+
+from twophase import failpoints
+from twophase.engine.commit import Committer, commit_batches
+from twophase.engine.decide import decide, settle_empty, votes_of
+from twophase.engine.plan import PREPARE, descriptors, redone_handles, relay_acks
+from twophase.engine.prepare import PrepareJob
+from twophase.engine.report import (
+    DRIVER_PHASES,
+    BatchReport,
+    Laps,
+    batch_phases,
+    log_batch,
+    summary,
+)
+from twophase.errors import BatchFailed
+from twophase.participant import Participant
+from twophase.protocol import BeginKind, Decision, StepKind, next_step
+from twophase.spark.compat import check_spark
+from twophase.spark.preflight import check_gang
+from twophase.spark.session import (
+    coordinator_address,
+    default_partitions,
+    jvm_context,
+    query_lineage,
+    run_through,
+)
+from twophase.spark.split import input_partitions
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from twophase.client.api import CoordinatorClient
+    from twophase.client.connection import Connection
+
+__all__ = ["BatchEngine", "SinkSettings"]
+
+log = logging.getLogger("twophase.sink")
+
+
+class SinkSettings(Protocol):
+    """What the engine reads of a sink (``TransactionalSink`` has it all)."""
+
+    name: str
+    participants: tuple[Participant, ...]
+    coordinator: str
+    token: str | None
+    token_file: str | None
+    coordinator_host: str | None
+    coordinator_tls: tuple[str, str] | None
+    partitions: int | None
+    split_columns: tuple[str, ...]
+    one_branch: bool
+    gang: bool
+    lineage: str | None
+    max_attempts: int
+    backoff: float
+    vote_timeout: float
+    retry_budget_s: float
+    cluster_wait: float
+    preflight: bool
+    on_batch: Callable[[BatchReport], None] | None
+
+
+class BatchEngine:
+    """One sink's driver side: its coordinator connection and writer epoch, its prepare
+    job and committer, and the reports of the batches it ran."""
+
+    def __init__(self, sink: SinkSettings, keep: int) -> None:
+        self.sink = sink
+        self.committer = Committer(sink.participants, keep=keep)
+        self.job = PrepareJob(sink.participants, sink.split_columns, sink.one_branch,
+                              sink.gang)
+        self.history: list[BatchReport] = []
+        self.by_batch: dict[int, BatchReport] = {}
+        self.conn: Connection | None = None
+        self.client: CoordinatorClient | None = None
+        self.epoch: int | None = None
+        self._preflighted = self._spark_checked = False
+        self._slots_checked = 0
+
+    # ------------------------------------------------------------------ the sink's start
+    def connect(self, df: DataFrame | None = None) -> CoordinatorClient:
+        if self.client is None:
+            from twophase.client.connection import connect
+
+            s = self.sink  # where an embedded coordinator listens, what the tasks are told
+            bind, advertise = ((s.coordinator_host, s.coordinator_host) if s.coordinator_host
+                               else coordinator_address(df))
+            self.conn = connect(s.coordinator, s.token, host=bind, advertise=advertise,
+                                tls=s.coordinator_tls, token_file=s.token_file)
+            self.client = self.conn.client(retry_budget=s.retry_budget_s)
+        return self.client
+
+    def start(self, df: DataFrame, lineage: str | None = None) -> tuple[CoordinatorClient, int]:
+        """Connect, take the writer epoch (once per driver run: a restarted driver fences
+        the old one) and check the targets, what a crash left open and the executors."""
+        client, s = self.connect(df), self.sink
+        conn = self.conn
+        assert conn is not None
+        if self.epoch is None:
+            # the participants' descriptors let `twophase resolve SINK` rebuild them
+            self.epoch = client.register(s.name, descriptors(s.participants))
+            log.info("sink %s: writer epoch %d, lineage %s", s.name, self.epoch,
+                     lineage or "per query")
+            self.job.fixed_part(epoch=self.epoch, coordinator_url=conn.url, token=client.token,
+                                ca_pem=conn.ca_pem, vote_timeout=s.vote_timeout,
+                                retry_budget=s.retry_budget_s, token_file=conn.token_file)
+        if not self._preflighted:
+            from twophase.spark.preflight import preflight_sink
+
+            preflight_sink(jvm_context(df), df.sparkSession, s.name, s.participants, conn.url,
+                           executors=s.preflight, wait_s=s.retry_budget_s, client=client)
+            self._preflighted = True
+        return client, self.epoch
+
+    def _check_cluster(self, df: DataFrame, partitions: int) -> None:
+        """Refuse, before anything is begun or written, a batch Spark would refuse
+        mid-way (only a sink with an in-task participant runs a barrier stage)."""
+        if not self.sink.gang or partitions <= self._slots_checked:
+            return  # checked before (master and dynamic allocation are fixed at start)
+        in_task = ", ".join(p.describe() for p in self.sink.participants
+                            if not p.durable_prepare)
+        check_gang(df, self.sink.name, in_task, partitions, self.sink.cluster_wait)
+        self._slots_checked = partitions
+
+    def close(self) -> None:
+        self.committer.close()
+        if self.client is not None:
+            self.client.close()
+        if self.conn is not None:
+            self.conn.close()
+        self.client = self.conn = None
+        self.epoch = None
+        self.job.forget()
+
+    # ------------------------------------------------------------------ one batch
+    def run(self, df: DataFrame, batch_id: int) -> None:
+        """Write one micro-batch exactly once: plan, prepare, decide, commit, report."""
+        s, job = self.sink, self.job
+        started = time.perf_counter()
+        laps = Laps(started)
+        if not self._spark_checked:  # before anything is begun or written
+            import pyspark
+
+            check_spark(s.name, df.sparkSession.version, pyspark.__version__)
+            self._spark_checked = True
+        lineage = s.lineage or query_lineage(df, s.name)
+        # The job's own DataFrame, planned once: its split is read from its plan, and the
+        # job runs it when it keeps Spark's split (the plan travels as a local property).
+        direct = job.frame(df)
+        laps.lap("frame_s")
+        n_in = input_partitions(direct if direct is not None else df, any_split=not s.gang)
+        laps.lap("split_s")
+        if n_in is not None and ((s.gang and n_in > default_partitions(df))
+                                 or s.partitions not in (None, n_in)):
+            n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
+        # n_in == 0: Spark planned no partition at all, the batch has no rows (the
+        # application's parallelism, two py4j round trips, only read when needed)
+        partitions = s.partitions or (1 if n_in == 0 else n_in or default_partitions(df))
+        self._check_cluster(df, partitions)
+        client, epoch = self.start(df, lineage)
+        job.check(df)
+        laps.lap("setup_s")
+        failpoints.hit("before_begin")
+        aborted = finishing = 0
+        while True:
+            res = client.begin(s.name, lineage, batch_id, epoch,
+                               [p.name for p in s.participants], partitions, s.vote_timeout)
+            laps.lap("begin_s")
+            job.renew_token(client.token)  # the begin may have met a rotation
+            if res.new_lineage:
+                log.warning("sink %s: new lineage %s (checkpoint location changed): batch ids "
+                            "restart here and are not taken for already-committed ones",
+                            s.name, lineage)
+            if res.kind == BeginKind.COMMITTED:
+                run_through(df)
+                self._report(BatchReport(batch_id, "replay", 0, sink=s.name, decision="COMMIT"),
+                             started)
+                return
+            txn = res.txn
+            assert txn is not None
+            # an attempt stored by an earlier run keeps its partition count
+            self._check_cluster(df, txn.partitions)
+            in_doubt = res.kind == BeginKind.IN_DOUBT
+            if n_in == 0 and settle_empty(client, epoch, txn, res.recover, in_doubt=in_doubt):
+                final, outcomes, job_error = client.get(txn.key), list[dict[str, Any]](), ""
+                split = "none"
+                laps.lap("settle_s")
+            else:
+                plan = job.plan(res.kind, txn, res.recover, n_in)
+                split = plan.split
+                laps.lap("plan_s")
+                outcomes, job_error = job.run(df, plan, direct, client)
+                laps.lap("job_s")
+                if plan.mode == PREPARE:
+                    # No task waited for the decision: the driver sends every task's
+                    # votes (an undecided attempt, its job failed, is abandoned), then
+                    # applies the decision from here.
+                    final = decide(client, txn, epoch, votes_of(outcomes), job_error)
+                    laps.lap("decide_s")
+                    final, commit_error = self.committer.apply(client, epoch, final)
+                    laps.lap("driver_commit_s")
+                else:
+                    # The tasks' acks in one call (its answer is the record after them);
+                    # the coordinator's record, not the job's fate, says what comes next.
+                    final = relay_acks(client, txn.key, epoch, outcomes) or client.get(txn.key)
+                    laps.lap("relay_s")
+                    final, commit_error = commit_batches(client, epoch, s.participants, final,
+                                                         redone_handles(outcomes))
+                    laps.lap("batch_commit_s")
+                job_error = job_error or commit_error
+            rule = partial(next_step, max_attempts=s.max_attempts, backoff=s.backoff,
+                           job_error=job_error)
+            step = rule(final, aborted=aborted, finishing=finishing)
+            if step.kind == StepKind.ABANDON:
+                final = client.abandon(final.key, epoch, step.reason)
+                step = rule(final, aborted=aborted, finishing=finishing, abandoned=True)
+            aborted, finishing = step.aborted, step.finishing
+            if step.warning:
+                log.warning("%s", step.warning)
+            if step.kind == StepKind.RETURN:
+                self.committer.prune(s.name, lineage, batch_id)  # in the background
+                failpoints.hit("before_return")
+                report = summary(s.name, batch_id, final, outcomes, in_doubt)
+                report.split = split
+                report.phases.update(laps.taken)
+                self._report(report, started)
+                return
+            if step.kind == StepKind.GIVE_UP:
+                if final.decision == Decision.ABORT and not s.gang:
+                    self.committer.sweep(final)  # nothing left prepared behind the error
+                raise BatchFailed(step.reason)
+            if step.delay > 0:  # FINISH or RETRY: begin again
+                time.sleep(step.delay)
+
+    def _report(self, report: BatchReport, started: float) -> None:
+        report.seconds = time.perf_counter() - started
+        if report.phases:  # what no lap took: the loop's own work, this report, the log
+            report.phases["driver_s"] = max(0.0, report.seconds - sum(
+                v for k, v in report.phases.items() if k in DRIVER_PHASES))
+        batch_phases(report)
+        self.history.append(report)
+        self.by_batch[report.batch_id] = report
+        while len(self.by_batch) > 1000:  # a long-running query: keep the recent ones
+            del self.by_batch[next(iter(self.by_batch))]
+        log_batch(report, [p.name for p in self.sink.participants])
+        if self.sink.on_batch is not None:
+            self.sink.on_batch(report)
