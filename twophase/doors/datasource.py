@@ -26,7 +26,7 @@ from twophase.engine.door import (
     spec_from_options,
 )
 from twophase.errors import InvalidRequest
-from twophase.spark.compat import arrow_schema_of, rows_to_batches
+from twophase.spark.compat import arrow_schema_of
 
 try:  # Spark 4.1+: Arrow record batches in, no Python rows
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _Writer
@@ -67,7 +67,7 @@ class TwophaseWriter(_Writer):
                                  "df.writeStream.format('twophase')")
         schema = self.schema
         if not isinstance(self, _ArrowIn):
-            iterator = rows_to_batches(iterator, schema)
+            iterator = _rows_to_batches(iterator, schema)
         else:  # Spark's batches carry the session's zone: prepare in it
             first = next(iterator, None)
             if first is not None:
@@ -89,6 +89,21 @@ _ArrowIn: tuple[type, ...] = (() if _Writer is DataSourceStreamWriter else (_Wri
 
 def _unwrap(messages: list[WriterCommitMessage | None]) -> list[Message | None]:
     return [m.message if isinstance(m, DoorMessage) else None for m in messages]
+
+
+def _rows_to_batches(rows: Iterator[Any], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """Spark 4.0's data source writer hands rows (4.1+: Arrow batches, no Python
+    rows): back to Arrow, 10,000 at a time."""
+    import pyarrow as pa
+
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        chunk.append(row.asDict())
+        if len(chunk) == 10_000:
+            yield pa.RecordBatch.from_pylist(chunk, schema=schema)
+            chunk = []
+    if chunk:
+        yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 
 
 class TwophaseDataSource(DataSource):

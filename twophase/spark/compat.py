@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterator
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twophase.errors import EnvironmentProblem
 
-if TYPE_CHECKING:
-    import pyarrow as pa
-
-__all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "in_zone",
-           "rows_to_batches", "spark_version", "zone_of"]
+__all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "in_zone", "spark_version",
+           "zone_of"]
 
 SPARK_FLOOR = (3, 5)
 """The oldest Spark release the sink runs on (``mapInArrow``'s ``barrier=``, Connect's
@@ -180,18 +176,3 @@ class ArrowMap:
         udf = make(self.func, returnType=self.schema,
                    functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
         return udf(*[col("`" + n.replace("`", "``") + "`") for n in names])._jc
-
-
-def rows_to_batches(rows: Iterator[Any], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """Spark 4.0's data source writer hands rows (4.1+: Arrow batches, no Python
-    rows): back to Arrow, 10,000 at a time."""
-    import pyarrow as pa
-
-    chunk: list[dict[str, Any]] = []
-    for row in rows:
-        chunk.append(row.asDict())
-        if len(chunk) == 10_000:
-            yield pa.RecordBatch.from_pylist(chunk, schema=schema)
-            chunk = []
-    if chunk:
-        yield pa.RecordBatch.from_pylist(chunk, schema=schema)
