@@ -5,7 +5,8 @@ door's own ``prepare`` step for its partition (``twophase.engine.task.run_partit
 hands its votes back as Spark's commit message. The driver's ``commit(messages,
 batchId)`` sends them and decides (``twophase.engine.decide``), then applies the decision
 (``twophase.engine.commit.Committer``); ``abort`` abandons the attempt and aborts what its
-tasks prepared. Nothing here imports Spark: the door's Spark classes live in
+tasks prepared. A sink declared by options alone becomes its ``DoorSpec`` here
+(``spec_from_options``). Nothing here imports Spark: the door's Spark classes live in
 :mod:`twophase.doors.datasource`."""
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from twophase.protocol.door import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
 
 __all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
            "prepare_partition", "refuse_in_task", "spec_from_options"]
