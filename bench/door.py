@@ -38,7 +38,7 @@ from twophase.testing.localpg import LocalPostgres  # noqa: E402
 def run(spark: Any, dsn: str, work: Path, input_dir: Path, variant: str, batches: int) -> float:
     """One query; rows per second over its timed batches."""
     import twophase
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
     from twophase.spark.session import arrow_schema

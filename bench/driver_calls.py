@@ -81,7 +81,7 @@ def _per_phase(store: list[dict[str, tuple[int, float, int, float]]]) -> None:
     try:
         from twophase.engine.report import Laps
     except ImportError:  # an older tree: the driver's own
-        from twophase.doors.foreachbatch import _Laps as Laps  # type: ignore[attr-defined,no-redef]
+        from twophase.driver import _Laps as Laps  # type: ignore[attr-defined,no-redef]
 
     original_init, original_lap = Laps.__init__, Laps.lap
 

@@ -242,7 +242,7 @@ def _relation_partitions(df: Any) -> int | None:
 
 def run_query(setup: Setup, input_dir: str, variant: str, *, empty_relations: int = 0,
               check_kafka: bool = False) -> Run:
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
 

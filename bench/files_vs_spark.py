@@ -53,7 +53,7 @@ def _ids(out: Path) -> tuple[int, int]:
 
 def run_query(spark: Any, work: Path, input_dir: Path, variant: str) -> Batches:
     """One query; (rows, seconds) per batch from Spark's progress, warm-up first."""
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
 
     tag = uuid.uuid4().hex[:10]

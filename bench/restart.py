@@ -71,7 +71,7 @@ def job(args: argparse.Namespace) -> int:
     """The user's job: A or B over ``--input`` into ``--table`` and ``--out``."""
     from e2e import _at_least_once_writer
 
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.postgres import PostgresParticipant
     from twophase.spark.session import arrow_schema as _arrow_schema

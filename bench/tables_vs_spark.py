@@ -111,7 +111,7 @@ class Tables:
 def run_query(spark: Any, tables: Tables, input_dir: Path, kind: str,
               variant: str, phases: Any = None, key: str = "") -> Batches:
     """One query into a new table; (rows, seconds) per batch from Spark's progress."""
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.delta import DeltaParticipant
     from twophase.sinks.iceberg import IcebergParticipant
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from twophase import TransactionalSink
 from twophase.client.connection import connect
-from twophase.doors.foreachbatch import TransactionalSink
 from twophase.errors import CoordinatorUnavailable
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.verify import verify

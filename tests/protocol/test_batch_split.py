@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.sinks.files import StagedFileParticipant
 from twophase.spark.split import input_partitions as _input_partitions
 from twophase.testing.job import EVENT_DDL, write_input

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.errors import InvalidRequest
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant

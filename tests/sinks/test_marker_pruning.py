@@ -94,7 +94,7 @@ def test_the_sinks_marker_window_prunes_postgres_markers_below_it(
     """``TransactionalSink(marker_keep_batches=100)``: the driver's prune after batch 200
     deletes the markers of batches below 100 and keeps the rest; the default window
     (1,000) prunes nothing yet at batch 200."""
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
 
     part = PostgresParticipant(pg_dsn, f"prune_{uuid.uuid4().hex[:8]}")
     part.check(SCHEMA)

@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from twophase import failpoints
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink, failpoints
 from twophase.engine.report import BATCH_PHASES
 from twophase.sinks.files import StagedFileParticipant
 from twophase.sinks.postgres import PostgresParticipant

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.participant import BranchRef, Handle
 from twophase.sinks.files import STAGING_DIR, StagedFileParticipant
 

@@ -24,8 +24,7 @@ import pytest
 
 from tests.support.s3 import keys, read_rows, unique_prefix
 from tests.support.s3native_job import LINEAGE, SINK, batch_df
-from twophase import failpoints
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink, failpoints
 from twophase.participant import BranchStatus
 from twophase.sinks import s3native
 from twophase.sinks.files import STAGING_DIR

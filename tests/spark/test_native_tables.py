@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.sinks.iceberg.iceberg_support import local_catalog
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.participant import BatchParticipant, BranchRef, Handle
 from twophase.sinks.delta import DeltaParticipant
 from twophase.sinks.iceberg import IcebergParticipant

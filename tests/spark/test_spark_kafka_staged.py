@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.kafka import create_topic, kafka_bootstrap, unique_topic
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.postgres import PostgresParticipant
 from twophase.testing.verify import verify

@@ -160,7 +160,7 @@ def _gains_a_column(spark: Any, cfg: JobConfig, participants: list[Any]) -> Any:
     """A query whose batches from batch 1 on carry a new column ``region``."""
     from pyspark.sql import functions as F
 
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
 
     sink = TransactionalSink(cfg.sink, participants, cfg.coordinator, partitions=2,
                              vote_timeout=60.0, max_attempts=1)

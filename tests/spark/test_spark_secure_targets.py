@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from tests.support.kafka import create_topic, grant_app, secure_kafka, unique_topic
-from twophase.doors.foreachbatch import TransactionalSink
+from twophase import TransactionalSink
 from twophase.errors import TwophaseError
 from twophase.sinks.delta import DeltaParticipant
 from twophase.sinks.kafka import KafkaParticipant

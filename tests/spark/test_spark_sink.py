@@ -165,7 +165,7 @@ def test_two_queries_two_sinks_share_one_daemon(
     spark: Any, tmp_path: Path, pg_dsn: str
 ) -> None:
     from tests.coordinator.test_coordinator_daemon import TOKEN, start_daemon
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
 
     daemon = start_daemon(f"sqlite:///{tmp_path / 'daemon.db'}")
     try:
@@ -249,7 +249,7 @@ def _lineage(job: JobConfig) -> str:
 
 
 def test_sink_construction_checks(tmp_path: Path) -> None:
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
     from twophase.sinks.kafka import KafkaParticipant
 
@@ -272,7 +272,7 @@ def test_a_pyspark_not_of_the_jvms_release_is_refused_before_anything_is_written
     # coordinator is started or a participant touched (twophase.spark.compat)
     import pyspark
 
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
     from twophase.errors import EnvironmentProblem
     from twophase.sinks.files import StagedFileParticipant
 

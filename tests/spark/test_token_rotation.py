@@ -37,7 +37,7 @@ def _wait(what: Any, why: str, timeout: float = 120.0) -> None:
 def test_a_running_query_commits_across_a_data_token_rotation(
     spark: Any, tmp_path: Path
 ) -> None:
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink
 
     old, new, operator = (secrets.token_urlsafe(18) for _ in range(3))
     tokens, mine = tmp_path / "tokens", tmp_path / "job-token"

@@ -46,8 +46,7 @@ class NoPythonRows(S3StagedFileParticipant):
 def main() -> int:
     from pyspark.sql import SparkSession
 
-    from twophase import failpoints
-    from twophase.doors.foreachbatch import TransactionalSink
+    from twophase import TransactionalSink, failpoints
 
     with open(sys.argv[1]) as f:
         job: dict[str, Any] = json.load(f)

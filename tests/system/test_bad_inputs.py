@@ -20,11 +20,10 @@ import httpx
 import pytest
 
 from tests.support.pg import fresh_pg_db
-from twophase import failpoints
+from twophase import TransactionalSink, failpoints
 from twophase.client import wire
 from twophase.client.api import CoordinatorClient
 from twophase.coordinator.background import parse_duration
-from twophase.doors.foreachbatch import TransactionalSink
 from twophase.errors import InvalidRequest
 from twophase.sinks.files import StagedFileParticipant as FilesParticipant
 from twophase.sinks.kafka.participant import KafkaParticipant
