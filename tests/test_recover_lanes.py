@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from twophase import recover
+from twophase.engine import recover
 from twophase.engine.finish import apply_decision
 from twophase.participant import BranchRef, BranchStatus, Handle, Participant
 from twophase.protocol import Decision

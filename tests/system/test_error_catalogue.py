@@ -341,7 +341,7 @@ def test_a_target_problem_is_one_sentence_and_survives_pickling() -> None:
 
 def test_the_lineage_rule_is_stated_once() -> None:
     """The Spark Connect message listed ``_ .`` as allowed; the rule is names.py's."""
-    from twophase import driver
+    from twophase.doors import foreachbatch as driver
     from twophase.names import LINEAGE_PATTERN, validate_lineage
 
     assert LINEAGE_PATTERN == r"^[A-Za-z0-9-]{1,64}$" and LINEAGE_RULE.endswith("A-Z a-z 0-9 -")
