@@ -60,10 +60,11 @@ def _prepared(dsn: str) -> list[str]:
         return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
-def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: tuple[str, ...]) -> VerifyReport:
-    """One driver run per failpoint in ``driver_kills``, its process group SIGKILLed
-    where the failpoint holds it, one more batch of input after each; then a run whose
-    first prepared branch's Python worker is SIGKILLed (Spark retries the task) and which
+def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: list[str],
+                 worker_kill: str) -> VerifyReport:
+    """One driver run per failpoint in ``driver_kills`` (each ``sleep``s where it fires),
+    its process group SIGKILLed there, one more batch of input after each; then a run
+    whose Python worker is SIGKILLed at ``worker_kill`` (Spark retries the task) and which
     runs to its end. Returns the verifier's report over every batch."""
     cfg_path, log = tmp_path / "job.json", tmp_path / "job.log"
     cfg.dump(cfg_path)
@@ -71,16 +72,17 @@ def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: tuple[str, ...]) 
     batches = 1
     for i, spec in enumerate(driver_kills):
         once = tmp_path / f"once{i}"
-        proc = _start(cfg_path, {failpoints.ENV: spec, failpoints.ONCE_DIR_ENV: str(once)}, log)
+        proc = _start(cfg_path, {failpoints.ENV: f"{spec}=sleep(120)*1",
+                                 failpoints.ONCE_DIR_ENV: str(once)}, log)
         _kill_when_held(proc, once, log)
         write_input(cfg.input_dir, 1, ROWS, first=batches)
         batches += 1
     once = tmp_path / "worker"
-    last = _start(cfg_path, {failpoints.ENV: "after_prepare=kill*1",
+    last = _start(cfg_path, {failpoints.ENV: f"{worker_kill}=kill*1",
                              failpoints.ONCE_DIR_ENV: str(once)}, log)
     out, _ = last.communicate(timeout=600)
     assert last.returncode == 0, log.read_text()[-3000:]
-    assert len(failpoints.fired(str(once))) == 1
+    assert len(failpoints.fired(str(once))) == 1, worker_kill
     assert [json.loads(x) for x in out.splitlines() if x.startswith("{")][-1] == {"done": True}
     return verify(build_participants(cfg), expected_ids(batches, ROWS), sink=cfg.sink)
 
@@ -91,17 +93,7 @@ def _kafka_judged(report: VerifyReport) -> None:
     assert "a read_committed consumer agrees" in kafka.note, kafka.note
 
 
-# a failpoint that holds the driver (sleep) where the kill lands
-EVERY_KIND_KILLS = (
-    "after_prepare=sleep(120)*1",  # a task prepared its first branch, no vote handed back
-    "before_commit=sleep(120)*1",  # the driver's commit: COMMIT decided, one lane held
-    # before its first branch (the other lanes go on: a partly applied batch)
-    "after_commit=sleep(120)*1",  # a branch committed, not acknowledged
-    "after_batch_commit=sleep(120)*1",  # a table (Iceberg or Delta) committed, no ack
-)
-
-
-@pytest.mark.slow  # six driver runs of the every-kind job, each a Spark start-up
+@pytest.mark.slow  # five driver runs of the every-kind job: about 3 minutes
 def test_every_kind_killed_through_the_door(
     tmp_path: Path, pg_dsn: str, mariadb_server: Any, s3: Any, s3_bucket: str,
     kafka_bootstrap: str,
@@ -125,10 +117,19 @@ def test_every_kind_killed_through_the_door(
         vote_timeout=60.0, door=True,
         spark_conf={"spark.master": "local[2,4]"},  # up to 4 tries of a task
     )
-    assert sorted(p.kind for p in build_participants(cfg)) == sorted(
-        ["postgres", "files", "kafka", "sql", "delta", "iceberg"])
-    assert next(p for p in build_participants(cfg) if p.kind == "kafka").durable_prepare
-    report = _killed_runs(cfg, tmp_path, EVERY_KIND_KILLS)
+    name = {p.kind: p.name for p in build_participants(cfg)}
+    assert sorted(name) == sorted(["postgres", "files", "kafka", "sql", "delta", "iceberg"])
+    report = _killed_runs(cfg, tmp_path, [
+        # a task's Kafka transaction prepared (PostgreSQL's and the files' branches
+        # before it), no vote handed back
+        f"after_prepare@{name['kafka']}",
+        # COMMIT decided; MariaDB's XA branch held before its commit while the other
+        # commit lanes go on: a partly applied batch
+        f"before_commit@{name['sql']}",
+        f"after_commit@{name['kafka']}",  # Kafka's transaction committed, not acknowledged
+        # Delta committed and acknowledged, Iceberg committed, not acknowledged
+        f"after_batch_commit@{name['iceberg']}",
+    ], worker_kill=f"after_prepare@{name['kafka']}")  # a worker's open Kafka transaction
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [ROWS * 5] * 6, report.lines()
     _kafka_judged(report)
@@ -136,13 +137,7 @@ def test_every_kind_killed_through_the_door(
     assert mariadb_server.sql("XA RECOVER") == []
 
 
-STAGED_KILLS = (
-    "before_commit=sleep(120)*1",  # COMMIT decided, nothing applied
-    "mid_commit=sleep(120)*1",  # the staged copy's transaction open, not committed
-)
-
-
-@pytest.mark.slow  # three driver runs, each a Spark start-up
+@pytest.mark.slow  # three driver runs: about 2 minutes
 def test_staged_kafka_killed_through_the_door(
     tmp_path: Path, pg_dsn: str, kafka_bootstrap: str,
 ) -> None:
@@ -159,7 +154,12 @@ def test_staged_kafka_killed_through_the_door(
         partitions=4, input_partitions=2, vote_timeout=60.0, door=True,
         spark_conf={"spark.master": "local[2,4]"},
     )
-    report = _killed_runs(cfg, tmp_path, STAGED_KILLS)
+    name = {p.kind: p.name for p in build_participants(cfg)}
+    report = _killed_runs(cfg, tmp_path, [
+        f"before_commit@{name['files']}",  # COMMIT decided, the files' rename held
+        # the staged copy's transaction open (records and marker sent), not committed
+        f"mid_commit@{name['kafka']}",
+    ], worker_kill=f"after_prepare@{name['kafka']}")  # staged, no vote handed back
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [ROWS * 3] * 3, report.lines()
     _kafka_judged(report)
