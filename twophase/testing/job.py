@@ -84,6 +84,9 @@ class JobConfig:
     # from TWOPHASE_SECRET_<PARTICIPANT>_<KEY> as for `twophase resolve`
     participants: list[dict[str, Any]] | None = None
     partitions: int | None = None
+    # repartition the input to this many Spark partitions (tasks) before the sink; None:
+    # as read (one input file a batch: one task)
+    input_partitions: int | None = None
     aggregate: str | None = None  # "update" or "complete": groupBy("customer").count()
     max_attempts: int = 3
     vote_timeout: float = 120.0
@@ -292,6 +295,8 @@ def run(
         else:
             stream = spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1) \
                 .parquet(cfg.input_dir)
+        if cfg.input_partitions is not None:
+            stream = stream.repartition(cfg.input_partitions)
         output_mode = "append"
         if cfg.aggregate is not None:
             if cfg.aggregate not in ("update", "complete"):
