@@ -11,6 +11,8 @@ written once, in its task's own transaction, left open and committed by the driv
   **without committing or aborting**; its producer is parked in this process
   (:data:`PARKED`) and never closed (``close()`` aborts an open transaction since
   confluent-kafka 2.x; dropping it or the process dying does not: docs/kafka.md).
+  A prepare that finds, once written, its branch committed by another attempt (a late
+  speculative copy) aborts its own transaction and votes "already committed".
 - **commit / abort** (the driver, a restarted driver, ``twophase resolve``): ``EndTxn``
   for (id, producer id, epoch) on Kafka's wire (:mod:`.txnwire`), from the handle alone.
 - **status**: COMMITTED by the marker; PREPARED while the coordinator shows the id
@@ -146,6 +148,13 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
                 f"{p.bootstrap} within {p.connect_timeout_s:g}s: {describe_error(exc)}"
             ) from exc
         rows, state, first = _write(p, producer, consumer, branch, tid, schema, batches)
+        if read_marker_now(p, branch) >= branch.batch_id + 1:
+            # another attempt of this branch (the one whose vote won) was committed
+            # while this one wrote: this vote cannot count, and the driver's sweep of
+            # the losing attempts may have run before this transaction began, so it
+            # ends its own transaction rather than hold read_committed readers
+            _end_own(p, producer, branch, tid)
+            return {**p._handle(branch, 0, already=True), "prepare": MODE}
     _park(tid, producer)
     handle = p._handle(branch, rows, already=False, offsets=first)
     handle.update({"prepare": MODE, "transactional_id": tid,
@@ -154,6 +163,21 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
                    "partitions": ",".join(t for t in state.partitions
                                           if not t.startswith("__"))})
     return handle
+
+
+def _end_own(p: KafkaParticipant, producer: Any, branch: BranchRef, tid: str) -> None:
+    """Abort this producer's own transaction (a late copy of a committed branch); when
+    the broker cannot be told, the transaction is left to the next sweep or its timeout,
+    which the error says."""
+    try:
+        producer.abort_transaction(p.connect_timeout_s)
+    except Exception as exc:
+        raise PrepareRefused(
+            f"{p.describe()}: branch {branch.branch_id} of batch {branch.batch_id} was "
+            f"committed by another attempt while this one wrote, and this attempt's "
+            f"transaction (transactional id {tid!r}) could not be aborted: "
+            f"{describe_error(exc)}; the driver's next sweep or the transaction timeout "
+            "ends it") from exc
 
 
 def _write(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef, tid: str,
