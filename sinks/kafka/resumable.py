@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_other_attempts",
-           "abort_unvoted", "choose_id",
+           "abort_unvoted", "check_broker", "choose_id",
            "commit", "is_resumable", "pool_id", "prepare", "voted_status"]
 
 MODE: Final = "resumable"
@@ -83,6 +83,25 @@ def is_resumable(handle: Handle | None) -> bool:
 def pool_id(p: KafkaParticipant, branch: BranchRef, slot: int) -> str:
     """``twophase.<sink>.<participant>.w<partition>.<slot>``."""
     return f"twophase.{branch.sink}.{p.name}.w{branch.partition}.{slot}"
+
+
+def check_broker(p: KafkaParticipant) -> None:
+    """The broker answers ``DescribeTransactions`` (Kafka 3.0+), without which no
+    process can learn a task's producer id and epoch, so none can end its transaction.
+    Asked once at the sink's first batch, on an id no batch uses, before anything is
+    written. A broker that closes the connection on it (tansu 0.6 does: docs/kafka.md)
+    gets an error naming the staged prepare; other answers surface where they occur."""
+    tid = f"twophase.probe.{p.name}"
+    try:
+        describe_transaction(p.config, tid, p.connect_timeout_s)
+    except TxnWireError as exc:
+        if exc.name != "NETWORK":
+            return
+        raise ParticipantError(
+            f"{p.describe()}: Kafka at {p.bootstrap} answered the topic check but not "
+            f"DescribeTransactions ({exc}); the resumable prepare (the default) needs it "
+            "(Apache Kafka 3.0 or later) to commit a task's transaction from the driver. "
+            'Use KafkaParticipant(..., prepare="staged") with this broker') from exc
 
 
 def _spark_attempt() -> int:
