@@ -42,6 +42,7 @@ from twophase.sinks.kafka.txnwire import (
     describe_transaction,
     end_transaction,
 )
+from twophase.wire import MAX_TEXT
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -178,10 +179,22 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
     handle = p._handle(branch, rows, already=False, offsets=first)
     handle.update({"prepare": MODE, "transactional_id": tid,
                    "producer_id": str(state.producer_id),
-                   "producer_epoch": str(state.producer_epoch),
-                   "partitions": ",".join(t for t in state.partitions
-                                          if not t.startswith("__"))})
+                   "producer_epoch": str(state.producer_epoch)})
+    written = _written(p, state)
+    if written:
+        handle["partitions"] = written
     return handle
+
+
+def _written(p: KafkaParticipant, state: TxnState) -> str:
+    """The target topic's partition numbers the transaction wrote (``"0,3,7"``), for the
+    operator; "" past :data:`~twophase.wire.MAX_TEXT` characters, which a vote's handle
+    values must fit (a task writing a topic of a thousand partitions or more)."""
+    prefix = f"{p.topic}-"
+    numbers = sorted(int(t[len(prefix):]) for t in state.partitions
+                     if t.startswith(prefix) and t[len(prefix):].isdigit())
+    text = ",".join(map(str, numbers))
+    return text if len(text) <= MAX_TEXT else ""
 
 
 def _end_own(p: KafkaParticipant, producer: Any, branch: BranchRef, tid: str) -> None:

@@ -231,3 +231,43 @@ def test_closing_the_committer_ends_a_copy_that_began_after_the_last_sweep(
     # the winner's rows, read at once; the late copy's are aborted
     assert _ids(read_all(kafka_bootstrap, p.topic, expect=ROWS, timeout_s=15.0)) \
         == list(range(ROWS))
+
+
+def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A task spreading its rows over every partition of a wide topic (no key: librdkafka
+    places each record at random) votes a handle the coordinator accepts: the written
+    partitions are listed by number, not by topic-partition name, which for 200
+    partitions (seen in bench/scale.py) passed the 4,096 characters a handle value may
+    hold and failed the batch. Here 40 partitions of a 200-character topic name."""
+    import pyarrow as pa
+
+    from twophase.wire import MAX_TEXT
+
+    topic = ("wide-" + uuid.uuid4().hex).ljust(200, "x")
+    create_topic(kafka_bootstrap, topic, partitions=40)
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, name="wide",
+                         connect_timeout_s=10.0)
+    rows = 4000
+    batch = pa.record_batch([pa.array(list(range(rows)), pa.int64())], names=["id"])
+    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
+            CoordinatorClient(srv.url, srv.token) as client:
+        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
+        txn = client.begin(SINK, uuid.uuid4().hex[:16], 0, epoch, [p.name], 1, 120).txn
+        assert txn is not None
+        b = BranchRef(*txn.key, p.name, 0)
+        handle = p.prepare(b, batch.schema, [batch])
+        assert handle["partitions"] == ",".join(str(n) for n in range(40)), handle
+        assert max(len(v) for v in handle.values()) <= MAX_TEXT
+        final = decide(client, txn, epoch, [VoteIn(b.branch_id, True, handle, task="0.0")],
+                       "")
+        assert final.decision == Decision.COMMIT
+        committer = Committer([p])
+        try:
+            after, error = committer.apply(client, epoch, final)
+        finally:
+            committer.close()
+        assert error == "" and after.branches[b.branch_id].ack == Decision.COMMIT
+    assert _ids(read_all(kafka_bootstrap, topic, expect=rows, timeout_s=30.0)) \
+        == list(range(rows))
