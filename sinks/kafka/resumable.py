@@ -161,6 +161,10 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
             PARKED.pop(tid, None)
         producer = Producer(p.producer_config(tid))
         try:
+            # a broker connection up first: librdkafka asks for the transaction
+            # coordinator at once and, finding no broker up yet, only again after a
+            # fixed 500 ms (measured: init_transactions 60 ms or 507 ms, by that race)
+            producer.list_topics(p.topic, timeout=p.connect_timeout_s)
             producer.init_transactions(p.connect_timeout_s)
         except Exception as exc:
             raise PrepareRefused(
