@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.kafka_topics import committed_rows, drop_topic, new_topic  # noqa: E402
 from twophase.client.api import CoordinatorClient  # noqa: E402
 from twophase.client.wire import VoteIn  # noqa: E402
 from twophase.engine.commit import send_acks  # noqa: E402
@@ -175,27 +176,80 @@ def store_section(sizes: list[int], work: Path) -> None:
         st.close()
 
 
-def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
-              ) -> list[tuple[int, float]]:
-    """One query; (rows, seconds) per batch from Spark's progress, warm-up first."""
+def _kafka_at_least_once(bootstrap: str, topic: str) -> Any:
+    """A's ``mapInArrow`` function for ``--kafka``: the partition's rows as JSON through
+    a plain idempotent producer kept per worker process (no transaction), flushed, every
+    delivery report checked: what a careful at-least-once job writes."""
+
+    def write(batches: Any) -> Any:
+        import types
+
+        import pyarrow as pa
+        from confluent_kafka import Producer
+
+        from twophase.jsoncodec import json_rows
+
+        kept = sys.modules.setdefault("_scale_kafka", types.ModuleType("_scale_kafka"))
+        producer = kept.__dict__.get(bootstrap)
+        if producer is None:
+            producer = kept.__dict__[bootstrap] = Producer(
+                {"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all"})
+        errors: list[Any] = []
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        rows = 0
+        for b in batches:
+            for value in json_rows(b):
+                while True:
+                    try:
+                        producer.produce(topic, value, on_delivery=delivered)
+                        break
+                    except BufferError:  # the local queue is full: serve reports
+                        producer.poll(0.05)
+            rows += b.num_rows
+        if producer.flush(60) or errors:
+            raise RuntimeError(f"kafka: {len(errors)} delivery errors: {errors[:3]}")
+        yield pa.record_batch([pa.array([rows], pa.int64())], names=["rows"])
+
+    return write
+
+
+def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int,
+              kafka: str | None = None) -> list[tuple[int, float]]:
+    """One query; (rows, seconds) per batch from Spark's progress, warm-up first. With
+    ``kafka`` (a bootstrap address) both sides write a fresh topic of ``parts``
+    partitions instead of files: A with a plain idempotent producer, B with
+    ``KafkaParticipant`` (its default prepare); the topic's log must hold every row."""
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
     from twophase import TransactionalSink
     from twophase.sinks.files import StagedFileParticipant
+    from twophase.sinks.kafka import KafkaParticipant
 
     tag = uuid.uuid4().hex[:10]
     out, ckpt = work / f"out-{tag}", work / f"ck-{tag}"
     out.mkdir()
+    topic = new_topic(kafka, partitions=parts) if kafka else ""
     stream = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
               .parquet(str(input_dir)).repartition(parts))
     sink: TransactionalSink | None = None
     if variant == "A":
+        alo = _kafka_at_least_once(kafka, topic) if kafka else None
+
         def at_least_once(batch: Any, batch_id: int) -> None:
-            batch.write.mode("append").parquet(str(out))
+            if alo is not None:
+                batch.mapInArrow(alo, "rows long").collect()
+            else:
+                batch.write.mode("append").parquet(str(out))
         writer = stream.writeStream.foreachBatch(at_least_once)
     else:
-        sink = TransactionalSink(f"sc{tag}", [StagedFileParticipant(str(out), "parquet")],
+        part: Any = (KafkaParticipant(topic, {"bootstrap.servers": kafka}) if kafka
+                     else StagedFileParticipant(str(out), "parquet"))
+        sink = TransactionalSink(f"sc{tag}", [part],
                                  coordinator=f"sqlite:///{work / f'coord-{tag}.db'}")
         writer = stream.writeStream.foreachBatch(sink)
     try:
@@ -204,10 +258,15 @@ def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
         q.awaitTermination()
         batches = [(int(p["numInputRows"]), p["durationMs"]["triggerExecution"] / 1000)
                    for p in q.recentProgress if p["numInputRows"]]
-        ids = ds.dataset(str(out), format="parquet").to_table(columns=["id"]).column("id")
         expected = sum(n for n, _ in batches)
-        if len(ids) != expected or pc.count_distinct(ids).as_py() != expected:
-            raise SystemExit(f"{variant}: {len(ids)} rows for {expected} read")
+        if kafka:
+            found = committed_rows(kafka, topic)
+            if found < expected or (variant == "B" and found != expected):
+                raise SystemExit(f"{variant}: {found} committed records for {expected} read")
+        else:
+            ids = ds.dataset(str(out), format="parquet").to_table(columns=["id"]).column("id")
+            if len(ids) != expected or pc.count_distinct(ids).as_py() != expected:
+                raise SystemExit(f"{variant}: {len(ids)} rows for {expected} read")
         if sink is not None and any(r.partitions != parts for r in sink.history):
             raise SystemExit(f"B wrote {[r.partitions for r in sink.history]} partitions")
         return batches
@@ -216,22 +275,40 @@ def run_query(spark: Any, work: Path, input_dir: Path, variant: str, parts: int
             sink.close()
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
+        if kafka:
+            drop_topic(kafka, topic)
 
 
-def stream_section(work: Path, pairs: int, batches: int, rows: int, parts: int) -> float:
-    spark = spark_session({"spark.master": "local[4]"})
+DYNAMIC = {"spark.master": "local-cluster[2,2,1024]",
+           "spark.dynamicAllocation.enabled": "true",
+           "spark.dynamicAllocation.shuffleTracking.enabled": "true",
+           "spark.dynamicAllocation.minExecutors": "0",
+           "spark.dynamicAllocation.maxExecutors": "2",
+           "spark.executor.cores": "2", "spark.executor.memory": "1g",
+           # this checkout importable in the executors' Python workers
+           "spark.executorEnv.PYTHONPATH": os.pathsep.join(
+               [str(ROOT), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+"""``--dynamic``: 4 slots as two executors of a local standalone cluster that dynamic
+allocation starts and stops (a user's elastic cluster, on one machine)."""
+
+
+def stream_section(work: Path, pairs: int, batches: int, rows: int, parts: int,
+                   kafka: str | None = None, dynamic: bool = False) -> float:
+    if dynamic:  # the executors' Python workers: this interpreter, as PySpark reads it
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+    spark = spark_session(DYNAMIC if dynamic else {"spark.master": "local[4]"})
     try:
         warm = work / "in-warm"
         write_input(warm, batches=2, rows_per_batch=1000)
         for v in ("A", "B"):
-            run_query(spark, work, warm, v, parts)
+            run_query(spark, work, warm, v, parts, kafka)
         input_dir = work / "in"
         write_input(input_dir, batches=batches + 1, rows_per_batch=rows)
         ratios = []
         for i in range(pairs):
             rates = {}
             for v in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                measured = run_query(spark, work, input_dir, v, parts)[1:]
+                measured = run_query(spark, work, input_dir, v, parts, kafka)[1:]
                 rates[v] = sum(n for n, _ in measured) / sum(s for _, s in measured)
             ratios.append(rates["B"] / rates["A"])
             print(f"  {parts} partitions pair {i + 1}: A {rates['A']:,.0f} rows/s, "
@@ -253,23 +330,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=100_000, help="rows per batch of the stream")
     ap.add_argument("--partitions", type=int, default=200, help="partitions per batch")
     ap.add_argument("--no-stream", action="store_true", help="the coordinator section only")
+    ap.add_argument("--kafka", action="store_true",
+                    help="the stream writes Apache Kafka (a private broker started here; A: "
+                         "an idempotent producer, B: KafkaParticipant) instead of files")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="the stream on local-cluster[2,2,1024] with dynamic allocation "
+                         "(4 slots) instead of local[4]")
+    ap.add_argument("--no-coordinator", action="store_true",
+                    help="the stream section only")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="twophase-scale-"))
-    print(f"scale: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; coordinator: "
-          f"daemon on SQLite, {args.rounds} batches per size", flush=True)
+    coord = "" if args.no_coordinator else \
+        f"; coordinator: daemon on SQLite, {args.rounds} batches per size"
+    print(f"scale: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}{coord}", flush=True)
     try:
-        per_branch = coordinator_section(sizes, args.rounds, work)
-        print("store: SQLite in this process, one batch (the last of 3)", flush=True)
-        store_section(sizes, work)
+        per_branch: dict[int, float] = {}
+        if not args.no_coordinator:
+            per_branch = coordinator_section(sizes, args.rounds, work)
+            print("store: SQLite in this process, one batch (the last of 3)", flush=True)
+            store_section(sizes, work)
         ratio = float("nan")
         if not args.no_stream:
-            print(f"stream: local[4], {args.rows:,} rows per batch in {args.partitions} "
-                  f"partitions, {args.pairs} pairs", flush=True)
-            ratio = stream_section(work, args.pairs, args.batches, args.rows,
-                                   args.partitions)
+            broker = None
+            if args.kafka:
+                from twophase.testing.apachekafka import LocalKafka
+
+                broker = LocalKafka(base_dir=str(work)).start()
+            try:
+                shape = ("local-cluster[2,2,1024], dynamic allocation" if args.dynamic
+                         else "local[4]")
+                into = ("Apache Kafka (B: KafkaParticipant, its default prepare)" if broker
+                        else "files")
+                print(f"stream: {shape}, {args.rows:,} rows per batch in {args.partitions} "
+                      f"partitions into {into}, {args.pairs} pairs", flush=True)
+                ratio = stream_section(work, args.pairs, args.batches, args.rows,
+                                       args.partitions, broker.bootstrap if broker else None,
+                                       args.dynamic)
+            finally:
+                if broker is not None:
+                    broker.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if not per_branch:
+        print(f"scale: load {os.getloadavg()[0]:.1f}; ratio@{args.partitions}p={ratio:.2f}"
+              f"{' kafka' if args.kafka else ''}{' dynamic' if args.dynamic else ''}")
+        return 0
     lo, hi = min(sizes), max(sizes)
     mid = [per_branch[x] for x in (64, 256) if x in per_branch]
     if mid and hi in per_branch:  # P = 4 is mostly fixed cost: the flat range starts at 64

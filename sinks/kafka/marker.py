@@ -82,11 +82,24 @@ def read_marker(p: KafkaParticipant, branch: BranchRef) -> int:
 
 def read_marker_now(p: KafkaParticipant, branch: BranchRef) -> int:
     """The branch's committed marker offset (-1 when none) without waiting on a
-    transaction open on its group: a ``read_uncommitted`` consumer gets the group's
-    committed offsets and counts no pending transactional commit."""
+    transaction open on its group: ``OffsetFetch`` on Kafka's wire (:mod:`.txnwire`, a
+    few milliseconds), or, with security settings the wire reader cannot use, a
+    ``read_uncommitted`` consumer (~50 ms: a new client per read); neither counts a
+    pending transactional commit."""
     from confluent_kafka import Consumer
 
+    from twophase.sinks.kafka.brokerconn import unsupported
+    from twophase.sinks.kafka.txnwire import TxnWireError, committed_offset
+
     group = p.marker_group(branch)
+    config = common_config(p.config)
+    if unsupported(config) is None:
+        try:
+            return committed_offset(config, group, p.topic, 0, p.connect_timeout_s)
+        except TxnWireError as exc:
+            raise ParticipantError(
+                f"{p.describe()}: cannot read marker group {group!r} at {p.bootstrap}: "
+                f"{exc}") from exc
     loose = Consumer({**marker_config(p, group), "isolation.level": "read_uncommitted"})
     try:
         return committed_marker(p, loose, branch)

@@ -200,7 +200,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     # -- check ---------------------------------------------------------------------------
     def check(self, schema: pa.Schema) -> None:
         """Reach the brokers, make sure the topic exists, compare the transaction timeout
-        with the broker's maximum and the key/value columns with the schema."""
+        with the broker's maximum and the key/value columns with the schema; resumable:
+        the broker answers ``DescribeTransactions`` (:func:`.resumable.check_broker`)."""
         self._check_columns(schema)
         limit = check_topic(
             self.describe(),
@@ -213,6 +214,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
             self.broker_max_message_bytes = limit
         if self.prepare_mode == "staged":
             self.staging_partitions = staged.check(self)
+        elif self.prepare_mode == "resumable":
+            resumable.check_broker(self)
 
     def probe(self) -> None:
         """The brokers answer this process with these settings, and the topic, when it

@@ -11,6 +11,8 @@ written once, in its task's own transaction, left open and committed by the driv
   **without committing or aborting**; its producer is parked in this process
   (:data:`PARKED`) and never closed (``close()`` aborts an open transaction since
   confluent-kafka 2.x; dropping it or the process dying does not: docs/kafka.md).
+  A prepare that finds, once written, its branch committed by another attempt (a late
+  speculative copy) aborts its own transaction and votes "already committed".
 - **commit / abort** (the driver, a restarted driver, ``twophase resolve``): ``EndTxn``
   for (id, producer id, epoch) on Kafka's wire (:mod:`.txnwire`), from the handle alone.
 - **status**: COMMITTED by the marker; PREPARED while the coordinator shows the id
@@ -27,6 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
+from twophase.client.wire import MAX_TEXT
 from twophase.participant import BranchRef, BranchStatus, Handle, ParticipantError, PrepareRefused
 from twophase.sinks.kafka.config import common_config
 from twophase.sinks.kafka.errors import describe_error
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["CLOCK_MARGIN_S", "PARKED", "SLOTS", "abort", "abort_other_attempts",
-           "abort_unvoted", "choose_id",
+           "abort_unvoted", "check_broker", "choose_id",
            "commit", "is_resumable", "pool_id", "prepare", "voted_status"]
 
 MODE: Final = "resumable"
@@ -81,6 +84,25 @@ def is_resumable(handle: Handle | None) -> bool:
 def pool_id(p: KafkaParticipant, branch: BranchRef, slot: int) -> str:
     """``twophase.<sink>.<participant>.w<partition>.<slot>``."""
     return f"twophase.{branch.sink}.{p.name}.w{branch.partition}.{slot}"
+
+
+def check_broker(p: KafkaParticipant) -> None:
+    """The broker answers ``DescribeTransactions`` (Kafka 3.0+), without which no
+    process can learn a task's producer id and epoch, so none can end its transaction.
+    Asked once at the sink's first batch, on an id no batch uses, before anything is
+    written. A broker that closes the connection on it (tansu 0.6 does: docs/kafka.md)
+    gets an error naming the staged prepare; other answers surface where they occur."""
+    tid = f"twophase.probe.{p.name}"
+    try:
+        describe_transaction(p.config, tid, p.connect_timeout_s)
+    except TxnWireError as exc:
+        if exc.name != "NETWORK":
+            return
+        raise ParticipantError(
+            f"{p.describe()}: Kafka at {p.bootstrap} answered the topic check but not "
+            f"DescribeTransactions ({exc}); the resumable prepare (the default) needs it "
+            "(Apache Kafka 3.0 or later) to commit a task's transaction from the driver. "
+            'Use KafkaParticipant(..., prepare="staged") with this broker') from exc
 
 
 def _spark_attempt() -> int:
@@ -139,6 +161,10 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
             PARKED.pop(tid, None)
         producer = Producer(p.producer_config(tid))
         try:
+            # a broker connection up first: librdkafka asks for the transaction
+            # coordinator at once and, finding no broker up yet, only again after a
+            # fixed 500 ms (measured: init_transactions 60 ms or 507 ms, by that race)
+            producer.list_topics(p.topic, timeout=p.connect_timeout_s)
             producer.init_transactions(p.connect_timeout_s)
         except Exception as exc:
             raise PrepareRefused(
@@ -146,14 +172,48 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
                 f"{p.bootstrap} within {p.connect_timeout_s:g}s: {describe_error(exc)}"
             ) from exc
         rows, state, first = _write(p, producer, consumer, branch, tid, schema, batches)
+        if read_marker_now(p, branch) >= branch.batch_id + 1:
+            # another attempt of this branch (the one whose vote won) was committed
+            # while this one wrote: this vote cannot count, and the driver's sweep of
+            # the losing attempts may have run before this transaction began, so it
+            # ends its own transaction rather than hold read_committed readers
+            _end_own(p, producer, branch, tid)
+            return {**p._handle(branch, 0, already=True), "prepare": MODE}
     _park(tid, producer)
     handle = p._handle(branch, rows, already=False, offsets=first)
     handle.update({"prepare": MODE, "transactional_id": tid,
                    "producer_id": str(state.producer_id),
-                   "producer_epoch": str(state.producer_epoch),
-                   "partitions": ",".join(t for t in state.partitions
-                                          if not t.startswith("__"))})
+                   "producer_epoch": str(state.producer_epoch)})
+    written = _written(p, state)
+    if written:
+        handle["partitions"] = written
     return handle
+
+
+def _written(p: KafkaParticipant, state: TxnState) -> str:
+    """The target topic's partition numbers the transaction wrote (``"0,3,7"``), for the
+    operator; "" past :data:`~twophase.client.wire.MAX_TEXT` characters, which a vote's handle
+    values must fit (a task writing a topic of a thousand partitions or more)."""
+    prefix = f"{p.topic}-"
+    numbers = sorted(int(t[len(prefix):]) for t in state.partitions
+                     if t.startswith(prefix) and t[len(prefix):].isdigit())
+    text = ",".join(map(str, numbers))
+    return text if len(text) <= MAX_TEXT else ""
+
+
+def _end_own(p: KafkaParticipant, producer: Any, branch: BranchRef, tid: str) -> None:
+    """Abort this producer's own transaction (a late copy of a committed branch); when
+    the broker cannot be told, the transaction is left to the next sweep or its timeout,
+    which the error says."""
+    try:
+        producer.abort_transaction(p.connect_timeout_s)
+    except Exception as exc:
+        raise PrepareRefused(
+            f"{p.describe()}: branch {branch.branch_id} of batch {branch.batch_id} was "
+            f"committed by another attempt while this one wrote, and this attempt's "
+            f"transaction (transactional id {tid!r}) could not be aborted: "
+            f"{describe_error(exc)}; the driver's next sweep or the transaction timeout "
+            "ends it") from exc
 
 
 def _write(p: KafkaParticipant, producer: Any, consumer: Any, branch: BranchRef, tid: str,

@@ -25,10 +25,14 @@ from typing import Any, Final
 from twophase.errors import ParticipantError
 from twophase.sinks.kafka.brokerconn import connect, recv_exact
 
-__all__ = ["COORDINATOR_MOVED", "TxnState", "TxnWireError", "describe_transaction",
-           "end_transaction", "find_coordinator"]
+__all__ = ["COORDINATOR_MOVED", "TxnState", "TxnWireError", "committed_offset",
+           "describe_transaction", "end_transaction", "find_coordinator"]
 
 END_TXN_VERSION: Final = 3
+OFFSET_FETCH_VERSION: Final = 5  # no require_stable (v7): pending offsets never wait
+GROUP: Final = 0
+TRANSACTION: Final = 1
+"""FindCoordinator's key types."""
 FIND_COORDINATOR_VERSION: Final = 3
 DESCRIBE_TRANSACTIONS_VERSION: Final = 0
 _CLIENT_ID: Final = "twophase-txn"
@@ -39,6 +43,8 @@ ERROR_NAMES: Final = {
     48: "INVALID_TXN_STATE", 49: "INVALID_PRODUCER_ID_MAPPING", 51: "CONCURRENT_TRANSACTIONS",
     53: "TRANSACTIONAL_ID_AUTHORIZATION_FAILED", 90: "PRODUCER_FENCED",
     105: "TRANSACTIONAL_ID_NOT_FOUND", 31: "CLUSTER_AUTHORIZATION_FAILED",
+    30: "GROUP_AUTHORIZATION_FAILED", 29: "TOPIC_AUTHORIZATION_FAILED",
+    3: "UNKNOWN_TOPIC_OR_PARTITION",
 }
 COORDINATOR_MOVED: Final = frozenset({"NOT_COORDINATOR", "COORDINATOR_NOT_AVAILABLE",
                                       "COORDINATOR_LOAD_IN_PROGRESS"})
@@ -100,9 +106,10 @@ def _ask(host: str, port: int, config: Mapping[str, object], timeout: float,
 
 
 def find_coordinator(config: Mapping[str, object], transactional_id: str,
-                     timeout: float) -> tuple[str, int]:
-    """(host, port) of the transaction coordinator of ``transactional_id``, asked of the
-    bootstrap servers in turn."""
+                     timeout: float, key_type: int = TRANSACTION) -> tuple[str, int]:
+    """(host, port) of the transaction coordinator of ``transactional_id`` (with
+    ``key_type=GROUP``: of the consumer group so named), asked of the bootstrap servers
+    in turn."""
     from kafka.protocol.metadata.find_coordinator import (
         FindCoordinatorRequest,
         FindCoordinatorResponse,
@@ -112,14 +119,15 @@ def find_coordinator(config: Mapping[str, object], transactional_id: str,
     for host, port in _hosts(config):
         try:
             answer = _ask(host, port, config, timeout,
-                          FindCoordinatorRequest(key=transactional_id, key_type=1),
+                          FindCoordinatorRequest(key=transactional_id, key_type=key_type),
                           FIND_COORDINATOR_VERSION, FindCoordinatorResponse)
         except TxnWireError as exc:
             last = exc
             continue
         if answer.error_code:
             last = TxnWireError(
-                f"FindCoordinator for transactional id {transactional_id!r} at {host}:{port} "
+                f"FindCoordinator for {'group' if key_type == GROUP else 'transactional id'}"
+                f" {transactional_id!r} at {host}:{port} "
                 f"answered {_error_name(answer.error_code)}", _error_name(answer.error_code))
             continue
         return str(answer.host), int(answer.port)
@@ -129,13 +137,14 @@ def find_coordinator(config: Mapping[str, object], transactional_id: str,
 
 def _coordinated(config: Mapping[str, object], transactional_id: str, timeout: float,
                  request: Any, version: int, response_class: Any,
-                 error_of: Any) -> Any:
-    """Send ``request`` to the id's coordinator, asking again where it moved (a
-    failover, a broker starting) until ``timeout``; other errors are for the caller."""
+                 error_of: Any, key_type: int = TRANSACTION) -> Any:
+    """Send ``request`` to the id's (or group's) coordinator, asking again where it
+    moved (a failover, a broker starting) until ``timeout``; other errors are for the
+    caller."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            host, port = find_coordinator(config, transactional_id, timeout)
+            host, port = find_coordinator(config, transactional_id, timeout, key_type)
             answer = _ask(host, port, config, timeout, request, version, response_class)
             name = _error_name(error_of(answer))
         except TxnWireError as exc:
@@ -228,3 +237,34 @@ def end_transaction(config: Mapping[str, object], transactional_id: str, produce
             time.sleep(0.2)
             continue
         return name
+
+
+def committed_offset(config: Mapping[str, object], group: str, topic: str, partition: int,
+                     timeout: float) -> int:
+    """``group``'s committed offset of (``topic``, ``partition``), -1 when none, from its
+    coordinator (``OffsetFetch`` v5): only committed offsets, never waiting on a
+    transaction that holds the group's offsets open (the stable read of v7+ would). One
+    connection per call: a new consumer for the same read costs ~50 ms."""
+    from kafka.protocol.consumer.group import OffsetFetchRequest, OffsetFetchResponse
+
+    request = OffsetFetchRequest(group_id=group, topics=[
+        OffsetFetchRequest.OffsetFetchRequestTopic(name=topic, partition_indexes=[partition])])
+
+    def error_of(answer: Any) -> int:
+        return int(answer.error_code)
+
+    answer = _coordinated(config, group, timeout, request, OFFSET_FETCH_VERSION,
+                          OffsetFetchResponse, error_of, key_type=GROUP)
+    codes = [int(answer.error_code)] + [int(q.error_code) for t in answer.topics
+                                        for q in t.partitions]
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        name = _error_name(bad)
+        raise TxnWireError(f"OffsetFetch of group {group!r} answered {name}"
+                           + (" (the principal needs Describe on the group and the topic)"
+                              if "AUTHORIZATION" in name else ""), name)
+    for t in answer.topics:
+        for q in t.partitions:
+            if t.name == topic and int(q.partition_index) == partition:
+                return max(int(q.committed_offset), -1)
+    return -1

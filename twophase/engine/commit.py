@@ -96,6 +96,7 @@ class Committer:
         self._pruner: ThreadPoolExecutor | None = None
         self._pruning: dict[str, Participant] = {}
         self._running: dict[int, tuple[str, float]] = {}  # thread id -> (what, since)
+        self._last: Transaction | None = None  # the last batch applied without error
         self.slow_commit_s = SLOW_COMMIT_S
         self._watch: threading.Thread | None = None
         # made with the watch, not here: the sink is pickled before its first batch
@@ -133,6 +134,7 @@ class Committer:
             error = error or batch_error
         if not error:
             self.end_other_attempts(after)
+            self._last = after
         return after, error
 
     def end_other_attempts(self, txn: Transaction) -> int:
@@ -218,7 +220,13 @@ class Committer:
         return swept
 
     def close(self) -> None:
-        """Close every lane's participant copies and the threads."""
+        """Sweep once more for what other attempts of the last batch left open (a copy
+        Spark was still killing when that batch's sweep ran: nothing sweeps after the
+        last batch of a stopped query), then close every lane's participant copies and
+        the threads."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.end_other_attempts(last)
         if self._stop is not None:
             self._stop.set()
         if self._watch is not None:

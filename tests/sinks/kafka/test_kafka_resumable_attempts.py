@@ -161,3 +161,113 @@ def test_driver_aborts_the_losing_attempt_so_readers_are_not_held(
     st = describe_transaction(p.config, loser["transactional_id"], 10)
     assert st is not None and st.state in ("PrepareAbort", "CompleteAbort"), st
     assert applied_s < 30.0
+
+
+def test_a_copy_outrun_by_the_commit_ends_its_own_transaction(kafka_bootstrap: str) -> None:
+    """A speculative copy that passed the marker check before the winner's commit and
+    began its transaction after the driver's sweep: it finds the marker committed once
+    it has written, aborts its own transaction and votes "already committed", so no
+    transaction of the sink is left open to hold read_committed readers."""
+    import pyarrow as pa
+
+    from twophase.sinks.kafka.resumable import SLOTS, pool_id
+
+    p = _participant(kafka_bootstrap)
+    b = BranchRef(SINK, uuid.uuid4().hex[:16], 4, 0, p.name, 0)
+    rows = pa.record_batch([pa.array(list(range(ROWS)), pa.int64())], names=["id"])
+    winner = p.prepare(b, rows.schema, [rows])
+    assert winner["already_committed"] == "no"
+
+    def copy_feed() -> Any:
+        p.commit(b, winner)  # the winner's branch commits while the copy writes
+        yield rows
+
+    copy = p.prepare(b, rows.schema, copy_feed())
+    assert copy["already_committed"] == "yes", copy
+    states = {pool_id(p, b, s): describe_transaction(p.config, pool_id(p, b, s), 10)
+              for s in range(SLOTS)}
+    assert not [t for t, st in states.items() if st is not None and st.state == "Ongoing"], \
+        states
+    assert p.open_transactions(SINK) == []
+    # read at once: nothing open holds the reader, and the copy's records are aborted
+    assert _ids(read_all(kafka_bootstrap, p.topic, expect=ROWS, timeout_s=15.0)) \
+        == list(range(ROWS))
+    p.commit(b, copy)  # the copy's vote commits nothing
+    assert p.voted_status(b, winner) is BranchStatus.COMMITTED
+
+
+def test_closing_the_committer_ends_a_copy_that_began_after_the_last_sweep(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The last batch of a query that stops: a copy Spark was killing began its
+    transaction after that batch's sweep and died before its own marker check (here a
+    process killed right after preparing, started once the batch was applied; its
+    branch's marker is another partition's, so its start-of-prepare check lets it
+    write). Nothing sweeps after the last batch but the committer's close, which the
+    sink's ``close()`` runs: the copy's transaction ends there."""
+    p = _participant(kafka_bootstrap)
+    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
+            CoordinatorClient(srv.url, srv.token) as client:
+        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
+        txn = client.begin(SINK, uuid.uuid4().hex[:16], 0, epoch, [p.name], 1, 120).txn
+        assert txn is not None
+        b = BranchRef(*txn.key, p.name, 0)
+        (winner,) = _attempts(kafka_bootstrap, p.topic, b, [(0, 0.0, "exit")])
+        votes = [VoteIn(b.branch_id, True, winner, task="0.0")]
+        final = decide(client, txn, epoch, votes, "")
+        committer = Committer([p])
+        try:
+            after, error = committer.apply(client, epoch, final)
+            assert error == "" and after.branches[b.branch_id].ack == Decision.COMMIT
+            late_ref = dataclasses.replace(b, partition=1)
+            (late,) = _attempts(kafka_bootstrap, p.topic, late_ref, [(1, 0.0, "kill")])
+            assert [t.transactional_id for t in p.open_transactions(SINK)] \
+                == [late["transactional_id"]]
+        finally:
+            committer.close()
+    assert p.open_transactions(SINK) == []
+    st = describe_transaction(p.config, late["transactional_id"], 10)
+    assert st is not None and st.state in ("PrepareAbort", "CompleteAbort"), st
+    # the winner's rows, read at once; the late copy's are aborted
+    assert _ids(read_all(kafka_bootstrap, p.topic, expect=ROWS, timeout_s=15.0)) \
+        == list(range(ROWS))
+
+
+def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A task spreading its rows over every partition of a wide topic (no key: librdkafka
+    places each record at random) votes a handle the coordinator accepts: the written
+    partitions are listed by number, not by topic-partition name, which for 200
+    partitions (seen in bench/scale.py) passed the 4,096 characters a handle value may
+    hold and failed the batch. Here 40 partitions of a 200-character topic name."""
+    import pyarrow as pa
+
+    from twophase.client.wire import MAX_TEXT
+
+    topic = ("wide-" + uuid.uuid4().hex).ljust(200, "x")
+    create_topic(kafka_bootstrap, topic, partitions=40)
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, name="wide",
+                         connect_timeout_s=10.0)
+    rows = 4000
+    batch = pa.record_batch([pa.array(list(range(rows)), pa.int64())], names=["id"])
+    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
+            CoordinatorClient(srv.url, srv.token) as client:
+        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
+        txn = client.begin(SINK, uuid.uuid4().hex[:16], 0, epoch, [p.name], 1, 120).txn
+        assert txn is not None
+        b = BranchRef(*txn.key, p.name, 0)
+        handle = p.prepare(b, batch.schema, [batch])
+        assert handle["partitions"] == ",".join(str(n) for n in range(40)), handle
+        assert max(len(v) for v in handle.values()) <= MAX_TEXT
+        final = decide(client, txn, epoch, [VoteIn(b.branch_id, True, handle, task="0.0")],
+                       "")
+        assert final.decision == Decision.COMMIT
+        committer = Committer([p])
+        try:
+            after, error = committer.apply(client, epoch, final)
+        finally:
+            committer.close()
+        assert error == "" and after.branches[b.branch_id].ack == Decision.COMMIT
+    assert _ids(read_all(kafka_bootstrap, topic, expect=rows, timeout_s=30.0)) \
+        == list(range(rows))
