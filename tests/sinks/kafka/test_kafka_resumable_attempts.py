@@ -236,8 +236,7 @@ def test_closing_the_committer_ends_a_copy_that_began_after_the_last_sweep(
 def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    """A task spreading its rows over every partition of a wide topic (no key: librdkafka
-    places each record at random) votes a handle the coordinator accepts: the written
+    """A task spreading its rows over every partition of a wide topic votes a handle the coordinator accepts: the written
     partitions are listed by number, not by topic-partition name, which for 200
     partitions (seen in bench/scale.py) passed the 4,096 characters a handle value may
     hold and failed the batch. Here 40 partitions of a 200-character topic name."""
@@ -247,8 +246,10 @@ def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
 
     topic = ("wide-" + uuid.uuid4().hex).ljust(200, "x")
     create_topic(kafka_bootstrap, topic, partitions=40)
+    # keyed: librdkafka places keyless records stickily (a few partitions a batch), a
+    # key's hash spreads 4,000 ids over all 40
     p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, name="wide",
-                         connect_timeout_s=10.0)
+                         key="id", connect_timeout_s=10.0)
     rows = 4000
     batch = pa.record_batch([pa.array(list(range(rows)), pa.int64())], names=["id"])
     with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
