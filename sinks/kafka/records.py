@@ -1,6 +1,6 @@
 """A branch's rows as Kafka records: key, value, headers, the size limit; produced.
 
-Both prepares produce through :func:`produce_all` (:mod:`.intask` to the target topic,
+Both prepares produce through :func:`produce_all` (:mod:`.resumable` to the target topic,
 :mod:`.staged` to the staging topic), so a row is encoded and size-checked one way.
 """
 
