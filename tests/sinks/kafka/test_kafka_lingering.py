@@ -32,8 +32,7 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
 ) -> None:
     topic = unique_topic("linger")
     create_topic(kafka_bootstrap, topic)  # one partition: both branches land in it
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink = f"linger_{uuid.uuid4().hex[:8]}"
     lineage = uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=lineage, partition=0)
@@ -78,7 +77,7 @@ def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
     from twophase.testing.servers import free_port
 
     down = KafkaParticipant("t-down", {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
-                            connect_timeout_s=2, prepare="in_task")
+                            connect_timeout_s=2)
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
     try:
         report = resolve_sink(conn.client(operator=True), "nothing_open", [down])
@@ -105,8 +104,7 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     for t in (stalled, decided_topic):
         create_topic(kafka_bootstrap, t)
     # lingering transactions are in-task prepares' (a staged prepare opens none)
-    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink, old = f"lstart_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=old, partition=5)
     _prepare_in_child_and_kill(p, dead)
@@ -141,7 +139,7 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     # The rule's other half: q's batch of another run is COMMIT-decided, its branch 7 not
     # committed yet (its task may be committing it now): spared; its undecided one goes.
     q = KafkaParticipant(decided_topic, {"bootstrap.servers": kafka_bootstrap},
-                         connect_timeout_s=15, prepare="in_task")
+                         connect_timeout_s=15)
     conn = connect(store)
     try:
         client = conn.client()
@@ -180,8 +178,7 @@ def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
 
     topic = unique_topic("lwatch")
     create_topic(kafka_bootstrap, topic)
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink = f"lwatch_{uuid.uuid4().hex[:8]}"
     dead = make_branch(p, sink=sink, lineage=uuid.uuid4().hex[:12], partition=0)
     _prepare_in_child_and_kill(p, dead)
