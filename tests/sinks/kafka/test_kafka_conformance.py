@@ -1,7 +1,8 @@
 """The conformance suite (twophase/testing/conformance.py) against the Kafka participant.
 
 Both prepares, resumable and staged, are durable (every check runs, the cross-process
-ones too) but hold nothing this object can see while prepared: ``status``/``in_doubt`` see no prepared branch. The rows
+ones too) but hold nothing this object can see while prepared: ``status``/``in_doubt``
+see no prepared branch. The rows
 a reader sees are the topic's committed records rebuilt from its partition logs (COMMIT and
 ABORT markers, ``twophase.sinks.kafka.log``), and they must equal exactly what a
 read_committed consumer sees, on the suite's Apache Kafka broker.

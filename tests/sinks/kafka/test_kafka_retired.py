@@ -42,3 +42,15 @@ def test_a_0_3_in_task_vote_is_told_apart() -> None:
     assert not is_in_task({**tid, "prepare": "resumable"})
     assert not is_in_task({**tid, "prepare": "staged"})
     assert not is_in_task(None) and not is_in_task({"rows": "0"})
+
+
+def test_the_chaos_cli_refuses_it_naming_the_replacement(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from twophase.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chaos", "--kafka-prepare", "in_task"])
+    assert REFUSAL in capsys.readouterr().err
+    args = build_parser().parse_args(["chaos", "--kafka-prepare", "staged"])
+    assert args.kafka_prepare == "staged"
