@@ -300,8 +300,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
-        """COMMITTED from the marker; PREPARED when this object holds the branch's open
-        transaction; else ABSENT. The marker is read first without waiting on open
+        """COMMITTED from the marker, else ABSENT (no prepared branch is held in this
+        object: the vote's handle names it, :meth:`voted_status`). The marker is read first without waiting on open
         transactions (on Kafka a stable read blocks while one is open, even this
         object's own), then, not found, stably for up to 5 s: a transaction whose
         commit is being completed shows within moments, an open one stays absent."""
@@ -332,9 +332,9 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         return self.status(branch)
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
-        """In-process prepared branches only: Kafka does not list another instance's open
-        transactions; those are aborted when the next instance of the transactional.id
-        runs ``init_transactions``, and by the broker's transaction timeout at the latest."""
+        """None: no prepared branch is held in a process (a resumable or staged branch is
+        named by its vote's handle); what a dead process left open on the brokers is
+        :meth:`open_transactions`, aborted by :meth:`abort_lingering`."""
         return []
 
     def open_transactions(self, sink: str) -> list[OpenTransaction]:
@@ -356,8 +356,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def abort_lingering(self, sink: str, older_than_s: float = 0.0,
                         keep: Iterable[str] = (), before: float | None = None
                         ) -> list[OpenTransaction]:
-        """Abort this participant's open transactions of ``sink`` that no branch of this
-        object holds, not in ``keep`` (transactional ids), at least ``older_than_s`` old
+        """Abort this participant's open transactions of ``sink`` not in ``keep`` (transactional ids), at least ``older_than_s`` old
         and begun before ``before`` (epoch seconds) when given: a resumable pool id's by
         ``EndTxn(abort)`` for the producer id and epoch the broker shows, any other by
         fencing its transactional.id (the broker writes the ABORT markers).
@@ -390,7 +389,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def end_other_attempts(self, key: TxnKey, kept: Mapping[int, Handle]) -> int:
         """Resumable: abort what other attempts of the batch's branches left open on the
         sink's pool ids (:func:`.resumable.abort_other_attempts`), so ``read_committed``
-        readers do not wait for the transaction timeout. Staged, in-task: nothing."""
+        readers do not wait for the transaction timeout. Staged: nothing."""
         if self.prepare_mode != "resumable":
             return 0
         return resumable.abort_other_attempts(self, key.sink, kept.values())
@@ -464,7 +463,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def prune_markers(self, sink: str, lineage: str, below: int) -> int:
         """Staged: delete the staging topic's leading records of ``sink``'s committed
         batches below ``below`` (:mod:`.stagedprune`: only records read and found done).
-        The marker groups stay (deleting groups needs DeleteGroups); in-task: nothing.
+        The marker groups stay (deleting groups needs DeleteGroups).
         Resumable: abort the sink's transactions a losing attempt left open (a
         speculative or retried copy whose vote never counted), started before this call
         (:meth:`abort_lingering`): every batch before this one has ended its own."""

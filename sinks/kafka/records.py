@@ -32,7 +32,7 @@ class Refusal(TwophaseError):
 class Deliveries:
     """The delivery reports of one transaction's records (the producer's ``on_delivery``):
     the failures, and the first offset written in each partition, which the vote's
-    handle names (the in-task and resumable prepares alike)."""
+    handle names."""
 
     def __init__(self) -> None:
         self.errors: list[Any] = []

@@ -1,8 +1,8 @@
 """Kafka's staged prepare: a branch that survives its task, committed from the driver.
 
-A Kafka transaction can be committed only by the producer that opened it, so the in-task
-prepare needs every task alive until the decision (the barrier stage). The staged
-prepare does not open one in the task:
+librdkafka commits a transaction only from the producer that opened it, and some brokers
+refuse the resumable prepare's ``EndTxn`` from another connection (tansu 0.6). The
+staged prepare does not open one in the task:
 
 - **prepare** (the task): the branch's records go to a *staging topic* (default
   ``<topic>.twophase-staged``, created by :meth:`check` on the driver) through an
@@ -15,7 +15,7 @@ prepare does not open one in the task:
   ``twophase resolve``, or a Spark task redoing the branch): one Kafka transaction per
   branch reads the staged range, keeps the records carrying the handle's token,
   produces them to the target topic with their key, value and original headers (the
-  target's partitioner places them, as in-task), and commits the branch's marker (its
+  target's partitioner places them), and commits the branch's marker (its
   marker group's offset, ``send_offsets_to_transaction``) in the same transaction:
   Kafka's read-process-write rule. The staged count is checked against the handle
   before ``commit_transaction``; a mismatch aborts the transaction (nothing visible) and
