@@ -302,7 +302,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def status(self, branch: BranchRef) -> BranchStatus:
         """COMMITTED from the marker, else ABSENT (no prepared branch is held in this
         object: the vote's handle names it, :meth:`voted_status`). The marker is read
-        first without waiting on open transactions (on Kafka a stable read blocks while one is open, even this
+        first without waiting on open transactions (on Kafka a stable read blocks while one is
+        open, even this
         object's own), then, not found, stably for up to 5 s: a transaction whose
         commit is being completed shows within moments, an open one stays absent."""
         self._check_branch(branch)
@@ -357,7 +358,8 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
                         keep: Iterable[str] = (), before: float | None = None
                         ) -> list[OpenTransaction]:
         """Abort this participant's open transactions of ``sink`` not in ``keep``
-        (transactional ids), at least ``older_than_s`` old and begun before ``before`` (epoch seconds) when given: a resumable pool id's by
+        (transactional ids), at least ``older_than_s`` old and begun before ``before`` (epoch
+        seconds) when given: a resumable pool id's by
         ``EndTxn(abort)`` for the producer id and epoch the broker shows, any other by
         fencing its transactional.id (the broker writes the ABORT markers).
         Returns those aborted."""
