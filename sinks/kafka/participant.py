@@ -263,7 +263,11 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         voted: Handle | None,
     ) -> Handle:
         """Prepare again under a COMMIT decision (the marker is checked first): a branch
-        voted by the retired in-task prepare is redone in the current mode."""
+        voted by the retired in-task prepare is redone in the current mode, unless its
+        marker or its log shows it committed (:func:`.legacy.voted_status`)."""
+        if (legacy.is_in_task(voted) and voted is not None
+                and legacy.voted_status(self, branch, voted) is BranchStatus.COMMITTED):
+            return {**self._handle(branch, 0, already=True), "prepare": self.prepare_mode}
         return self.prepare(branch, schema, batches)
 
     def log_readable(self) -> bool:
