@@ -1,5 +1,5 @@
 """Kafka assertions that only a real Apache Kafka broker shows: aborted records hidden from
-read_committed readers, PRODUCER_FENCED for a zombie's commit, the broker's own limits.
+read_committed readers, the broker's own limits.
 
 They run by default on the suite's private Apache Kafka (``kafka_bootstrap``,
 ``tests/support/kafka.py``), marked ``real_kafka`` for the record; tansu, the suite's

@@ -83,9 +83,9 @@ def test_lingering_transaction_found_and_aborted_over_sasl_ssl(
     p = _participant(secure_kafka, topic, "resumable")
     sink = f"seclinger_{uuid.uuid4().hex[:8]}"
     dead = make_branch(p, sink=sink, lineage=uuid.uuid4().hex[:12], partition=0)
-    _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
+    voted = _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
     [open_txn] = p.open_transactions(sink)
-    assert open_txn.transactional_id == p.transactional_id(dead)
+    assert open_txn.transactional_id == voted["transactional_id"]
     aborted = p.abort_lingering(sink)
     assert [t.transactional_id for t in aborted] == [open_txn.transactional_id]
     log = read_log(secure_kafka.client_config("app"), topic)
