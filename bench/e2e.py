@@ -62,7 +62,7 @@ The Kafka section (by default; ``--no-kafka-section`` skips it, ``--kafka-sizes`
 ``--kafka-pairs`` size it): after the others, a private Apache Kafka broker starts
 (``--kafka-tansu``: tansu) and both sides add a topic (A: a plain idempotent producer
 kept per worker; B: ``KafkaParticipant`` with its defaults;
-``--kafka-prepare``, ``--kafka-in-task``, ``--kafka-reuse`` change them), warm-ups
+``--kafka-prepare``, ``--kafka-reuse`` change them), warm-ups
 counted in the log.
 
 The last line sums it up: ``ratio@100k``, ``ratio@1M``, ``added_p50@100k``,
@@ -100,6 +100,7 @@ import pyarrow as pa  # noqa: E402
 from bench.e2e_phases import phase_line  # noqa: E402
 from bench.kafka_topics import committed_rows, drop_topic, new_topic  # noqa: E402
 from bench.rss import WorkerRss  # noqa: E402
+from twophase.cli.chaos import kafka_prepare  # noqa: E402
 from twophase.sinks.kafka.staged import DEFAULT_PREPARE  # noqa: E402
 from twophase.testing.job import EVENT_DDL, place_batch, spark_session, write_input  # noqa: E402
 from twophase.testing.localpg import LocalPostgres  # noqa: E402
@@ -497,13 +498,10 @@ def main(argv: list[str] | None = None) -> int:
                          "idempotent producer; B: KafkaParticipant)")
     ap.add_argument("--kafka-tansu", action="store_true",
                     help="the private broker is tansu (the old stand-in), not Apache Kafka")
-    ap.add_argument("--kafka-in-task", action="store_true",
-                    help="B's KafkaParticipant(prepare='in_task') (same as --kafka-prepare "
-                         "in_task)")
-    ap.add_argument("--kafka-prepare", default=None,
-                    choices=("resumable", "staged", "in_task"),
+    ap.add_argument("--kafka-prepare", default=None, type=kafka_prepare,
+                    metavar="{resumable,staged}",
                     help="B's KafkaParticipant(prepare=...) (default: the participant's "
-                         "default)")
+                         "default; in_task was retired in 0.4)")
     ap.add_argument("--kafka-reuse", action="store_true",
                     help="with --kafka (implied): B's KafkaParticipant(reuse_clients=True)")
     ap.add_argument("--kafka-sizes", default="100000",
@@ -539,8 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         conf = {"spark.python.worker.reuse": "false"} if args.fresh_workers else {}
         spark = spark_session(conf)
         setup = Setup(spark, work, pg.dsn, WorkerRss(), broker.bootstrap if broker else None,
-                      args.kafka_reuse, "in_task" if args.kafka_in_task
-                      else args.kafka_prepare or DEFAULT_PREPARE)
+                      args.kafka_reuse, args.kafka_prepare or DEFAULT_PREPARE)
         kafka = (f"Kafka ({'tansu' if args.kafka_tansu else 'Apache Kafka'}; B's prepare "
                  f"{setup.kafka_prepare}{', reuse_clients=True' if args.kafka_reuse else ''})")
         targets = "PostgreSQL + Parquet" + (f" + {kafka}" if args.kafka else "")

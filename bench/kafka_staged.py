@@ -1,4 +1,4 @@
-"""A Kafka batch prepared in-task vs staged (issue 30 item 2), same rows, one broker.
+"""A Kafka batch prepared resumable vs staged, same rows, one broker.
 
 Reproduce (from the repository root, with the dev venv)::
 
@@ -6,12 +6,11 @@ Reproduce (from the repository root, with the dev venv)::
     .venv/bin/python bench/kafka_staged.py --bootstrap host:9092 --sizes 10000
 
 A batch of ``--branches`` partitions (threads, as tasks) prepares ``rows / branches`` rows
-each, then every branch is committed (in-task: by the object that prepared, as the task
-does after the decision; staged: by a fresh unpickled object in a thread per branch, as
-the driver's Committer does). Runs alternate in_task / staged on fresh topics, with one
+each, then every branch is committed by a fresh unpickled object in a thread per branch,
+as the driver's Committer does. Runs alternate resumable / staged on fresh topics, with one
 participant name and one staging topic, so the staged commit pool, its readers and the
 staging producer are warm after the first run (a long-running query's steady state).
-Printed: prepare, commit and total seconds per mode (median of ``--repeats``), and staged/in_task.
+Printed: prepare, commit and total seconds per mode (median of ``--repeats``), and staged/resumable.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def run(bootstrap: str, mode: str, rows: int, branches: int) -> tuple[float, flo
         handles = list(pool.map(lambda i: tasks[i].prepare(refs[i], batch.schema, [batch]),
                                 range(branches)))
         t1 = time.perf_counter()
-        committers = tasks if mode == "in_task" else [
-            pickle.loads(pickle.dumps(p)) for _ in refs]
+        committers = [pickle.loads(pickle.dumps(p)) for _ in refs]  # the driver's
         list(pool.map(lambda i: committers[i].commit(refs[i], handles[i]), range(branches)))
         t2 = time.perf_counter()
     for c in {id(x): x for x in tasks + committers}.values():
@@ -78,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         broker.start()
         bootstrap = broker.bootstrap
     try:
-        for mode in ("in_task", "staged"):  # warm-up: clients, pool, staging producer
+        for mode in ("resumable", "staged"):  # warm-up: clients, pool, staging producer
             run(bootstrap, mode, 1000, args.branches)
         for rows in args.sizes:
-            got: dict[str, list[tuple[float, float]]] = {"in_task": [], "staged": []}
+            got: dict[str, list[tuple[float, float]]] = {"resumable": [], "staged": []}
             for _ in range(args.repeats):
                 for mode in got:
                     got[mode].append(run(bootstrap, mode, rows, args.branches))
@@ -90,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                 prep = statistics.median(r[0] for r in runs)
                 com = statistics.median(r[1] for r in runs)
                 total[mode] = statistics.median(r[0] + r[1] for r in runs)
-                print(f"{rows:>8} rows {mode:>7}: prepare {prep:6.3f}s commit {com:6.3f}s "
+                print(f"{rows:>8} rows {mode:>9}: prepare {prep:6.3f}s commit {com:6.3f}s "
                       f"total {total[mode]:6.3f}s", flush=True)
-            print(f"{rows:>8} rows staged/in_task = {total['staged'] / total['in_task']:.2f}",
+            print(f"{rows:>8} rows staged/resumable = {total['staged'] / total['resumable']:.2f}",
                   flush=True)
     finally:
         if broker is not None:

@@ -63,7 +63,7 @@ def make_batch(n: int) -> pa.RecordBatch:
 
 def _participant_run(bootstrap: str, batch: pa.RecordBatch) -> float:
     topic = new_topic(bootstrap)
-    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap})
     b = BranchRef("bench", uuid.uuid4().hex[:16], 0, 0, p.name, 0)
     t = time.perf_counter()
     p.commit(b, p.prepare(b, batch.schema, [batch]))
@@ -87,8 +87,7 @@ def _batches_in_one_process(bootstrap: str, batch: pa.RecordBatch, n: int,
     from twophase.sinks.kafka.producers import cache_key
 
     topic = new_topic(bootstrap)
-    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, reuse_clients=reuse)
     lineage = uuid.uuid4().hex[:16]
     out = []
     for i in range(n + 1):

@@ -197,20 +197,17 @@ class TargetBacklog:
     committed readers cannot read yet."""
 
 
-IN_TASK_PREPARES: Mapping[str, tuple[str, tuple[str, ...]]] = {
-    "kafka": ("prepare", ("in_task",)),
-}
-"""The participants whose prepared branch lives only in its Spark task (``durable_prepare``
-False): kind -> (the option, the values that make it so). A sink with one runs each
-batch as one barrier stage (a task slot per partition, dynamic allocation off); every
-other participant, and these with any other value, prepares durably. The one statement of
-this fact: the participants' ``durable_prepare`` and the documentation are checked
-against it (tests/system/test_doc_facts.py); change it with the participant."""
+IN_TASK_PREPARES: Mapping[str, tuple[str, tuple[str, ...]]] = {}
+"""The built-in participants whose prepared branch lives only in its Spark task
+(``durable_prepare`` False): kind -> (the option, the values that make it so). None since
+Kafka's ``prepare="in_task"`` was retired in 0.4: every built-in participant prepares
+durably. The one statement of this fact: the participants' ``durable_prepare`` and the
+documentation are checked against it (tests/system/test_doc_facts.py)."""
 
 
 class Participant(abc.ABC):
-    """One external system. Subclasses set ``kind`` (and ``durable_prepare`` when a
-    prepared branch does not survive its process, as a Kafka transaction does not).
+    """One external system. Subclasses set ``kind`` (and ``durable_prepare`` False when a
+    prepared branch does not survive its process: none of the built-in ones).
 
     Five methods are required; everything else has a default that is right for a
     participant that needs nothing special.

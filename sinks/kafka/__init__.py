@@ -9,7 +9,7 @@ Modules, one concern each:
 - ``resumable``: the default prepare, the task's own transaction left open and ended by
   the driver with ``EndTxn`` (``txnwire``: the requests on Kafka's wire);
 - ``staged``: the staged prepare, staged in the task and copied by the driver;
-- ``intask``: the in-task prepare, a transaction opened and committed in the task;
+- ``legacy``: a branch voted by the in-task prepare retired in 0.4, ended after the upgrade;
 - ``marker``: the branch's marker (its marker group's committed offset), read;
 - ``records``: rows as Kafka records (key, value, headers, size limit), produced;
 - ``producers``: a branch's transactional producer, made, kept or closed;

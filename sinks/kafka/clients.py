@@ -1,7 +1,7 @@
 """This process's Kafka clients kept between batches, and small value helpers.
 
-Split out of :mod:`.participant` so the in-task and the staged prepare
-(:mod:`.staged`) share them.
+Split out of :mod:`.participant` so the prepares (:mod:`.resumable`, :mod:`.staged`) and
+:mod:`.legacy` share them.
 """
 
 from __future__ import annotations

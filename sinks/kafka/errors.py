@@ -86,8 +86,8 @@ def commit_retrying(producer: Any, timeout_s: float, retry_s: float) -> int:
     """``producer.commit_transaction``, errors that :func:`classify_commit_error` calls
     ambiguous retried (with a growing pause) until ``retry_s``: calling again is how
     librdkafka resumes a commit that may have happened. The attempts it took; raises
-    :class:`CommitNotDone`. Both prepares end their transactions here (:mod:`.intask`,
-    :mod:`.staged`), so they retry alike."""
+    :class:`CommitNotDone`. The staged copy ends its transactions here
+    (:mod:`.staged`)."""
     deadline = time.monotonic() + retry_s
     attempts = 0
     while True:

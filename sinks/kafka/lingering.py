@@ -83,8 +83,9 @@ class OpenTransaction:
 
 
 def _numbered(rest: str) -> bool:
-    """``N`` (an in-task branch's id), ``commit.pN`` (a staged copy of partition N's
-    branch), ``commit.N`` (a staged copy lane of releases before the per-branch copy ids,
+    """``N`` (a branch id of the in-task prepare, retired in 0.4), ``commit.pN`` (a
+    staged copy of partition N's branch), ``commit.N`` (a staged copy lane of releases before the
+    per-branch copy ids,
     still cleared) or ``wN.K`` (a resumable prepare's pool id: partition N, slot K)."""
     lane = rest[len(COMMIT_LANE):] if rest.startswith(COMMIT_LANE) else None
     part, _, slot = rest.removeprefix("w").partition(".")
@@ -116,8 +117,9 @@ def list_open_transactions(
     admin: Any | None = None,
 ) -> list[OpenTransaction]:
     """Every ``Ongoing`` transaction whose transactional.id is ``prefix`` followed by a
-    partition number (an in-task branch's) or by ``commit.`` and a lane number (a staged
-    copy's, :mod:`~twophase.sinks.kafka.staged`), oldest first. ``admin``: a client of
+    partition number (a branch of the in-task prepare, retired in 0.4) or by ``commit.``
+    and a lane number (a staged copy's, :mod:`~twophase.sinks.kafka.staged`), oldest first.
+    ``admin``: a client of
     :func:`admin_client` kept by the caller (else one is made and closed here)."""
     bootstrap = str(config["bootstrap.servers"])
     own = admin is None

@@ -1,6 +1,6 @@
 """A branch's idempotency marker: the committed offset of its marker group on (topic, 0).
 
-Both prepares use it (:mod:`.intask`, :mod:`.staged`): the marker offset
+Both prepares use it (:mod:`.resumable`, :mod:`.staged`): the marker offset
 ``batch_id + 1`` is sent inside the branch's transaction, so it becomes visible exactly
 when the rows do, and a branch whose marker reads committed is never written again.
 """

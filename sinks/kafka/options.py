@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from twophase.errors import InvalidRequest
 from twophase.participant import Descriptor, required_secret
-from twophase.sinks.kafka.staged import PREPARE_MODES
+from twophase.sinks.kafka.legacy import RETIRED
+from twophase.sinks.kafka.staged import DEFAULT_PREPARE, PREPARE_MODES
 
 if TYPE_CHECKING:
     from twophase.sinks.kafka.participant import KafkaParticipant
 
 __all__ = ["check_flag", "check_prepare", "check_timeouts", "check_value", "constructor_args",
-           "default_name", "descriptor_options", "key_columns"]
+           "default_name", "descriptor_options", "key_columns", "rebuilt_prepare"]
 
 
 def default_name(topic: str) -> str:
@@ -72,6 +73,10 @@ def check_flag(name: str, value: bool) -> bool:
 
 
 def check_prepare(prepare: str) -> str:
+    """One of :data:`.staged.PREPARE_MODES`; the retired "in_task" is refused naming the
+    replacement (:data:`.legacy.RETIRED`)."""
+    if prepare == "in_task":
+        raise InvalidRequest(RETIRED)
     if prepare not in PREPARE_MODES:
         raise InvalidRequest(f"prepare must be one of {PREPARE_MODES}, got {prepare!r}")
     return prepare
@@ -122,6 +127,15 @@ def constructor_args(descriptor: Descriptor, secrets: Mapping[str, str]
         "connect_timeout_s": float(o.get("connect_timeout_s", 30.0)),
         "commit_retry_s": float(o.get("commit_retry_s", 120.0)),
         "reuse_clients": str(o.get("reuse_clients", False)).lower() == "true",
-        "prepare": str(o.get("prepare", "in_task")),
+        "prepare": rebuilt_prepare(o.get("prepare")),
         "staging_topic": o.get("staging_topic"),
     }
+
+
+def rebuilt_prepare(recorded: Any) -> str:
+    """The mode of a participant rebuilt from its descriptor. A 0.3 descriptor may name
+    the retired "in_task" (or, older, nothing): rebuilt in the default mode, since each
+    vote's handle says how its branch was prepared (:mod:`.legacy` ends an in-task one)."""
+    if recorded is None or str(recorded) == "in_task":
+        return DEFAULT_PREPARE
+    return str(recorded)

@@ -1,11 +1,11 @@
 """Kafka participant: a transactional producer per branch, committed offsets as the marker.
 
-Three prepares (``prepare=``): "resumable" (the default, :mod:`.resumable`: the branch
+Two prepares (``prepare=``): "resumable" (the default, :mod:`.resumable`: the branch
 written once in its task's own transaction, left open and committed by the driver with
-``EndTxn``; durable until the transaction timeout, no barrier stage), "staged"
+``EndTxn``; durable until the transaction timeout, no barrier stage) and "staged"
 (:mod:`.staged`: records staged in the task, copied with the marker in one transaction
-by the driver) and "in_task" (:mod:`.intask`: the branch's transaction opened in its
-task and committed there). This module is the participant contract and its options; the paths
+by the driver). "in_task" was retired in 0.4 (:mod:`.legacy` ends a branch it voted
+before the upgrade). This module is the participant contract and its options; the paths
 live in their modules, with what they share: the marker (:mod:`.marker`), the records
 (:mod:`.records`), the branch's producer and its reuse (:mod:`.producers`), the options'
 rules (:mod:`.options`).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
@@ -40,7 +39,7 @@ from twophase.participant import (
     Verifiable,
 )
 from twophase.protocol import TxnKey
-from twophase.sinks.kafka import intask, lanes, options, records, resumable, staged
+from twophase.sinks.kafka import lanes, legacy, options, records, resumable, staged
 from twophase.sinks.kafka.admin import (
     check_topic,
     probe_topic,
@@ -64,7 +63,7 @@ from twophase.sinks.kafka.lingering import (
 )
 from twophase.sinks.kafka.log import LostMarker, judge_log, read_log, settle_lost_markers
 from twophase.sinks.kafka.marker import committed_marker, held_consumer, read_marker_now
-from twophase.sinks.kafka.producers import cache_key, discard, new_producer
+from twophase.sinks.kafka.producers import cache_key, new_producer
 from twophase.sinks.kafka.readback import read_topic
 
 __all__ = ["MARKER_CONSUMERS", "PRODUCERS", "KafkaParticipant"]
@@ -78,7 +77,6 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     """One Kafka topic. Values are the row as JSON unless ``value=`` names a column."""
 
     kind = "kafka"
-    durable_prepare = False
     headers = staticmethod(records.headers)
 
     def __init__(
@@ -115,8 +113,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         broker came back (docs/kafka.md)."""
         self.prepare_mode = options.check_prepare(prepare)
         """"resumable" (written once, committed by the driver: :mod:`.resumable`),
-        "staged" (copied by the driver: :mod:`.staged`) or "in_task" (the gang)."""
-        self.durable_prepare = prepare in ("staged", "resumable")
+        or "staged" (copied by the driver: :mod:`.staged`)."""
         self.staging_topic = (validate_topic(staging_topic) if staging_topic is not None
                               else staged.default_staging_topic(self.topic))
         self.staging_partitions = 0  # learnt by check() on the driver (staged)
@@ -124,21 +121,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         """:meth:`probe` checks a transactional write too (ACLs), not only the topic."""
         # Learnt by check() on the driver and pickled to the executors with the object.
         self.broker_max_message_bytes: int | None = None
-        self._prepared: dict[BranchRef, intask.Prepared] = {}
-        self._lock = threading.Lock()
         self.sweep_admin: Any = None  # the driver's admin client for the losers' sweep
 
     # -- pickling: producers live in one process only ---------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_prepared"] = {}
         state["sweep_admin"] = None
-        del state["_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # -- names -------------------------------------------------------------------------
     @property
@@ -259,14 +248,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def prepare(
         self, branch: BranchRef, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
     ) -> Handle:
-        """In-task: write the rows and the marker in one open transaction, flushed, not
-        committed (:mod:`.intask`, or :mod:`.resumable`: committed by the driver from the
-        vote); staged: write them to the staging topic (:mod:`.staged`)."""
+        """Resumable: write the rows and the marker in one open transaction, flushed, not
+        committed (:mod:`.resumable`: committed by the driver from the vote); staged:
+        write them to the staging topic (:mod:`.staged`)."""
         if self.prepare_mode == "resumable":
             return resumable.prepare(self, branch, schema, batches)
-        if self.durable_prepare:
-            return staged.prepare(self, branch, schema, batches)
-        return intask.prepare(self, branch, schema, batches, None)
+        return staged.prepare(self, branch, schema, batches)
 
     def redo(
         self,
@@ -275,15 +262,13 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         batches: Iterable[pa.RecordBatch],
         voted: Handle | None,
     ) -> Handle:
-        """Prepare again under a COMMIT decision, unless the branch was committed after
-        all: the marker says so, or (the marker may lag, see
-        :func:`.intask.committed_in_log`) the partition logs hold the branch's records
-        committed. Staged, resumable: prepare again (the marker is checked first)."""
-        if self.prepare_mode == "resumable":
-            return resumable.prepare(self, branch, schema, batches)
-        if self.durable_prepare:
-            return staged.prepare(self, branch, schema, batches)
-        return intask.prepare(self, branch, schema, batches, voted if voted is not None else {})
+        """Prepare again under a COMMIT decision (the marker is checked first): a branch
+        voted by the retired in-task prepare is redone in the current mode, unless its
+        marker or its log shows it committed (:func:`.legacy.voted_status`)."""
+        if (legacy.is_in_task(voted) and voted is not None
+                and legacy.voted_status(self, branch, voted) is BranchStatus.COMMITTED):
+            return {**self._handle(branch, 0, already=True), "prepare": self.prepare_mode}
+        return self.prepare(branch, schema, batches)
 
     def log_readable(self) -> bool:
         """The partition-log reader can connect with these settings: plaintext, TLS, SASL
@@ -297,37 +282,37 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         if resumable.is_resumable(handle):
             assert handle is not None
             return resumable.commit(self, branch, handle)
-        if staged.is_staged(self, handle):
-            return staged.commit(self, branch, handle)
-        return intask.commit(self, branch, handle)
+        if legacy.is_in_task(handle):
+            assert handle is not None
+            return legacy.commit(self, branch, handle)
+        return staged.commit(self, branch, handle)
 
     def abort(self, branch: BranchRef, handle: Handle | None) -> None:
-        """In-task: abort in-process, else fence the transactional.id (:func:`.intask.abort`);
-        staged: nothing to undo; resumable: ``EndTxn(abort)`` from the handle (without one,
-        whatever is open on the branch's pool ids, :func:`.resumable.abort_unvoted`)."""
+        """Staged: nothing to undo; a branch voted by the retired in-task prepare: fence
+        its transactional.id (:func:`.legacy.abort`); resumable: ``EndTxn(abort)`` from
+        the handle (without one, whatever is open on the branch's pool ids,
+        :func:`.resumable.abort_unvoted`)."""
         if resumable.is_resumable(handle):
             assert handle is not None
             return resumable.abort(self, branch, handle)
         if self.prepare_mode == "resumable" and handle is None:
             return resumable.abort_unvoted(self, branch)
-        if staged.is_staged(self, handle):
-            return staged.abort(self, branch, handle)
-        return intask.abort(self, branch, handle)
+        if legacy.is_in_task(handle):
+            assert handle is not None
+            return legacy.abort(self, branch, handle)
+        return staged.abort(self, branch, handle)
 
     # -- status ---------------------------------------------------------------------------
     def status(self, branch: BranchRef) -> BranchStatus:
-        """COMMITTED from the marker; PREPARED when this object holds the branch's open
-        transaction; else ABSENT. The marker is read first without waiting on open
-        transactions (on Kafka a stable read blocks while one is open, even this
+        """COMMITTED from the marker, else ABSENT (no prepared branch is held in this
+        object: the vote's handle names it, :meth:`voted_status`). The marker is read
+        first without waiting on open transactions (on Kafka a stable read blocks while one is
+        open, even this
         object's own), then, not found, stably for up to 5 s: a transaction whose
         commit is being completed shows within moments, an open one stays absent."""
         self._check_branch(branch)
         if read_marker_now(self, branch) >= branch.batch_id + 1:
             return BranchStatus.COMMITTED
-        with self._lock:
-            prepared = self._prepared.get(branch)
-        if prepared is not None and prepared.producer is not None:
-            return BranchStatus.PREPARED
         with held_consumer(self, branch) as consumer:
             committed = committed_marker(
                 self, consumer, branch, pending_wait_s=min(5.0, self.connect_timeout_s))
@@ -346,20 +331,16 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         if staged.is_staged(self, voted):
             assert voted is not None
             return staged.voted_status(self, branch, voted)
-        found = self.status(branch)
-        if (found is BranchStatus.ABSENT and voted is not None and voted.get("offsets")
-                and intask.committed_in_log(self, branch, voted, wait=False)):
-            return BranchStatus.COMMITTED
-        return found
+        if legacy.is_in_task(voted):
+            assert voted is not None
+            return legacy.voted_status(self, branch, voted)
+        return self.status(branch)
 
     def in_doubt(self, sink: str) -> list[BranchRef]:
-        """In-process prepared branches only: Kafka does not list another instance's open
-        transactions; those are aborted when the next instance of the transactional.id
-        runs ``init_transactions``, and by the broker's transaction timeout at the latest."""
-        with self._lock:
-            return sorted(
-                b for b, p in self._prepared.items() if b.sink == sink and p.producer is not None
-            )
+        """None: no prepared branch is held in a process (a resumable or staged branch is
+        named by its vote's handle); what a dead process left open on the brokers is
+        :meth:`open_transactions`, aborted by :meth:`abort_lingering`."""
+        return []
 
     def open_transactions(self, sink: str) -> list[OpenTransaction]:
         """This participant's transactions of ``sink`` still open on the brokers (any
@@ -380,17 +361,15 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def abort_lingering(self, sink: str, older_than_s: float = 0.0,
                         keep: Iterable[str] = (), before: float | None = None
                         ) -> list[OpenTransaction]:
-        """Abort this participant's open transactions of ``sink`` that no branch of this
-        object holds, not in ``keep`` (transactional ids), at least ``older_than_s`` old
-        and begun before ``before`` (epoch seconds) when given: a resumable pool id's by
+        """Abort this participant's open transactions of ``sink`` not in ``keep``
+        (transactional ids), at least ``older_than_s`` old and begun before ``before`` (epoch
+        seconds) when given: a resumable pool id's by
         ``EndTxn(abort)`` for the producer id and epoch the broker shows, any other by
         fencing its transactional.id (the broker writes the ABORT markers).
         Returns those aborted."""
         if before is not None:
             older_than_s = max(older_than_s, time.time() - before)
-        with self._lock:
-            held = {self.transactional_id(b) for b, p in self._prepared.items()
-                    if p.producer is not None} | set(keep) | lanes.copying()
+        held = set(keep) | lanes.copying()
         found = [t for t in self.open_transactions(sink)
                  if t.transactional_id not in held and t.age_s >= older_than_s]
         prefix = f"twophase.{sink}.{self.name}."
@@ -416,7 +395,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def end_other_attempts(self, key: TxnKey, kept: Mapping[int, Handle]) -> int:
         """Resumable: abort what other attempts of the batch's branches left open on the
         sink's pool ids (:func:`.resumable.abort_other_attempts`), so ``read_committed``
-        readers do not wait for the transaction timeout. Staged, in-task: nothing."""
+        readers do not wait for the transaction timeout. Staged: nothing."""
         if self.prepare_mode != "resumable":
             return 0
         return resumable.abort_other_attempts(self, key.sink, kept.values())
@@ -479,11 +458,6 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
 
     def close(self) -> None:
         """Drop producers; open transactions are aborted by librdkafka on close."""
-        with self._lock:
-            prepared, self._prepared = list(self._prepared.values()), {}
-        for p in prepared:
-            if p.producer is not None:
-                discard(self, p.producer)
         admin, self.sweep_admin = self.sweep_admin, None
         if admin is not None:
             with contextlib.suppress(Exception):
@@ -495,14 +469,12 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
     def prune_markers(self, sink: str, lineage: str, below: int) -> int:
         """Staged: delete the staging topic's leading records of ``sink``'s committed
         batches below ``below`` (:mod:`.stagedprune`: only records read and found done).
-        The marker groups stay (deleting groups needs DeleteGroups); in-task: nothing.
+        The marker groups stay (deleting groups needs DeleteGroups).
         Resumable: abort the sink's transactions a losing attempt left open (a
         speculative or retried copy whose vote never counted), started before this call
         (:meth:`abort_lingering`): every batch before this one has ended its own."""
         if self.prepare_mode == "resumable":
             self.abort_lingering(sink, before=time.time() - resumable.CLOCK_MARGIN_S)
-            return 0
-        if not self.durable_prepare:
             return 0
         from twophase.sinks.kafka.stagedprune import prune_staged
 

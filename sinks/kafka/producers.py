@@ -4,8 +4,8 @@ closed without hanging.
 Producers are **reused** by the next batch in the same process (``reuse_clients``, Spark
 reuses its Python workers): once a producer's transaction is committed or aborted it
 waits in :data:`~.clients.PRODUCERS` keyed by (settings, transactional.id), and the next
-in-task prepare of that id begins a transaction on it instead of creating a producer and
-running ``init_transactions`` (:mod:`.intask` says what happens when it was fenced).
+use of that id (a fence of a lingering or a 0.3 in-task branch, :mod:`.legacy`) takes it
+instead of creating a producer and running ``init_transactions``.
 """
 
 from __future__ import annotations

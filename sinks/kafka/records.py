@@ -1,6 +1,6 @@
 """A branch's rows as Kafka records: key, value, headers, the size limit; produced.
 
-Both prepares produce through :func:`produce_all` (:mod:`.intask` to the target topic,
+Both prepares produce through :func:`produce_all` (:mod:`.resumable` to the target topic,
 :mod:`.staged` to the staging topic), so a row is encoded and size-checked one way.
 """
 
@@ -32,7 +32,7 @@ class Refusal(TwophaseError):
 class Deliveries:
     """The delivery reports of one transaction's records (the producer's ``on_delivery``):
     the failures, and the first offset written in each partition, which the vote's
-    handle names (the in-task and resumable prepares alike)."""
+    handle names."""
 
     def __init__(self) -> None:
         self.errors: list[Any] = []

@@ -344,8 +344,8 @@ def abort(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> None:
 
 def abort_unvoted(p: KafkaParticipant, branch: BranchRef) -> None:
     """Abort whatever is open on the branch's pool ids (a vote lost with its process:
-    the handle is unknown, the broker names the producer id and epoch). Like fencing an
-    in-task branch, call it only when no newer attempt is preparing that branch."""
+    the handle is unknown, the broker names the producer id and epoch). Call it only
+    when no newer attempt is preparing that branch."""
     p._check_branch(branch)
     for slot in range(SLOTS):
         tid = pool_id(p, branch, slot)

@@ -1,8 +1,8 @@
 """Kafka's staged prepare: a branch that survives its task, committed from the driver.
 
-A Kafka transaction can be committed only by the producer that opened it, so the in-task
-prepare needs every task alive until the decision (the barrier stage). The staged
-prepare does not open one in the task:
+librdkafka commits a transaction only from the producer that opened it, and some brokers
+refuse the resumable prepare's ``EndTxn`` from another connection (tansu 0.6). The
+staged prepare does not open one in the task:
 
 - **prepare** (the task): the branch's records go to a *staging topic* (default
   ``<topic>.twophase-staged``, created by :meth:`check` on the driver) through an
@@ -15,7 +15,7 @@ prepare does not open one in the task:
   ``twophase resolve``, or a Spark task redoing the branch): one Kafka transaction per
   branch reads the staged range, keeps the records carrying the handle's token,
   produces them to the target topic with their key, value and original headers (the
-  target's partitioner places them, as in-task), and commits the branch's marker (its
+  target's partitioner places them), and commits the branch's marker (its
   marker group's offset, ``send_offsets_to_transaction``) in the same transaction:
   Kafka's read-process-write rule. The staged count is checked against the handle
   before ``commit_transaction``; a mismatch aborts the transaction (nothing visible) and
@@ -78,12 +78,12 @@ __all__ = ["DEFAULT_PREPARE", "PREPARE_MODES", "STAGING_SUFFIX", "abort",
            "check", "close_all", "commit", "default_staging_topic", "is_staged", "prepare",
            "voted_status"]
 
-PREPARE_MODES: Final = ("resumable", "staged", "in_task")
+PREPARE_MODES: Final = ("resumable", "staged")
 DEFAULT_PREPARE: Final = "resumable"
 """The default: each record written once, in its task's transaction, committed by the
 driver with ``EndTxn``; no barrier stage, so dynamic allocation and speculation are
-allowed (docs/decisions.md, "resumable prepare as the default"). "staged" and "in_task"
-stay selectable."""
+allowed (docs/decisions.md, "resumable prepare as the default"). "staged" stays
+selectable, for brokers that refuse the resume; "in_task" was retired in 0.4."""
 STAGING_SUFFIX: Final = ".twophase-staged"
 STAGING_PARTITIONS: Final = 8
 """A created staging topic's least partition count: branches that share a staging
@@ -103,10 +103,10 @@ offset first thing, so the read then waits for that copy's end instead of missin
 def is_staged(p: KafkaParticipant, handle: Handle | None) -> bool:
     """Whether a branch was staged: its vote's handle says how it was prepared (a
     participant rebuilt in the other mode commits or aborts it all the same); without a
-    handle, the participant's mode."""
+    transactional.id (no handle, or a branch found committed), the staged path."""
     if handle is not None and "transactional_id" in handle:
         return handle.get("prepare") == "staged"
-    return p.durable_prepare
+    return True
 
 
 def default_staging_topic(topic: str) -> str:
@@ -458,7 +458,7 @@ def _copy(p: KafkaParticipant, lane: Lane, consumer: Any, branch: BranchRef,
 
 
 def _end(p: KafkaParticipant, producer: Any, where: str) -> None:
-    """``commit_transaction``, retried as in the in-task path (:func:`.errors.commit_retrying`);
+    """``commit_transaction``, ambiguous errors retried (:func:`.errors.commit_retrying`);
     a failure is raised (the lane is dropped; the next init aborts the copy)."""
     try:
         commit_retrying(producer, p.connect_timeout_s, p.commit_retry_s)

@@ -60,7 +60,6 @@ CASES = [
     pytest.param("resumable", "before_commit", "leader", False, id="resumable-leader"),
     pytest.param("resumable", "before_commit", "coordinator", True,
                  id="resumable-coordinator"),
-    pytest.param("in_task", "before_commit", "leader", True, id="in_task-leader"),
 ]
 
 

@@ -115,22 +115,3 @@ def test_more_partitions_than_slots_run_in_ordinary_tasks(spark: Any, tmp_path: 
     assert rows.num_rows == 10
     assert len(list(out.glob("*.parquet"))) == 5
 
-
-def test_in_task_participant_needs_a_slot_per_partition_refused_before_any_write(
-    spark: Any, tmp_path: Path
-) -> None:
-    """A Kafka participant keeps its transaction in its task until the decision, so its
-    sink still runs one barrier stage: 3 partitions on local[2]'s 2 slots are refused at
-    once, naming the participant and the fix, and the coordinator (its store file) was
-    never started."""
-    from twophase.sinks.kafka import KafkaParticipant
-
-    kafka = KafkaParticipant(topic="t", config={"bootstrap.servers": "127.0.0.1:9"},
-                             prepare="in_task")
-    sink = TransactionalSink("slots", [kafka], f"sqlite:///{tmp_path / 's.db'}",
-                             lineage="slots-1", partitions=3, cluster_wait=1)
-    with pytest.raises(ValueError, match=r"needs 3 task slots .* kafka participant .* "
-                                         r"in-task\) but the cluster offers 2 .* partitions<=2"):
-        sink(_batch(spark, 10), 0)
-    sink.close()
-    assert not (tmp_path / "s.db").exists()

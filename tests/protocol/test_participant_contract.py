@@ -85,7 +85,7 @@ def test_a_second_commit_of_one_batch_fails_the_verdict() -> None:
 
 def test_kafka_vote_window() -> None:
     kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
-                             transaction_timeout_ms=400_000, prepare="in_task")
+                             transaction_timeout_ms=400_000)
     kafka.check_vote_window(300)
     with pytest.raises(ValueError, match=r"transaction_timeout_ms=400000 must exceed the "
                        r"sink's vote window \(vote_timeout 340s \+ 60s\)"):

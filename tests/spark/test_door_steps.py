@@ -143,19 +143,3 @@ def test_the_tasks_take_the_sessions_zone_and_refuse_another_named_one() -> None
         "(spark.sql.session.timeZone, which Spark's batches carry) is 'Etc/UTC'; leave the "
         "option out (the sink then takes the session's zone) or set timezone='Etc/UTC'")
 
-
-def test_an_in_task_prepare_is_refused_naming_the_fix() -> None:
-    """Kafka's in-task prepare needs the barrier stage only foreachBatch runs."""
-    from twophase.sinks.kafka import KafkaParticipant
-
-    kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"}, prepare="in_task")
-    with pytest.raises(InvalidRequest) as err:
-        DoorSpec("intask", (kafka,), "http://127.0.0.1:1", 1, 1)
-    assert str(err.value) == (
-        "sink 'intask': kafka participant 'kafka-t' (topic 't') (prepare='in_task') keeps its "
-        "prepared branch inside its Spark task, which must wait for the decision in a barrier "
-        "stage that only foreachBatch runs; through format('twophase') give it a durable prepare "
-        "(Kafka: prepare='resumable' or 'staged'), or write with foreachBatch(sink)")
-    for prepare in ("resumable", "staged"):
-        DoorSpec("durable", (KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
-                                              prepare=prepare),), "http://127.0.0.1:1", 1, 1)

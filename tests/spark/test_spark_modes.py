@@ -255,7 +255,7 @@ def test_update_mode_aggregation_into_postgres_files_and_kafka(
 
     parts = build_participants(cfg)
     parts[-1] = KafkaParticipant(cfg.kafka_topic, {"bootstrap.servers": kafka_bootstrap},
-                                 key="customer", prepare="in_task")
+                                 key="customer")
     write_input(cfg.input_dir, batches=3, rows_per_batch=ROWS)
     sink = run(cfg, spark, participants=parts)
     assert [r.outcome for r in sink.history] == ["committed"] * 3

@@ -254,7 +254,7 @@ def test_sink_construction_checks(tmp_path: Path) -> None:
     from twophase.sinks.kafka import KafkaParticipant
 
     kafka = KafkaParticipant("t", {"bootstrap.servers": "127.0.0.1:1"},
-                             transaction_timeout_ms=60_000, prepare="in_task")
+                             transaction_timeout_ms=60_000)
     with pytest.raises(ValueError, match="must exceed the sink's vote window"):
         TransactionalSink("s", [kafka], "sqlite:///x.db", vote_timeout=300)
     files = StagedFileParticipant(path=str(tmp_path))

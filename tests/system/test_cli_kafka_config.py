@@ -49,7 +49,7 @@ def _properties(broker: LocalKafka, path: Path) -> Path:
 def _dead_job(secure_kafka: LocalKafka, topic: str, coordinator: str, sink: str) -> int:
     """Batch 0: two staged branches voted COMMIT, one copied, the job dead before the
     other's copy and both acks (COMMITTING: resolve reads the first's marker and copies
-    the second from its staged records). Batch 1: an in-task branch prepared
+    the second from its staged records). Batch 1: a resumable branch prepared
     by a task SIGKILLed before its batch reached the coordinator (its Kafka transaction
     left open on the broker: resolve finds and aborts it). Returns the committed rows."""
     config = secure_kafka.client_config("app")
@@ -71,9 +71,9 @@ def _dead_job(secure_kafka: LocalKafka, topic: str, coordinator: str, sink: str)
         for ref, handle in handles.items():
             if ref.partition == 0:  # the job died after this copy, before the other's
                 p.commit(ref, handle)
-        in_task = KafkaParticipant(topic, config, connect_timeout_s=15, prepare="in_task")
-        _prepare_in_child_and_kill(in_task, BranchRef(sink, LINEAGE, 1, 1, p.name, 0))
-        in_task.close()
+        dead = KafkaParticipant(topic, config, connect_timeout_s=15)
+        _prepare_in_child_and_kill(dead, BranchRef(sink, LINEAGE, 1, 1, p.name, 0))
+        dead.close()
     p.close()
     return rows
 

@@ -133,20 +133,14 @@ def _class(target: str) -> type:
 
 def test_in_task_prepares_is_what_the_participants_do() -> None:
     """The one definition matches each participant: every kind not named there prepares
-    durably; a named one keeps its branch in-task exactly with the named values."""
+    durably (none is named since Kafka's in-task prepare was retired)."""
     from twophase.participant import IN_TASK_PREPARES
-    from twophase.sinks.kafka import KafkaParticipant
 
     kinds = _kinds()
     assert set(IN_TASK_PREPARES) <= set(kinds), "IN_TASK_PREPARES names unknown kinds"
     for kind, target in kinds.items():
         if kind not in IN_TASK_PREPARES:
             assert _class(target).durable_prepare is True, kind
-    option, values = IN_TASK_PREPARES["kafka"]
-    config = {"bootstrap.servers": "127.0.0.1:9"}
-    assert KafkaParticipant("t", config).durable_prepare is True  # its default
-    for value in values:
-        assert KafkaParticipant("t", config, **{option: value}).durable_prepare is False
 
 
 def _spans() -> set[str]:
@@ -161,15 +155,12 @@ def _spans() -> set[str]:
 def test_the_pages_name_only_the_in_task_prepares_for_a_barrier_stage() -> None:
     """deploy.md states the fact (its marked block names exactly the definition's
     participants); every other paragraph that ties Kafka to a barrier stage or to
-    dynamic allocation off names the in-task prepare."""
+    dynamic allocation off names the in-task prepare as retired."""
     deploy = _read(DOCS / "user" / "deploy.md")
     block = re.search(r"<!-- fact: in-task prepares -->\n(.*?)<!-- /fact -->", deploy, re.S)
     assert block, "deploy.md lost its statement of the in-task prepares"
     named = set(re.findall(r"`\w+Participant\([^`]*\)`", block[1]))
     assert named == _spans(), (named, _spans())
-    from twophase.participant import IN_TASK_PREPARES
-
-    values = [v for _option, vs in IN_TASK_PREPARES.values() for v in vs]
     wrong = []
     for name, text in PAGES.items():
         units = [u for para in re.split(r"\n\s*\n", text)
@@ -180,31 +171,37 @@ def test_the_pages_name_only_the_in_task_prepares_for_a_barrier_stage() -> None:
             flat = re.sub(r"\b(no|without( a)?) barrier stage", "", flat, flags=re.I)
             ties = re.search(r"barrier stage|dynamic allocation (must be )?off|"
                              r"dynamicAllocation\.enabled=false", flat, re.I)
-            if ties and re.search(r"\bKafka", flat) and not any(
-                    v in flat or v.replace("_", "-") in flat for v in values):
+            if (ties and re.search(r"\bKafka|in_task|in-task", flat) and "retired" not in flat
+                    and not flat.startswith("```")):  # an error's text, not an offer
                 wrong.append(f"{name}: {flat[:160]}")
-    assert not wrong, "Kafka tied to a barrier stage without naming the in-task prepare:\n" \
+    assert not wrong, "a barrier stage offered for Kafka (its in-task prepare is retired):\n" \
         + "\n".join(wrong)
+
+
+def test_no_page_offers_the_retired_in_task_prepare() -> None:
+    """Every paragraph naming ``prepare="in_task"`` says it was retired."""
+    wrong = [f"{name}: {' '.join(para.split())[:160]}" for name, text in PAGES.items()
+             for para in re.split(r"\n\s*\n", text)
+             if "in_task" in para and "retired" not in para]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_kafka_timeout_rule_is_the_codes() -> None:
     """``transaction_timeout_ms`` must exceed ``vote_timeout`` + 60 s only where a
-    transaction stays open while the batch votes (the resumable prepare, the default,
-    and the in-task ones), as configuration.md says; the staged prepare is exempt."""
-    from twophase.participant import IN_TASK_PREPARES
+    transaction stays open while the batch votes (the resumable prepare, the default),
+    as configuration.md says; the staged prepare is exempt."""
     from twophase.sinks.kafka import KafkaParticipant
 
-    option, values = IN_TASK_PREPARES["kafka"]
     config = {"bootstrap.servers": "127.0.0.1:9"}
     KafkaParticipant("t", config, transaction_timeout_ms=1000,
                      prepare="staged").check_vote_window(600)
-    for kw in ({}, {"prepare": "resumable"}, *({option: v} for v in values)):
+    for kw in ({}, {"prepare": "resumable"}):
         with pytest.raises(InvalidRequest, match="vote_timeout"):
             KafkaParticipant("t", config, transaction_timeout_ms=1000,
                              **kw).check_vote_window(600)
     row = next(line for line in _read(DOCS / "user" / "configuration.md").splitlines()
                if line.startswith("| `transaction_timeout_ms` |"))
-    assert all(f"{option}='{v}'" in row for v in (*values, "resumable")), row
+    assert "prepare='resumable'" in row, row
     assert "+ 60 s" in row and "(the default)" in row, row
 
 

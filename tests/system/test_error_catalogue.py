@@ -504,13 +504,13 @@ def test_the_kafka_probe_against_a_real_broker(kafka_bootstrap: str) -> None:
     from twophase.testing.servers import free_port
 
     topic = f"probe-{uuid.uuid4().hex[:8]}"
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap})
     p.probe()  # the topic does not exist yet
     p.check(pa.schema([("value", pa.string())]))  # creates it
     p.probe()
     p.close()
     down = KafkaParticipant(topic, {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
-                            connect_timeout_s=2, prepare="in_task")
+                            connect_timeout_s=2)
     with pytest.raises(ParticipantError) as err:
         down.probe()
     assert not isinstance(err.value, TargetProblem)

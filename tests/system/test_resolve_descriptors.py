@@ -143,8 +143,7 @@ def test_a_kafka_descriptor_names_its_secrets_and_never_carries_them(
     kafka = KafkaParticipant("orders", {"bootstrap.servers": "broker:9092",
                                         "security.protocol": "SASL_SSL",
                                         "sasl.username": "app", "sasl.password": "pw-123"},
-                             key="id", name="kafka-orders", transaction_timeout_ms=120_000,
-                             prepare="in_task")
+                             key="id", name="kafka-orders", transaction_timeout_ms=120_000)
     d = kafka.descriptor()
     assert "pw-123" not in json.dumps(d) and d["options"]["secrets"] == "sasl.password"
     for var in [k for k in os.environ if k.startswith("TWOPHASE_SECRET_")]:

@@ -110,11 +110,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="the Kafka participant keeps its producers across batches "
                    "(reuse_clients=True, docs/kafka.md \"Producer reuse\"), to put that "
                    "under kills too")
-    p.add_argument("--kafka-prepare", choices=("resumable", "staged", "in_task"),
-                   default=None,
+    p.add_argument("--kafka-prepare", type=kafka_prepare, default=None,
+                   metavar="{resumable,staged}",
                    help="the Kafka participant's prepare: resumable (the task's transaction "
-                   "left open, ended by the driver with EndTxn), staged (records staged in a "
-                   "topic, copied by the driver) or in_task (a barrier stage; docs/kafka.md) "
+                   "left open, ended by the driver with EndTxn) or staged (records staged in "
+                   "a topic, copied by the driver); in_task was retired in 0.4 "
                    "(default: the participant's default, resumable)")
     add_kafka_config_flag(p)
     p.add_argument("--broker-down-max", type=float, default=5.0, metavar="SECONDS",
@@ -339,3 +339,13 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": report["ok"], "json": report["json_path"]}))
     return 0 if report["ok"] else 1
 
+
+def kafka_prepare(value: str) -> str:
+    """``--kafka-prepare``: the participant's own rule (the retired "in_task" refused
+    naming its replacement), as an argparse error."""
+    from twophase.sinks.kafka.options import check_prepare
+
+    try:
+        return check_prepare(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

@@ -116,9 +116,9 @@ def spec_from_options(opts: dict[str, str]) -> DoorSpec:
 
 
 def refuse_in_task(sink: str, participants: Iterable[Participant]) -> None:
-    """A branch prepared inside its task (Kafka's in-task prepare) lives only as long as
-    the task, which must wait for the decision in one barrier stage: only the
-    foreachBatch door runs one."""
+    """A branch prepared inside its task (a participant whose ``durable_prepare`` is
+    False) lives only as long as the task, which must wait for the decision in one
+    barrier stage: only the foreachBatch door runs one."""
     bad = [p for p in participants if not p.durable_prepare]
     if bad:
         what = ", ".join(f"{p.describe()} ({IN_TASK_PREPARES[p.kind][0]}="
@@ -127,8 +127,8 @@ def refuse_in_task(sink: str, participants: Iterable[Participant]) -> None:
         raise InvalidRequest(
             f"sink {sink!r}: {what} keeps its prepared branch inside its Spark task, which "
             "must wait for the decision in a barrier stage that only foreachBatch runs; "
-            "through format('twophase') give it a durable prepare (Kafka: "
-            "prepare='resumable' or 'staged'), or write with foreachBatch(sink)")
+            "through format('twophase') give it a durable prepare, or write with "
+            "foreachBatch(sink)")
 
 
 def adopt_zone(spec: DoorSpec, expected: pa.Schema, got: pa.Schema) -> pa.Schema:

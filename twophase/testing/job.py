@@ -65,7 +65,8 @@ class JobConfig:
     kafka_bootstrap: str | None = None
     kafka_topic: str = "orders"
     kafka_reuse: bool = False  # KafkaParticipant(reuse_clients=...)
-    # KafkaParticipant(prepare=...): "resumable", "staged", "in_task"; None: its default
+    # KafkaParticipant(prepare=...): "resumable", "staged" ("in_task" refused: retired in
+    # 0.4); None: its default
     kafka_prepare: str | None = None
     # librdkafka settings (TLS, SASL) from a properties file, read where the participant
     # is made; the password from TWOPHASE_KAFKA_SASL_PASSWORD, never in this config

@@ -1,8 +1,6 @@
 """``clients.bounded``: a client call that ignores its own timeout (librdkafka's
 ``send_offsets_to_transaction``, issue 31) is given up on, the client marked stuck, and
-the error names the cause; a call that returns or raises in time is passed through. The
-in-task prepare sends its marker under the same bound as the staged copy
-(``marker.add_marker``)."""
+the error names the cause; a call that returns or raises in time is passed through."""
 
 from __future__ import annotations
 
@@ -11,9 +9,7 @@ import time
 
 import pytest
 
-from tests.sinks.kafka.test_kafka_participant import SCHEMA, batch, branch, make
 from twophase.errors import ParticipantError
-from twophase.participant import BranchStatus, PrepareRefused
 from twophase.sinks.kafka.clients import bounded
 
 
@@ -48,37 +44,3 @@ def test_a_call_in_time_returns_or_raises_as_it_did() -> None:
     with pytest.raises(ValueError, match="broker said no"):
         bounded(client, "fail", 1.0, "w", 1.0)
 
-
-def test_the_in_task_marker_send_is_bounded_and_its_id_fenced(
-    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A producer whose ``send_offsets_to_transaction`` adds the marker to its open
-    transaction and then does not return (librdkafka#5456; the real hang needs a broker
-    dying during the call, so it is made here): the in-task prepare votes NO within
-    ``connect_timeout_s`` + the grace naming the cause, and fences the branch's id at
-    once, so the open transaction no longer holds the marker group: the next prepare's
-    stable marker read answers within its 2 s and the branch commits once."""
-    import confluent_kafka
-
-    release = threading.Event()
-
-    class Hanging(confluent_kafka.Producer):  # type: ignore[misc]
-        def send_offsets_to_transaction(self, *args: object) -> None:
-            super().send_offsets_to_transaction(*args)
-            release.wait(60)
-
-    p = make(kafka_bootstrap, prepare="in_task", connect_timeout_s=2.0)
-    b = branch(p)
-    monkeypatch.setattr(confluent_kafka, "Producer", Hanging)
-    began = time.monotonic()
-    try:
-        with pytest.raises(PrepareRefused, match=r"send_offsets_to_transaction did not return "
-                                                 r"within 7s .*#5456.*transactional.id is fenced"):
-            p.prepare(b, SCHEMA, [batch(0, 5)])
-    finally:
-        monkeypatch.undo()
-        release.set()
-    assert time.monotonic() - began < 15
-    p.commit(b, p.prepare(b, SCHEMA, [batch(0, 5)]))
-    assert p.status(b) is BranchStatus.COMMITTED
-    assert sorted(p.read_back("id").values) == list(range(5))

@@ -1,14 +1,11 @@
 """The conformance suite (twophase/testing/conformance.py) against the Kafka participant.
 
-The in-task prepare is not durable, so the cross-process checks do not apply
-(``durable=False``), and ``status``/``in_doubt`` cannot see another object's open
-transaction. The staged prepare is durable (every check runs, the cross-process ones too)
-but holds nothing while prepared: ``status``/``in_doubt`` see no prepared branch. The rows
+Both prepares, resumable and staged, are durable (every check runs, the cross-process
+ones too) but hold nothing this object can see while prepared: ``status``/``in_doubt``
+see no prepared branch. The rows
 a reader sees are the topic's committed records rebuilt from its partition logs (COMMIT and
 ABORT markers, ``twophase.sinks.kafka.log``), and they must equal exactly what a
-read_committed consumer sees, on the suite's Apache Kafka broker. Every in-task check runs
-except the pickled-clone commit, which a non-durable participant answers with "must be
-redone" by design (see docs/kafka.md).
+read_committed consumer sees, on the suite's Apache Kafka broker.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from twophase.sinks.kafka.log import read_log
 from twophase.testing.conformance import (
     Harness,
     applicable_checks,
-    check_participant_pickles_before_and_after_use,
 )
 
 __all__ = ["kafka_bootstrap"]
@@ -41,7 +37,7 @@ class KafkaTarget:
     """A fresh topic; rows are its committed records, rebuilt from the partition logs
     (and equal to what a read_committed reader sees)."""
 
-    def __init__(self, bootstrap: str, cross_check: bool, prepare: str = "in_task") -> None:
+    def __init__(self, bootstrap: str, cross_check: bool, prepare: str = "resumable") -> None:
         self.bootstrap = bootstrap
         self.cross_check = cross_check
         self.prepare = prepare
@@ -76,22 +72,6 @@ class KafkaTarget:
 
 def _key(row: dict[str, Any]) -> str:
     return json.dumps(row, sort_keys=True)
-
-
-def _harness(bootstrap: str, id: str, cross_check: bool = False) -> Harness:
-    return Harness(id=id, new_target=lambda: KafkaTarget(bootstrap, cross_check),
-                   durable=False, status_sees_prepared=True, in_doubt_finds_prepared=False)
-
-
-CHECKS = [c for c in applicable_checks(Harness("x", lambda: None,  # type: ignore[arg-type,return-value]
-                                                           durable=False))
-                      if c is not check_participant_pickles_before_and_after_use]
-
-
-@pytest.mark.real_kafka
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-def test_conformance(check: Callable[[Harness], None], kafka_bootstrap: str) -> None:
-    check(_harness(kafka_bootstrap, "kafka", cross_check=True))
 
 
 STAGED = Harness(id="x", new_target=lambda: None,  # type: ignore[arg-type,return-value]

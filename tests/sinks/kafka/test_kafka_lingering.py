@@ -32,12 +32,11 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
 ) -> None:
     topic = unique_topic("linger")
     create_topic(kafka_bootstrap, topic)  # one partition: both branches land in it
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink = f"linger_{uuid.uuid4().hex[:8]}"
     lineage = uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=lineage, partition=0)
-    _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
+    voted = _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
     alive = make_branch(p, sink=sink, lineage=lineage, partition=1)
     p.commit(alive, p.prepare(alive, SCHEMA, [batch_for(alive)]))
     committed = sorted(r["id"] for r in batch_for(alive).to_pylist())
@@ -45,7 +44,7 @@ def test_resolve_aborts_a_lingering_transaction_that_stalls_readers(
     # The stall: the committed branch sits behind the open transaction.
     assert read_all(kafka_bootstrap, topic, idle_s=2.0) == []
     [open_txn] = p.open_transactions(sink)
-    assert open_txn.transactional_id == p.transactional_id(dead)
+    assert open_txn.transactional_id == voted["transactional_id"]
     assert f"{topic}-0" in open_txn.partitions and open_txn.age_s >= 0  # (+ its marker)
     assert p.open_transactions(f"other_{sink}") == []  # another sink's are not its
 
@@ -78,7 +77,7 @@ def test_resolve_with_kafka_down_reports_it_unresolved(tmp_path: Path) -> None:
     from twophase.testing.servers import free_port
 
     down = KafkaParticipant("t-down", {"bootstrap.servers": f"127.0.0.1:{free_port()}"},
-                            connect_timeout_s=2, prepare="in_task")
+                            connect_timeout_s=2)
     conn = connect(f"sqlite:///{tmp_path / 'c.db'}")
     try:
         report = resolve_sink(conn.client(operator=True), "nothing_open", [down])
@@ -104,17 +103,16 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     stalled, decided_topic = unique_topic("lstart"), unique_topic("ldecided")
     for t in (stalled, decided_topic):
         create_topic(kafka_bootstrap, t)
-    # lingering transactions are in-task prepares' (a staged prepare opens none)
-    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    # lingering transactions are resumable prepares' (a staged prepare opens none)
+    p = KafkaParticipant(stalled, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink, old = f"lstart_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:12]
     dead = make_branch(p, sink=sink, lineage=old, partition=5)
-    _prepare_in_child_and_kill(p, dead)
+    voted = _prepare_in_child_and_kill(p, dead)
     alive = make_branch(p, sink=sink, lineage=old, partition=1)
     p.commit(alive, p.prepare(alive, SCHEMA, [batch_for(alive)]))
     assert read_all(kafka_bootstrap, stalled, idle_s=2.0) == []  # stalled behind `dead`
     assert [t.transactional_id for t in p.open_transactions(sink)] == [
-        p.transactional_id(dead)]
+        voted["transactional_id"]]
 
     store = f"sqlite:///{tmp_path / 'c.db'}"
     rows = [{"id": 900_000 + i, "label": "new", "amount": 1.0} for i in range(4)]
@@ -141,27 +139,27 @@ def test_a_starting_sink_aborts_lingering_transactions_but_not_decided_ones(
     # The rule's other half: q's batch of another run is COMMIT-decided, its branch 7 not
     # committed yet (its task may be committing it now): spared; its undecided one goes.
     q = KafkaParticipant(decided_topic, {"bootstrap.servers": kafka_bootstrap},
-                         connect_timeout_s=15, prepare="in_task")
+                         connect_timeout_s=15)
     conn = connect(store)
     try:
         client = conn.client()
         epoch = client.register(sink)
         res = client.begin(sink, old, 0, epoch, [q.name], 8, 60.0)
         assert res.txn is not None
-        committing = client.vote(res.txn.key, epoch,
-                                 [VoteIn(f"{q.name}/{i}", True, {}) for i in range(8)])
-        assert committing.state.value == "COMMITTING"
         in_flight = make_branch(q, sink=sink, lineage=old, partition=7)
         undecided = make_branch(q, sink=sink, lineage=uuid.uuid4().hex[:12], batch_id=3,
                                 partition=9)  # no branch of the decided batch
-        for branch in (in_flight, undecided):
-            _prepare_in_child_and_kill(q, branch)
+        handles = {b: _prepare_in_child_and_kill(q, b) for b in (in_flight, undecided)}
+        committing = client.vote(res.txn.key, epoch, [
+            VoteIn(f"{q.name}/{i}", True, handles[in_flight] if i == 7 else {})
+            for i in range(8)])
+        assert committing.state.value == "COMMITTING"
         aborted = q.clear_left_open(sink, client)
     finally:
         conn.close()
-    assert [t.name for t in aborted] == [q.transactional_id(undecided)]
+    assert [t.name for t in aborted] == [handles[undecided]["transactional_id"]]
     assert [t.transactional_id for t in q.open_transactions(sink)] == [
-        q.transactional_id(in_flight)]
+        handles[in_flight]["transactional_id"]]
     q.abort_lingering(sink)  # leave nothing open on the session's broker
     q.close()
 
@@ -180,8 +178,7 @@ def test_the_daemon_shows_a_lingering_transaction_on_metrics_and_console(
 
     topic = unique_topic("lwatch")
     create_topic(kafka_bootstrap, topic)
-    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, connect_timeout_s=15)
     sink = f"lwatch_{uuid.uuid4().hex[:8]}"
     dead = make_branch(p, sink=sink, lineage=uuid.uuid4().hex[:12], partition=0)
     _prepare_in_child_and_kill(p, dead)

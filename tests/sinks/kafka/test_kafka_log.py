@@ -158,8 +158,7 @@ def _txn(p: Any, topic: str, rows: range, *, commit: bool | None) -> None:
 
 
 def _verify(bootstrap: str, topic: str, expected: range) -> Any:
-    [s] = verify([KafkaParticipant(topic, {"bootstrap.servers": bootstrap},
-                                   prepare="in_task")], expected).systems
+    [s] = verify([KafkaParticipant(topic, {"bootstrap.servers": bootstrap})], expected).systems
     return s
 
 

@@ -1,5 +1,5 @@
 """Kafka assertions that only a real Apache Kafka broker shows: aborted records hidden from
-read_committed readers, PRODUCER_FENCED for a zombie's commit, the broker's own limits.
+read_committed readers, the broker's own limits.
 
 They run by default on the suite's private Apache Kafka (``kafka_bootstrap``,
 ``tests/support/kafka.py``), marked ``real_kafka`` for the record; tansu, the suite's
@@ -15,13 +15,12 @@ import pyarrow as pa
 import pytest
 
 from tests.support.kafka import (
-    committed_offset,
     create_topic,
     kafka_bootstrap,
     read_all,
     unique_topic,
 )
-from twophase.participant import BranchRef, BranchStatus, ParticipantError, PrepareRefused
+from twophase.participant import BranchRef, ParticipantError, PrepareRefused
 from twophase.sinks.kafka import KafkaParticipant
 
 __all__ = ["kafka_bootstrap"]
@@ -39,7 +38,6 @@ def rows(start: int, n: int) -> pa.RecordBatch:
 def make(bootstrap: str, **kw: object) -> KafkaParticipant:
     topic = unique_topic("real")
     create_topic(bootstrap, topic, partitions=3)
-    kw.setdefault("prepare", "in_task")
     return KafkaParticipant(topic, {"bootstrap.servers": bootstrap}, connect_timeout_s=15,
                             **kw)  # type: ignore[arg-type]
 
@@ -62,37 +60,6 @@ def test_aborted_attempt_invisible_then_retry_exactly_once(kafka_bootstrap: str)
     assert len(uncommitted) == 800  # they were written, and hidden by the abort
 
 
-def test_zombie_fenced_with_error_and_output_exactly_once(kafka_bootstrap: str) -> None:
-    p = make(kafka_bootstrap)
-    b = branch(p, 5)
-    zombie = KafkaParticipant(p.topic, p.config, connect_timeout_s=15,  # type: ignore[arg-type]
-                              commit_retry_s=10, prepare="in_task")
-    old = zombie.prepare(b, SCHEMA, [rows(0, 300)])
-    p.commit(b, p.prepare(b, SCHEMA, [rows(0, 300)]))  # redo fences the zombie
-    with pytest.raises(ParticipantError, match=r"failed and was not aborted: .*(FENCED|EPOCH)"):
-        zombie.commit(b, old)
-    assert p.status(b) is BranchStatus.COMMITTED
-    assert committed_offset(kafka_bootstrap, p.marker_group(b), p.topic) == 6
-    got = [json.loads(m.value())["id"] for m in read_all(kafka_bootstrap, p.topic,
-                                                         expect=300, idle_s=3)]
-    assert sorted(got) == list(range(300))
-
-
-def test_redo_in_another_process_exactly_once(kafka_bootstrap: str) -> None:
-    p = make(kafka_bootstrap)
-    b = branch(p, 9)
-    p.prepare(b, SCHEMA, [rows(0, 200)])  # then "crash": the producer is abandoned
-    other = KafkaParticipant(p.topic, p.config, connect_timeout_s=15,
-                             prepare="in_task")  # type: ignore[arg-type]
-    other.commit(b, other.prepare(b, SCHEMA, [rows(0, 200)]))
-    again = KafkaParticipant(p.topic, p.config, connect_timeout_s=15,
-                             prepare="in_task")  # type: ignore[arg-type]
-    assert again.prepare(b, SCHEMA, [rows(0, 200)])["already_committed"] == "yes"
-    got = [json.loads(m.value())["id"] for m in read_all(kafka_bootstrap, p.topic,
-                                                         expect=200, idle_s=3)]
-    assert sorted(got) == list(range(200))
-
-
 def test_check_reads_broker_limits(kafka_bootstrap: str) -> None:
     from confluent_kafka.admin import AdminClient, _config, _resource
     from confluent_kafka.cimpl import NewTopic
@@ -104,15 +71,14 @@ def test_check_reads_broker_limits(kafka_bootstrap: str) -> None:
     [fut] = admin.describe_configs([res]).values()
     max_ms = int(fut.result(timeout=15)["transaction.max.timeout.ms"].value)
     p = KafkaParticipant(unique_topic("real"), {"bootstrap.servers": kafka_bootstrap},
-                         transaction_timeout_ms=max_ms + 1000, prepare="in_task")
+                         transaction_timeout_ms=max_ms + 1000)
     with pytest.raises(ParticipantError, match=f"transaction.max.timeout.ms={max_ms}"):
         p.check(SCHEMA)
     topic = unique_topic("small")
     [fut] = admin.create_topics([NewTopic(topic, 1, config={"max.message.bytes": "2000"})]
                                 ).values()
     fut.result(timeout=15)
-    q = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, value="label",
-                         prepare="in_task")
+    q = KafkaParticipant(topic, {"bootstrap.servers": kafka_bootstrap}, value="label")
     q.check(SCHEMA)
     assert q.max_message_bytes() == 2000
     big = pa.record_batch([pa.array([1]), pa.array(["z" * 5000])], schema=SCHEMA)

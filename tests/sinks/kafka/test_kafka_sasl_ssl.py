@@ -37,7 +37,7 @@ def _participant(broker: LocalKafka, topic: str, prepare: str,
                             connect_timeout_s=15, prepare=prepare)
 
 
-@pytest.mark.parametrize("prepare", ["resumable", "staged", "in_task"])
+@pytest.mark.parametrize("prepare", ["resumable", "staged"])
 def test_participant_commits_aborts_and_is_judged_over_sasl_ssl(
     secure_kafka: LocalKafka, prepare: str
 ) -> None:
@@ -80,12 +80,12 @@ def test_lingering_transaction_found_and_aborted_over_sasl_ssl(
     topic = unique_topic("seclinger")
     create_topic(secure_kafka.client_config(), topic)
     grant_app(secure_kafka, topic)
-    p = _participant(secure_kafka, topic, "in_task")
+    p = _participant(secure_kafka, topic, "resumable")
     sink = f"seclinger_{uuid.uuid4().hex[:8]}"
     dead = make_branch(p, sink=sink, lineage=uuid.uuid4().hex[:12], partition=0)
-    _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
+    voted = _prepare_in_child_and_kill(p, dead)  # its transaction stays open on the broker
     [open_txn] = p.open_transactions(sink)
-    assert open_txn.transactional_id == p.transactional_id(dead)
+    assert open_txn.transactional_id == voted["transactional_id"]
     aborted = p.abort_lingering(sink)
     assert [t.transactional_id for t in aborted] == [open_txn.transactional_id]
     log = read_log(secure_kafka.client_config("app"), topic)
@@ -108,7 +108,7 @@ def test_wrong_password_is_refused_before_any_write_naming_the_fix(
 ) -> None:
     topic = unique_topic("secbad")
     create_topic(secure_kafka.client_config(), topic)
-    p = _participant(secure_kafka, topic, "in_task", **{"sasl.password": "wrong"})
+    p = _participant(secure_kafka, topic, "resumable", **{"sasl.password": "wrong"})
     with pytest.raises(TargetProblem, match=r"(?s)SASL authentication.*sasl\.password"):
         p.probe()
     with pytest.raises(ParticipantError, match=r"(?s)SASL authentication.*sasl\.password"):
@@ -130,7 +130,7 @@ def test_wrong_ca_is_refused_before_any_write_naming_the_fix(
     other = CertificateAuthority(tmp_path / "other")
     topic = unique_topic("secca")
     create_topic(secure_kafka.client_config(), topic)
-    p = _participant(secure_kafka, topic, "in_task", **{"ssl.ca.location": str(other.cert)})
+    p = _participant(secure_kafka, topic, "resumable", **{"ssl.ca.location": str(other.cert)})
     with pytest.raises(TargetProblem, match=r"(?s)certificate.*ssl\.ca\.location"):
         p.probe()
     with pytest.raises(ParticipantError, match=r"(?s)certificate.*ssl\.ca\.location"):
@@ -145,8 +145,7 @@ def test_probe_names_a_missing_transactional_id_acl(secure_kafka: LocalKafka) ->
     create_topic(secure_kafka.client_config(), topic)
     grant(secure_kafka, "nobody", [("TOPIC", topic, "LITERAL", op)
                                    for op in ("WRITE", "READ", "DESCRIBE")])
-    p = KafkaParticipant(topic, secure_kafka.client_config("nobody"), connect_timeout_s=10,
-                         prepare="in_task")
+    p = KafkaParticipant(topic, secure_kafka.client_config("nobody"), connect_timeout_s=10)
     with pytest.raises(TargetProblem, match=r"refused a transactional write: "
                        r"TRANSACTIONAL_ID_AUTHORIZATION_FAILED on transactional.id "
                        r"'twophase.probe.kafka-secnotxn-.*Fix: grant the principal Write "
@@ -160,7 +159,7 @@ def test_probe_names_missing_topic_acls(secure_kafka: LocalKafka) -> None:
     create_topic(secure_kafka.client_config(), topic)
     grant_app(secure_kafka, unique_topic("other"))  # app's transactional-id and group ACLs
     grant(secure_kafka, "app", [("TOPIC", topic, "LITERAL", "DESCRIBE")])
-    p = _participant(secure_kafka, topic, "in_task")
+    p = _participant(secure_kafka, topic, "resumable")
     with pytest.raises(TargetProblem, match=r"does not allow this principal WRITE, READ on "
                        rf"topic '{topic}'.*Fix: grant it: kafka-acls.sh --add "
                        r"--allow-principal User:<you> --operation Write --topic"):

@@ -10,16 +10,14 @@ from __future__ import annotations
 import pickle
 import re
 import string
-import time
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.participant import BranchRef, BranchStatus, ParticipantError
-from twophase.protocol import Decision, RecoveryAction, recovery_action
+from twophase.participant import BranchRef, ParticipantError
 from twophase.sinks.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KafkaParticipant,
@@ -27,7 +25,6 @@ from twophase.sinks.kafka import (
     validate_config,
     validate_topic,
 )
-from twophase.sinks.kafka.intask import Prepared  # the in-process prepared branch
 from twophase.testing.servers import free_port
 
 CODES = sorted(
@@ -42,7 +39,6 @@ def _closed() -> str:
 
 
 def part(**kw: object) -> KafkaParticipant:
-    kw.setdefault("prepare", "in_task")
     return KafkaParticipant("orders", {"bootstrap.servers": _closed()}, **kw)  # type: ignore[arg-type]
 
 
@@ -81,75 +77,6 @@ def test_ambiguous_errors_retry_even_without_the_flag(name: str) -> None:
 def test_fenced_and_state_errors_are_fatal(name: str) -> None:
     fatal = name != "_STATE"
     assert classify_commit_error(KafkaError(getattr(KafkaError, name), fatal=fatal)) == "fatal"
-
-
-def test_commit_failure_is_reported_not_aborted() -> None:
-    """A real producer whose commit fails with a non-retriable error: reported with the
-    cause, the branch is dropped from this process (it must be redone), nothing aborted."""
-    p = part(connect_timeout_s=1, commit_retry_s=1)
-    b = ref(p)
-    producer = Producer(p.producer_config(p.transactional_id(b)) | {"log_level": 0})
-    p._prepared[b] = Prepared(b, producer, {})
-    with pytest.raises(ParticipantError, match=r"failed and was not aborted: _STATE"):
-        p.commit(b, None)
-    assert p.in_doubt("orders") == []
-    producer.close()
-
-
-# -- past the transaction timeout -------------------------------------------------------
-
-# What commit_transaction answers once the broker has expired (aborted) the transaction
-# (transaction.timeout.ms passed while the COMMIT decision was being applied): the
-# coordinator aborts it and bumps the producer epoch, so the producer is fenced
-# (PRODUCER_FENCED / INVALID_PRODUCER_EPOCH, fatal), or with Kafka 4's transactions v2
-# told to abort (TRANSACTION_ABORTABLE); librdkafka may also report its own _FENCED or an
-# INVALID_TXN_STATE. tansu never expires a transaction, so the expiry is modelled here by
-# a producer that answers the broker's error; tests/chaos/test_kafka_chaos.py redoes an expired
-# (fenced) branch end to end.
-EXPIRED = [("PRODUCER_FENCED", True, False), ("INVALID_PRODUCER_EPOCH", True, False),
-           ("_FENCED", True, False), ("TRANSACTION_ABORTABLE", False, True),
-           ("INVALID_TXN_STATE", False, True)]
-
-
-class _ExpiredProducer:
-    """A producer whose transaction the broker expired: commit answers ``err``; abort and
-    close are recorded so the test can check that nothing aborted under COMMIT."""
-
-    def __init__(self, err: KafkaError) -> None:
-        self.err, self.calls = err, []  # type: list[str]
-
-    def commit_transaction(self, timeout: float = -1) -> None:
-        self.calls.append("commit")
-        raise KafkaException(self.err)
-
-    def abort_transaction(self, timeout: float = -1) -> None:  # pragma: no cover - the bug
-        self.calls.append("abort")
-
-    def close(self) -> None:
-        self.calls.append("close")
-
-
-@pytest.mark.parametrize(("name", "fatal", "abortable"), EXPIRED,
-                         ids=[n for n, _, _ in EXPIRED])
-def test_an_expired_transaction_is_redone_under_commit_never_aborted(
-    name: str, fatal: bool, abortable: bool
-) -> None:
-    """Expiry while applying COMMIT: reported at once (no retry loop), the producer is
-    dropped, the transaction is not aborted by us, and the recovery rule redoes the
-    branch (COMMIT decided, nothing prepared here: REDO)."""
-    p = part(connect_timeout_s=1, commit_retry_s=30)
-    b = ref(p)
-    err = KafkaError(getattr(KafkaError, name), "transaction timed out", fatal=fatal,
-                     txn_requires_abort=abortable)
-    producer = _ExpiredProducer(err)
-    p._prepared[b] = Prepared(b, producer, {})
-    started = time.monotonic()
-    with pytest.raises(ParticipantError, match=rf"{name}.*must be redone under the COMMIT"):
-        p.commit(b, None)
-    assert time.monotonic() - started < 5  # not retried for commit_retry_s
-    assert producer.calls == ["commit"]  # never aborted under a COMMIT decision
-    assert p.in_doubt("orders") == []  # dropped: the next finish sees ABSENT, not PREPARED
-    assert recovery_action(Decision.COMMIT, BranchStatus.ABSENT) is RecoveryAction.REDO
 
 
 # -- topics, config, names ---------------------------------------------------------------
@@ -191,7 +118,7 @@ def test_producer_config_enforces_the_protocol_and_keeps_security() -> None:
     p = KafkaParticipant("orders", {"bootstrap.servers": "h:1", "security.protocol": "SASL_SSL",
                                     "sasl.mechanism": "PLAIN", "linger.ms": "20",
                                     "enable.idempotence": "true", "acks": "all"},
-                         transaction_timeout_ms=30_000, prepare="in_task")
+                         transaction_timeout_ms=30_000)
     cfg = p.producer_config("twophase.s.p.0")
     assert cfg["transactional.id"] == "twophase.s.p.0"
     assert cfg["enable.idempotence"] is True and cfg["acks"] == "all"
@@ -204,24 +131,22 @@ def test_producer_config_enforces_the_protocol_and_keeps_security() -> None:
 
 def test_constructor_errors() -> None:
     with pytest.raises(ValueError, match="longer than 64 characters: pass name="):
-        KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, prepare="in_task")
-    assert KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, name="short",
-                            prepare="in_task").name == "short"
+        KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"})
+    assert KafkaParticipant("t" * 60, {"bootstrap.servers": "h:1"}, name="short").name == "short"
     with pytest.raises(ValueError, match="invalid participant name"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, name="bad name", prepare="in_task")
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, name="bad name")
     with pytest.raises(ValueError, match="transaction_timeout_ms"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, transaction_timeout_ms=10,
-                         prepare="in_task")
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, transaction_timeout_ms=10)
     with pytest.raises(ValueError, match="key must be a column name"):
-        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, key="", prepare="in_task")
-    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"}, prepare="in_task")
-    assert (p.name, p.kind, p.durable_prepare) == ("kafka-orders", "kafka", False)
+        KafkaParticipant("t", {"bootstrap.servers": "h:1"}, key="")
+    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"})
+    assert (p.name, p.kind, p.prepare_mode) == ("kafka-orders", "kafka", "resumable")
 
 
 @given(batch_id=st.integers(0, 10**12), attempt=st.integers(0, 1000),
        partition=st.integers(0, 10_000))
 def test_names_and_handle(batch_id: int, attempt: int, partition: int) -> None:
-    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"}, prepare="in_task")
+    p = KafkaParticipant("orders", {"bootstrap.servers": "h:1"})
     b = ref(p, batch_id, attempt, partition)
     tid = p.transactional_id(b)
     # Stable per sink and partition: every checkpoint, attempt and lineage shares it.
@@ -244,19 +169,11 @@ def test_branch_of_another_participant_is_refused() -> None:
         p.status(other)
 
 
-def test_pickling_drops_live_producers() -> None:
+def test_pickling_keeps_the_settings() -> None:
     p = part()
-    b = ref(p)
-    producer = Producer({"bootstrap.servers": _closed(), "log_level": 0})
-    p._prepared[b] = Prepared(b, producer, {})
-    assert p.in_doubt("orders") == [b] and p.in_doubt("other") == []
-    with pytest.raises(TypeError):
-        pickle.dumps(producer)  # a producer cannot travel: the participant must drop it
     q: KafkaParticipant = pickle.loads(pickle.dumps(p))
-    assert q.in_doubt("orders") == [] and q.config == p.config and q.topic == "orders"
-    assert p.in_doubt("orders") == [b]
-    p.close()
-    assert p.in_doubt("orders") == []
+    assert q.config == p.config and q.topic == "orders" and q.prepare_mode == "resumable"
+    assert q.in_doubt("orders") == []
 
 
 def test_message_size_limit() -> None:
@@ -264,8 +181,7 @@ def test_message_size_limit() -> None:
     assert p.max_message_bytes() == DEFAULT_MAX_MESSAGE_BYTES
     p.broker_max_message_bytes = 500_000
     assert p.max_message_bytes() == 500_000
-    q = KafkaParticipant("t", {"bootstrap.servers": "h:1", "message.max.bytes": "1000"},
-                         prepare="in_task")
+    q = KafkaParticipant("t", {"bootstrap.servers": "h:1", "message.max.bytes": "1000"})
     q.broker_max_message_bytes = 500_000
     assert q.max_message_bytes() == 1000
 
