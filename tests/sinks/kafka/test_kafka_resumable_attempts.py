@@ -239,7 +239,8 @@ def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
     """A task spreading its rows over every partition of a wide topic votes a handle the
     coordinator accepts: the written partitions are listed by number, not by
     topic-partition name, which for 200 partitions (seen in bench/scale.py) passed the
-    4,096 characters a handle value may hold and failed the batch. Here 40 partitions of a 200-character topic name."""
+    4,096 characters a handle value may hold and failed the batch. Here 40 partitions
+    of a 200-character topic name."""
     import pyarrow as pa
 
     from twophase.client.wire import MAX_TEXT
