@@ -10,6 +10,7 @@ commit, an aborted record counted as committed, an open transaction.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,7 +173,13 @@ def test_reader_rebuilds_exactly_the_committed_records(kafka_bootstrap: str, top
     _txn(zombie, topic, range(10, 20), commit=None)  # open, then fenced by its successor
     successor = _producer(kafka_bootstrap, f"{topic}-z")
     _txn(successor, topic, range(10, 20), commit=True)
+    # commit_transaction returns once the coordinator logged the decision; the markers
+    # reach the partitions just after (a read at once saw the successor's rows open)
+    deadline = time.monotonic() + 15
     log = read_log({"bootstrap.servers": kafka_bootstrap}, topic)
+    while log.open_transactions and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = read_log({"bootstrap.servers": kafka_bootstrap}, topic)
     assert sorted(ids(log.committed)) == list(range(20))
     assert sorted(ids(log.aborted)) == list(range(20))
     assert log.open_transactions == 0 and len(log.partitions) == 2

@@ -10,6 +10,7 @@ copy), each in its own process, against Apache Kafka and a real coordinator:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from twophase.coordinator.embedded import EmbeddedServer
 from twophase.engine.commit import Committer
 from twophase.engine.decide import decide
 from twophase.participant import BranchRef, BranchStatus
-from twophase.protocol import Decision
+from twophase.protocol import Decision, Transaction
 from twophase.sinks.kafka import KafkaParticipant
 from twophase.sinks.kafka.txnwire import describe_transaction
 
@@ -91,6 +93,20 @@ def _participant(bootstrap: str) -> KafkaParticipant:
     return p
 
 
+@contextlib.contextmanager
+def _one_batch(p: KafkaParticipant, db: Path, lineage: str | None = None
+               ) -> Iterator[tuple[CoordinatorClient, int, Transaction, BranchRef]]:
+    """A real coordinator (embedded, SQLite at ``db``) with ``p``'s sink registered and
+    batch 0 of one partition begun: (client, writer epoch, the batch, its branch)."""
+    with EmbeddedServer(f"sqlite:///{db}", token="t" * 24) as srv, \
+            CoordinatorClient(srv.url, srv.token) as client:
+        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
+        txn = client.begin(SINK, lineage or uuid.uuid4().hex[:16], 0, epoch, [p.name], 1,
+                           120).txn
+        assert txn is not None
+        yield client, epoch, txn, BranchRef(*txn.key, p.name, 0)
+
+
 def test_attempts_choosing_ids_at_once_do_not_fence_each_other(kafka_bootstrap: str) -> None:
     p = _participant(kafka_bootstrap)
     b = BranchRef(SINK, uuid.uuid4().hex[:16], 2, 1, p.name, 0)
@@ -119,12 +135,7 @@ def test_driver_aborts_the_losing_attempt_so_readers_are_not_held(
 ) -> None:
     p = _participant(kafka_bootstrap)
     lineage = uuid.uuid4().hex[:16]
-    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
-            CoordinatorClient(srv.url, srv.token) as client:
-        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
-        txn = client.begin(SINK, lineage, 0, epoch, [p.name], 1, 120).txn
-        assert txn is not None
-        b = BranchRef(*txn.key, p.name, 0)
+    with _one_batch(p, tmp_path / "c.db", lineage) as (client, epoch, txn, b):
         # the loser (a speculative copy) writes first and is killed by Spark before it
         # votes: its open transaction starts below the winner's records
         loser, winner = _attempts(kafka_bootstrap, p.topic, b, [(1, 0.0, "kill"),
@@ -206,12 +217,7 @@ def test_closing_the_committer_ends_a_copy_that_began_after_the_last_sweep(
     write). Nothing sweeps after the last batch but the committer's close, which the
     sink's ``close()`` runs: the copy's transaction ends there."""
     p = _participant(kafka_bootstrap)
-    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
-            CoordinatorClient(srv.url, srv.token) as client:
-        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
-        txn = client.begin(SINK, uuid.uuid4().hex[:16], 0, epoch, [p.name], 1, 120).txn
-        assert txn is not None
-        b = BranchRef(*txn.key, p.name, 0)
+    with _one_batch(p, tmp_path / "c.db") as (client, epoch, txn, b):
         (winner,) = _attempts(kafka_bootstrap, p.topic, b, [(0, 0.0, "exit")])
         votes = [VoteIn(b.branch_id, True, winner, task="0.0")]
         final = decide(client, txn, epoch, votes, "")
@@ -253,12 +259,7 @@ def test_a_task_writing_many_partitions_votes_within_the_coordinators_bounds(
                          key="id", connect_timeout_s=10.0)
     rows = 4000
     batch = pa.record_batch([pa.array(list(range(rows)), pa.int64())], names=["id"])
-    with EmbeddedServer(f"sqlite:///{tmp_path / 'c.db'}", token="t" * 24) as srv, \
-            CoordinatorClient(srv.url, srv.token) as client:
-        epoch = client.register(SINK, [p.descriptor()])  # type: ignore[list-item]
-        txn = client.begin(SINK, uuid.uuid4().hex[:16], 0, epoch, [p.name], 1, 120).txn
-        assert txn is not None
-        b = BranchRef(*txn.key, p.name, 0)
+    with _one_batch(p, tmp_path / "c.db") as (client, epoch, txn, b):
         handle = p.prepare(b, batch.schema, [batch])
         assert handle["partitions"] == ",".join(str(n) for n in range(40)), handle
         assert max(len(v) for v in handle.values()) <= MAX_TEXT
