@@ -68,23 +68,22 @@ def decide(
 def settle_empty(
     client: CoordinatorClient, epoch: int, txn: Transaction,
     recover: tuple[Transaction, ...], *, in_doubt: bool,
-) -> bool:
+) -> Transaction | None:
     """A batch with no partitions at all (Spark planned an empty relation): vote and
-    acknowledge every branch from the driver, no Spark job. Returns False (run the
-    tasks) when earlier attempts or prepared branches need settling."""
+    acknowledge every branch from the driver, no Spark job. Returns the record
+    afterwards, or None (run the tasks) when earlier attempts or prepared branches need
+    settling."""
     if any(t.attempt != txn.attempt for t in recover):
-        return False
+        return None
     if in_doubt:
         if not all(is_empty_branch(st.handle) for st in txn.branches.values()):
-            return False
+            return None
         decided = txn
     else:
         votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
                  for b, st in txn.branches.items() if st.vote is None]
         decided = client.vote(txn.key, epoch, votes, into=txn) if votes else txn
     if decided.decision is None:
-        return False
+        return None
     acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
-    if acks:
-        client.ack(txn.key, epoch, acks, into=decided)
-    return True
+    return client.ack(txn.key, epoch, acks, into=decided) if acks else decided
