@@ -113,7 +113,8 @@ class BatchEngine:
             self.client = self.conn.client(retry_budget=s.retry_budget_s)
         return self.client
 
-    def start(self, app: SparkApp) -> tuple[CoordinatorClient, int]:
+    def start(self, app: SparkApp, lineage: str | None = None
+              ) -> tuple[CoordinatorClient, int]:
         """Connect, take the writer epoch (once per driver run: a restarted driver fences
         the old one) and check the targets, what a crash left open and the executors."""
         client, s = self.connect(app.address), self.sink
@@ -123,7 +124,7 @@ class BatchEngine:
             # the participants' descriptors let `twophase resolve SINK` rebuild them
             self.epoch = client.register(s.name, descriptors(s.participants))
             log.info("sink %s: writer epoch %d, lineage %s", s.name, self.epoch,
-                     s.lineage or "per query")
+                     lineage or "per query")
             self.job.fixed_part(epoch=self.epoch, coordinator_url=conn.url, token=client.token,
                                 ca_pem=conn.ca_pem, vote_timeout=s.vote_timeout,
                                 retry_budget=s.retry_budget_s, token_file=conn.token_file)
@@ -179,7 +180,7 @@ class BatchEngine:
         partitions = s.partitions or (1 if n_in == 0 else n_in
                                       or default_partitions(df, spark.jvm))
         self._check_cluster(df, partitions)
-        client, epoch = self.start(spark.app)
+        client, epoch = self.start(spark.app, lineage)
         job.check(spark.schema)
         laps.lap("setup_s")
         failpoints.hit("before_begin")
