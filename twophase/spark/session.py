@@ -1,6 +1,6 @@
 """The Spark session as the driver reads it: which Spark it talks to (classic or
-Connect), the JVM context, the task slots, the streaming query's id, where an embedded
-coordinator listens, the Arrow schema the tasks get, and a replay's pass through Spark's
+Connect), the JVM context, the streaming query's id, where an embedded coordinator
+listens, the Arrow schema the tasks get, and a replay's pass through Spark's
 noop sink. Plans the batch's query; runs no job (except ``run_through``).
 
 A batch reads Spark once, at the top of its run (:func:`read_batch`): the steps after it
@@ -18,9 +18,8 @@ from twophase.spark.compat import arrow_schema_of, check_spark
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["SparkApp", "SparkBatch", "arrow_schema", "coordinator_address", "jvm_context",
-           "read_app", "read_batch", "run_through", "spark_connect_client",
-           "task_slots"]
+__all__ = ["SparkApp", "SparkBatch", "arrow_schema", "coordinator_address",
+           "read_app", "read_batch", "run_through", "spark_connect_client"]
 
 
 QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execution thread
@@ -109,26 +108,11 @@ def spark_connect_client() -> bool:
     return bool(is_remote())
 
 
-def jvm_context(df: DataFrame) -> Any:
-    """The JVM SparkContext, or None under Spark Connect."""
-    return _jvm(df.sparkSession)
-
-
 def _jvm(session: SparkSession) -> Any:
+    """The JVM SparkContext, or None under Spark Connect."""
     if type(session).__module__.startswith("pyspark.sql.connect"):
         return None
     return session.sparkContext
-
-
-def task_slots(df: DataFrame) -> int | None:
-    """How many tasks the application's executors can run at once (Spark's own figure
-    for barrier stages), or None when it cannot be asked (Spark Connect)."""
-    sc = jvm_context(df)
-    if sc is None:
-        return None
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
 
 
 def arrow_schema(df: DataFrame, tz: str | None = None) -> Any:
