@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase.client.wire import VoteIn
 from twophase.participant import EMPTY_BRANCH, is_empty_branch
+from twophase.protocol import Transaction, TxnKey
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
-    from twophase.protocol import Transaction
 
 __all__ = ["VOTE_CHUNK", "decide", "settle_empty", "votes_of"]
 
@@ -45,23 +45,26 @@ def votes_of(outcomes: Iterable[Mapping[str, Any]]) -> list[VoteIn]:
 
 
 def decide(
-    client: CoordinatorClient, txn: Transaction, epoch: int, votes: list[VoteIn],
+    client: CoordinatorClient, txn: Transaction | TxnKey, epoch: int, votes: list[VoteIn],
     job_error: str,
 ) -> Transaction:
     """Send ``votes`` for ``txn`` in chunks; abandon the attempt if it is still undecided
-    (``job_error`` says why). Returns the record with its decision."""
-    after = txn
+    (``job_error`` says why). Returns the record with its decision. ``txn``: the driver's
+    copy of the record, or only its key where the driver has none (the data source
+    door's committer): the first chunk's answer is then the whole record, and no
+    request reads it first."""
+    key, after = (txn.key, txn) if isinstance(txn, Transaction) else (txn, None)
     # every YES first: a NO then decides ABORT with each prepared branch on record, so
     # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
     votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
-        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK], into=after)
-    if not votes:
-        after = client.get(txn.key)  # tasks of an earlier run may have settled it
+        after = client.vote(key, epoch, votes[i:i + VOTE_CHUNK], into=after)
+    if after is None or not votes:
+        after = client.get(key)  # tasks of an earlier run may have settled it
     if after.decision is None:
         reason = (f"Spark job failed: {job_error}" if job_error
                   else "the prepare job ended without every branch's vote")
-        after = client.abandon(txn.key, epoch, reason)
+        after = client.abandon(key, epoch, reason)
     return after
 
 
