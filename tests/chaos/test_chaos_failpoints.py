@@ -74,7 +74,8 @@ def test_victim_points_cover_every_point() -> None:
                for p in points_for(v, mode, tables=True)}
     covered |= set(points_for("driver", "embedded", kafka_staged=True))
     # before_ack fires only in a task finishing a batch that needs a branch's rows (a
-    # redo under COMMIT), which no victim's draw can aim at
+    # redo under COMMIT), which no victim's draw can aim at: tests/spark/test_branch.py's
+    # test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_redo
     assert covered == set(failpoints.POINTS) - {"before_ack"}
     # the tasks only prepare; the driver commits
     assert points_for("worker", "embedded") == ("before_prepare", "after_prepare")

@@ -323,3 +323,43 @@ def test_torn_temp_files_of_a_killed_prepare_are_removed(tmp_path: Path) -> None
     torn.write_bytes(b"again")
     part.abort(first, None)
     assert not torn.exists()
+
+
+def test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_redo(  # type: ignore[no-untyped-def]
+    setup, tmp_path: Path
+) -> None:
+    """``before_ack``, the one failpoint only a finishing task reaches: a Python worker
+    redoes the lost branch under COMMIT, applies it, and is SIGKILLed before it
+    acknowledges. The next finish finds the branch committed by its marker (no second
+    redo) and acknowledges it; every row once."""
+    import os
+    import subprocess
+    import sys
+
+    from twophase import failpoints
+
+    sink, parts, client, plan, finish = _lost_after_commit(setup)
+    files = parts[1]
+    plan_file, rows_file = tmp_path / "plan.pkl", tmp_path / "rows.arrow"
+    plan_file.write_bytes(pickle.dumps(finish))
+    with pa.OSFile(str(rows_file), "wb") as sink_file, \
+            pa.ipc.new_stream(sink_file, SCHEMA) as writer:
+        for b in _batch(0):
+            writer.write_batch(b)
+    env = {**os.environ, failpoints.ENV: "before_ack=kill"}
+    env.pop(failpoints.ONCE_DIR_ENV, None)
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "support" / "run_partition.py"),
+         str(plan_file), "0", str(rows_file)], env=env, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert child.returncode == -9, (child.returncode, child.stderr[-2000:])
+    assert files.status(finish.ref(files, 0)) == BranchStatus.COMMITTED  # redone, applied
+    assert client.get(plan.key).branches[f"{files.name}/0"].ack is None  # not acknowledged
+    again, kind = _plan(sink, parts, setup[2], client.register(sink))
+    assert kind == BeginKind.IN_DOUBT and again.mode == "finish"
+    outs = _run_all(again)
+    assert sum(o.redone for o in outs) == 0
+    assert client.get(plan.key).state == State.COMMITTED
+    want = [p * 1000 + i for p in range(2) for i in range(5)]
+    report = verify(parts, want, sink=sink)
+    assert report.ok, report.lines()
