@@ -11,18 +11,13 @@ file, no open Kafka transaction."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
+from tests.support.driver_kill import kill_when_held, prepared, start_driver
 from tests.support.kafka import create_topic, unique_topic
 from twophase import failpoints
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
@@ -31,33 +26,6 @@ from twophase.testing.verify import VerifyReport, verify
 pytestmark = [pytest.mark.spark, pytest.mark.real_kafka]
 
 ROWS = 40
-
-
-def _start(cfg_path: Path, env_extra: dict[str, str], log: Path) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.Popen([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-
-
-def _kill_when_held(proc: subprocess.Popen[str], once: Path, log: Path) -> None:
-    """SIGKILL the driver's whole process group once the failpoint holds it."""
-    deadline = time.monotonic() + 300
-    while not failpoints.fired(str(once)):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    time.sleep(0.5)  # the other commit lanes go on while one is held: let them land
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-def _prepared(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
 def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: list[str],
@@ -72,14 +40,14 @@ def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: list[str],
     batches = 1
     for i, spec in enumerate(driver_kills):
         once = tmp_path / f"once{i}"
-        proc = _start(cfg_path, {failpoints.ENV: f"{spec}=sleep(120)*1",
-                                 failpoints.ONCE_DIR_ENV: str(once)}, log)
-        _kill_when_held(proc, once, log)
+        proc = start_driver(cfg_path, {failpoints.ENV: f"{spec}=sleep(120)*1",
+                                       failpoints.ONCE_DIR_ENV: str(once)}, log)
+        kill_when_held(proc, once, log)
         write_input(cfg.input_dir, 1, ROWS, first=batches)
         batches += 1
     once = tmp_path / "worker"
-    last = _start(cfg_path, {failpoints.ENV: f"{worker_kill}=kill*1",
-                             failpoints.ONCE_DIR_ENV: str(once)}, log)
+    last = start_driver(cfg_path, {failpoints.ENV: f"{worker_kill}=kill*1",
+                                   failpoints.ONCE_DIR_ENV: str(once)}, log)
     out, _ = last.communicate(timeout=600)
     assert last.returncode == 0, log.read_text()[-3000:]
     assert len(failpoints.fired(str(once))) == 1, worker_kill
@@ -133,7 +101,7 @@ def test_every_kind_killed_through_the_door(
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [ROWS * 5] * 6, report.lines()
     _kafka_judged(report)
-    assert [g for g in _prepared(pg_dsn) if cfg.sink in g] == []
+    assert [g for g in prepared(pg_dsn) if cfg.sink in g] == []
     assert mariadb_server.sql("XA RECOVER") == []
 
 
@@ -163,4 +131,4 @@ def test_staged_kafka_killed_through_the_door(
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [ROWS * 3] * 3, report.lines()
     _kafka_judged(report)
-    assert [g for g in _prepared(pg_dsn) if cfg.sink in g] == []
+    assert [g for g in prepared(pg_dsn) if cfg.sink in g] == []
