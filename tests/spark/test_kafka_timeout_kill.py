@@ -141,8 +141,13 @@ def test_driver_down_past_the_transaction_timeout_ends_exactly_once(
     assert (before.committed, len(before.aborted), before.open_transactions) == ([], ROWS, 0)
     [first] = _batch0(cfg).values()
     assert (first.decision is None) == (held == "before_decision"), first
+    # the handles of the votes the coordinator recorded read ABSENT from the broker; the
+    # driver sends the tasks' votes with the decision's write, so before the decision
+    # none may be recorded (then the restart aborts what is open by the pool's names)
     statuses = _voted_kafka_status(kafka, first)
-    assert statuses and set(statuses) == {BranchStatus.ABSENT}, statuses
+    assert set(statuses) <= {BranchStatus.ABSENT}, statuses
+    if held == "before_commit":
+        assert statuses == [BranchStatus.ABSENT] * PARTITIONS, statuses
 
     write_input(cfg.input_dir, 1, ROWS, first=1)
     last = start_driver(cfg_path, {}, log)
