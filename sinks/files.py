@@ -118,7 +118,6 @@ class StagedFileParticipant(Participant, Rebuildable, Verifiable, SparkWritten):
     always writes them from Python."""
 
     kind = "files"
-    durable_prepare = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StagedFileParticipant:
         """``path="s3://..."`` builds the object-store backend (same class, a subclass)."""

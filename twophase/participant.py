@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = [
     "EMPTY_BRANCH",
     "ENTRY_POINT_GROUP",
-    "IN_TASK_PREPARES",
     "BatchParticipant",
     "BranchRef",
     "BranchStatus",
@@ -65,6 +64,7 @@ __all__ = [
     "SparkWritten",
     "TargetBacklog",
     "Verifiable",
+    "check_durable",
     "descriptor_of",
     "is_empty_branch",
     "known_kinds",
@@ -197,24 +197,16 @@ class TargetBacklog:
     committed readers cannot read yet."""
 
 
-IN_TASK_PREPARES: Mapping[str, tuple[str, tuple[str, ...]]] = {}
-"""The built-in participants whose prepared branch lives only in its Spark task
-(``durable_prepare`` False): kind -> (the option, the values that make it so). None since
-Kafka's ``prepare="in_task"`` was retired in 0.4: every built-in participant prepares
-durably. The one statement of this fact: the participants' ``durable_prepare`` and the
-documentation are checked against it (tests/system/test_doc_facts.py)."""
-
-
 class Participant(abc.ABC):
-    """One external system. Subclasses set ``kind`` (and ``durable_prepare`` False when a
-    prepared branch does not survive its process: none of the built-in ones).
+    """One external system. Subclasses set ``kind``. A prepared branch must survive the
+    process that prepared it (the Spark task ends before the decision): a participant
+    that declares ``durable_prepare = False`` is refused (``check_durable``).
 
     Five methods are required; everything else has a default that is right for a
     participant that needs nothing special.
     """
 
     kind: str = "participant"
-    durable_prepare: bool = True
     commit_scope: ClassVar[CommitScope] = CommitScope.BRANCH
 
     def __init__(self, name: str) -> None:
@@ -468,6 +460,20 @@ def native_eligible(participant: Participant) -> bool:
     """True when ``participant`` takes files Spark wrote (:class:`SparkWritten`, and its
     configuration allows it)."""
     return isinstance(participant, SparkWritten) and participant.native_format() is not None
+
+
+def check_durable(sink: str, participants: Iterable[Participant]) -> None:
+    """Refuse a participant whose prepared branch dies with its task's process
+    (``durable_prepare = False``): the tasks end before the decision, and the barrier
+    stage that kept such tasks alive until it was retired in 0.4."""
+    bad = [p.describe() for p in participants if getattr(p, "durable_prepare", True) is False]
+    if bad:
+        raise InvalidRequest(
+            f"sink {sink!r}: {', '.join(bad)} declares durable_prepare = False (its prepared "
+            "branch lives only in its Spark task), which twophase no longer runs: since 0.4 "
+            "the tasks end before the decision and the driver commits. Make its prepare "
+            "durable (a prepared transaction in the target, a staged file, a transaction "
+            "the driver can resume) and drop durable_prepare (docs/writing-a-participant.md)")
 
 
 def descriptor_of(participant: Participant) -> Descriptor | None:

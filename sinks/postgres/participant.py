@@ -73,7 +73,6 @@ class PostgresParticipant(Participant, Rebuildable, Verifiable):
     """
 
     kind = "postgres"
-    durable_prepare = True
     LOCK_TIMEOUT_MS: Final = 30_000
     """A marker row held by another attempt's prepared transaction would block forever."""
 

@@ -96,7 +96,6 @@ class SqlAlchemyParticipant(Participant, Rebuildable, Verifiable):
     """
 
     kind = "sql"
-    durable_prepare = True
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ def _mode(victim: str) -> str:
 def _all_cases() -> list[tuple[str, str, str]]:
     # every kind prepares in tasks and commits from the driver
     return [(v, p, k) for k in KINDS for v in VICTIMS
-            for p in points_for(v, _mode(v), in_task=False, kafka_staged=k == "kafka")]
+            for p in points_for(v, _mode(v), kafka_staged=k == "kafka")]
 
 
 # Bounded subset for every run: all victims, all kinds, the decision on both sides.
@@ -184,10 +184,9 @@ def test_matrix_covers_every_point_kind_and_victim() -> None:
     process_victims = set(VICTIMS) - {"broker"}
     assert points_for("broker", "daemon") == points_for("broker", "embedded") == ()
     # the batch-commit points fire only for a table participant (none of KINDS)
-    # after_vote and before_ack fire only in the barrier stage's in-task commit, which no
-    # participant runs since the in-task prepare was retired
+    # before_ack fires only in a task finishing a batch that needs a branch's rows
     assert {p for _, p, _ in cases} == (set(failpoints.POINTS) - set(TABLE_POINTS)
-                                        - {"after_vote", "before_ack"})
+                                        - {"before_ack"})
     assert {v for v, _, _ in cases} == process_victims
     assert {k for _, _, k in cases} == set(KINDS)
     assert set(cases) >= FAST

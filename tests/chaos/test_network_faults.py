@@ -119,11 +119,11 @@ def _cut_at(ns: Netns, once: Path, seconds: float = CUT_SECONDS) -> float:
     return time.monotonic()
 
 
-@pytest.mark.parametrize("point", ["after_prepare", "after_vote"])
+@pytest.mark.parametrize("point", ["after_prepare", "after_commit"])
 def test_coordinator_unreachable_during_vote_and_ack(
         point: str, netns: Netns, pg_dsn: str, tmp_path: Path) -> None:
-    """``after_prepare``: the link is cut while the task sends its vote; ``after_vote``:
-    while it waits for the decision and then sends its ack."""
+    """``after_prepare``: the link is cut while the driver sends the task's vote;
+    ``after_commit``: while it sends the branch's ack."""
     daemon = LocalDaemon(f"sqlite:///{tmp_path}/log.db", TOKEN, tmp_path / "d.log",
                          host=netns.ns_ip, netns=netns.name).start()
     try:
@@ -134,7 +134,7 @@ def test_coordinator_unreachable_during_vote_and_ack(
         sink = f"net-{point.replace('_', '-')}-{os.getpid()}"
         epoch = client.register(sink)
         # hold the task just before it talks to the coordinator; cut while it does
-        where = f"{point}@pg/0" if point == "after_prepare" else point
+        where = f"{point}@pg/0"
         failpoints.reload(f"{where}=sleep(1)*1", str(tmp_path / "once"))
         rows = rows_for(7, 300)
         result: dict[str, str] = {}

@@ -80,7 +80,7 @@ def own_pg() -> Iterator[LocalPostgres]:
 
 
 # (step where the task is held while the postmaster is SIGKILLed, how long it stays down)
-PG_STEPS = ["before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit"]
+PG_STEPS = ["before_prepare", "after_prepare", "before_commit", "after_commit"]
 
 
 @pytest.mark.parametrize("point", PG_STEPS)
@@ -92,8 +92,7 @@ def test_postgres_postmaster_killed_at_each_step(point: str, own_pg: LocalPostgr
     client = CoordinatorClient(daemon.url, TOKEN, retry_budget=60.0)
     sink = f"pgkill-{point.replace('_', '-')}"
     epoch = client.register(sink)
-    where = f"{point}@pg/0" if point in ("before_prepare", "after_prepare", "before_commit",
-                                          "after_commit") else point
+    where = f"{point}@pg/0"
     failpoints.reload(f"{where}=sleep(4)*1", str(armed))
     errors: list[str] = []
     result: dict[str, str] = {}

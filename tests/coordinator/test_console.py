@@ -25,7 +25,9 @@ from twophase.coordinator.app import create_app
 from twophase.coordinator.embedded import EmbeddedServer
 from twophase.coordinator.guard import OPEN_PATHS
 from twophase.coordinator.store import Store
-from twophase.engine.plan import BatchPlan
+from twophase.engine.commit import Committer
+from twophase.engine.decide import decide, votes_of
+from twophase.engine.plan import PREPARE, BatchPlan
 from twophase.engine.task import run_partition
 from twophase.errors import SchemaMismatch
 from twophase.participant import BranchRef
@@ -89,24 +91,28 @@ def test_sinks_overview_and_executor_metrics(server: EmbeddedServer, tmp_path: P
         epoch = client.register(SINK, [lake.descriptor()])  # type: ignore[list-item]
         res = client.begin(SINK, LINEAGE, 0, epoch, ["lake"], 2, 60)
         assert res.txn is not None
-        plan = BatchPlan(key=res.txn.key, epoch=epoch, partitions=2, mode="run",
+        plan = BatchPlan(key=res.txn.key, epoch=epoch, partitions=2, mode=PREPARE,
                          coordinator_url=server.url, token=server.token,
                          participants=(lake,))
 
-        def task(partition: int, ids: list[int]) -> str:  # as two executors would
+        def task(partition: int, ids: list[int]) -> dict[str, object]:  # two executors
             batch = pa.RecordBatch.from_pylist([{"id": i} for i in ids], schema=schema)
-            return run_partition(plan, partition, schema, [batch]).decision
+            return run_partition(plan, partition, schema, [batch]).as_dict()
 
         with ThreadPoolExecutor(2) as pool:
-            done = list(pool.map(task, (0, 1), ([1, 2, 3], [4])))
-        assert done == ["COMMIT", "COMMIT"]
+            outcomes = list(pool.map(task, (0, 1), ([1, 2, 3], [4])))
+        final = decide(client, res.txn, epoch, votes_of(outcomes), "")  # as the driver
+        committer = Committer((lake,))
+        final, error = committer.apply(client, epoch, final)
+        committer.close()
+        assert (final.state.value, error) == ("COMMITTED", "")
         sinks = client.sinks()
         assert client.participants(SINK)[0]["options"]["path"] == str(lake.path)
     assert [(x["name"], x["last_committed"], x["in_doubt"], x["participants"])
             for x in sinks] == [(SINK, 0, 0, ["lake"])]
     metrics = httpx.get(server.url + "/metrics").text
     labels = f'participant="lake",sink="{SINK}"'
-    for name in ("prepare", "vote_wait", "commit"):
+    for name in ("prepare", "commit"):  # the tasks' votes, the driver's acks
         assert f"twophase_branch_{name}_seconds_count{{{labels}}} 2.0" in metrics
     assert f"twophase_branch_rows_sum{{{labels}}} 4.0" in metrics
 

@@ -107,7 +107,7 @@ def test_more_partitions_than_slots_run_in_ordinary_tasks(spark: Any, tmp_path: 
     out = tmp_path / "out"
     sink = TransactionalSink("slots", [StagedFileParticipant(path=str(out))],
                              f"sqlite:///{tmp_path / 's.db'}", lineage="slots-1",
-                             partitions=5, cluster_wait=1)
+                             partitions=5)
     sink(_batch(spark, 10), 0)
     sink.close()
     assert sink.history[-1].partitions == 5

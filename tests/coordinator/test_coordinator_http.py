@@ -269,9 +269,9 @@ def test_touched_answers_carry_the_named_branches_and_merge_into_the_callers_cop
 
 
 def test_a_tasks_answers_carry_its_own_branches_or_none(client: CoordinatorClient) -> None:
-    """The in-task path's calls: a vote with ``touched`` and no copy to merge into answers
-    with the voted branches only (what ``check_recorded`` reads: the recorded vote, also
-    when another task attempt's vote won); the long-poll with ``brief`` and an ack whose
+    """A voter's calls on the wire API: a vote with ``touched`` and no copy to merge into
+    answers with the voted branches only (the recorded vote, also when another task
+    attempt's vote won); the long-poll with ``brief`` and an ack whose
     answer is not read carry no branch at all, whatever the batch's size."""
     epoch, txn = _start(client, parts=3)
     key, branches = txn.key, list(txn.branches)

@@ -146,3 +146,37 @@ def test_built_in_kinds_come_from_the_entry_point_group() -> None:
 def test_rebuild_refuses_an_unknown_kind_naming_the_entry_point_group() -> None:
     with pytest.raises(InvalidRequest, match=r"twophase\.participants"):
         rebuild({"kind": "nosuchkind", "name": "x", "target": "", "options": {}})
+
+
+class _TaskBound(_Bare):
+    """A third-party participant of 0.3's kind: its prepared branch dies with its task."""
+
+    kind = "taskbound"
+    durable_prepare = False
+
+
+def test_a_prepare_that_dies_with_its_task_is_refused_by_both_doors() -> None:
+    """The barrier stage that kept such tasks alive until the decision was retired in
+    0.4: both doors refuse the participant before anything starts, naming it and the fix;
+    a durable participant beside it is not what is named."""
+    from twophase import TransactionalSink
+    from twophase.engine.door import DoorSpec
+
+    parts = (_Bare("fine"), _TaskBound("bound"))
+    want = (r"sink 'orders': taskbound participant 'bound' declares durable_prepare = "
+            r"False .* no longer runs: since 0\.4 the tasks end before the decision .* "
+            r"Make its prepare durable")
+    with pytest.raises(InvalidRequest, match=want) as raised:
+        TransactionalSink("orders", parts, "sqlite:///:memory:")
+    assert "'fine'" not in str(raised.value)
+    with pytest.raises(InvalidRequest, match=want):
+        DoorSpec("orders", parts, "http://127.0.0.1:1", 1, 2)
+    sink = TransactionalSink("orders", parts[:1], "sqlite:///:memory:")
+    assert sink.participants == parts[:1]
+
+
+def test_cluster_wait_is_accepted_with_a_warning_naming_its_retirement() -> None:
+    from twophase import TransactionalSink
+
+    with pytest.warns(DeprecationWarning, match=r"cluster_wait=\.\.\.\) has no effect since 0\.4"):
+        TransactionalSink("orders", (_Bare("fine"),), "sqlite:///:memory:", cluster_wait=5)

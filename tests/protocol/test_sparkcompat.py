@@ -27,7 +27,7 @@ def test_spark_34_is_refused_naming_the_version_the_cause_and_the_fix() -> None:
     with pytest.raises(EnvironmentProblem) as err:
         check_spark("orders", "3.4.4", "3.4.4")
     msg = str(err.value)
-    assert "Spark 3.4.4 is too old" in msg and "mapInArrow(barrier=...)" in msg
+    assert "Spark 3.4.4 is too old" in msg and "foreachBatch under Spark Connect" in msg
     assert "Fix: run on Spark 3.5 or 4.x" in msg
 
 

@@ -1,5 +1,6 @@
-"""The task-side runner (twophase/branch.py) without Spark: real PostgreSQL, real files,
-a real embedded coordinator; partitions run in threads the way barrier tasks would."""
+"""The task-side runner (``twophase.engine.task``) without Spark: real PostgreSQL, real
+files, a real embedded coordinator; partitions run in threads the way Spark's tasks
+would, then the driver's steps (decide, commit) run here as the sink runs them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pyarrow as pa
 import pytest
 
 from twophase.client.connection import Connection, connect
-from twophase.engine.plan import BatchPlan, BranchOutcome
+from twophase.engine.commit import Committer
+from twophase.engine.decide import decide, votes_of
+from twophase.engine.plan import PREPARE, BatchPlan, BranchOutcome
 from twophase.engine.task import run_partition
 from twophase.errors import RedoMismatch
 from twophase.participant import BranchStatus, Participant
@@ -54,7 +57,7 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
     handles = {b: dict(s.handle) for b, s in res.txn.branches.items() if s.handle}
     plan = BatchPlan(
         key=res.txn.key, epoch=epoch, partitions=2,
-        mode="finish" if res.kind == BeginKind.IN_DOUBT else "run",
+        mode="finish" if res.kind == BeginKind.IN_DOUBT else PREPARE,
         coordinator_url=conn.url, token=conn.token, participants=tuple(parts),
         handles=handles, digests={b: s.digest for b, s in res.txn.branches.items() if s.digest},
         ack_earlier=tuple(t.attempt for t in res.recover
@@ -99,14 +102,30 @@ def _run_all(plan: BatchPlan) -> list[BranchOutcome]:
     return sorted(outs, key=lambda o: o.partition)
 
 
-def test_run_mode_commits_every_branch(setup) -> None:  # type: ignore[no-untyped-def]
+def _drive(conn: Connection, epoch: int, plan: BatchPlan, parts: list[Participant],
+           outs: list[BranchOutcome]) -> State:
+    """The driver's steps after the prepare job: send the votes, apply the decision."""
+    client = conn.client()
+    final = decide(client, client.get(plan.key), epoch,
+                   votes_of(o.as_dict() for o in outs), "")
+    committer = Committer(parts)
+    try:
+        final, error = committer.apply(client, epoch, final)
+    finally:
+        committer.close()
+    assert not error, error
+    return final.state
+
+
+def test_tasks_prepare_and_the_driver_commits_every_branch(setup) -> None:  # type: ignore[no-untyped-def]
     sink, parts, conn = setup
     epoch = conn.client().register(sink)
     plan, kind = _plan(sink, parts, conn, epoch)
     assert kind == BeginKind.NEW
     outs = _run_all(plan)
-    assert [o.decision for o in outs] == ["COMMIT", "COMMIT"] and sum(o.rows for o in outs) == 10
-    assert conn.client().get(plan.key).state == State.COMMITTED
+    assert [o.decision for o in outs] == ["", ""] and sum(o.rows for o in outs) == 10
+    assert conn.client().get(plan.key).decision is None  # no task voted itself
+    assert _drive(conn, epoch, plan, parts, outs) == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
     assert verify(parts, want, sink=sink).ok
 
@@ -128,7 +147,7 @@ def test_new_writer_settles_leftovers_of_a_dead_attempt(setup) -> None:  # type:
     outs = _run_all(plan)
     assert sum(o.recovered for o in outs) == 4
     assert client.get(dead.key).decision is not None
-    assert client.get(plan.key).state == State.COMMITTED
+    assert _drive(conn, epoch, plan, parts, outs) == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
     report = verify(parts, want, sink=sink)
     assert report.ok, report.lines()
@@ -306,37 +325,41 @@ def test_torn_temp_files_of_a_killed_prepare_are_removed(tmp_path: Path) -> None
     assert not torn.exists()
 
 
-def test_a_task_run_again_after_commit_commits_only_a_replay_matching_the_vote(  # type: ignore[no-untyped-def]
-    setup,
+def test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_redo(  # type: ignore[no-untyped-def]
+    setup, tmp_path: Path
 ) -> None:
-    """The in-task path's guard for a stage Spark would run again after the decision
-    (issue 30, item 5; Spark itself refuses to re-run a barrier ResultStage, see
-    tests/spark/test_stage_retry.py): COMMIT was decided on task attempt 1/1's votes;
-    the same branches prepared again by task attempt 1/9 from other rows are aborted,
-    not committed, with an error naming both attempts; a replay with the voted rows
-    (task 1/10) commits."""
-    from twophase.client.wire import VoteIn
-    from twophase.digest import rows_digest
+    """``before_ack``, the one failpoint only a finishing task reaches: a Python worker
+    redoes the lost branch under COMMIT, applies it, and is SIGKILLed before it
+    acknowledges. The next finish finds the branch committed by its marker (no second
+    redo) and acknowledges it; every row once."""
+    import os
+    import subprocess
+    import sys
 
-    sink, parts, conn = setup
-    client = conn.client()
-    epoch = client.register(sink)
-    plan, _ = _plan(sink, parts, conn, epoch)
-    for p in range(2):  # the first run's votes (its task then died before committing)
-        client.vote(plan.key, epoch, [
-            VoteIn(branch=f"{part.name}/{p}", yes=True, handle={"first": "run"},
-                   digest=rows_digest(SCHEMA, _batch(p), "v2"), task="1/1")
-            for part in parts])
-    assert client.get(plan.key).decision == Decision.COMMIT
-    with pytest.raises(RedoMismatch) as err:
-        run_partition(plan, 0, SCHEMA, _batch(0, n=6), client, task="1/9")
-    msg = str(err.value)
-    for part in ("Spark ran the task again (task attempt 1/9)", "task attempt 1/1",
-                 "not deterministic", "Nothing of the replay was committed", "force-ack"):
-        assert part in msg, (part, msg)
-    for part in parts:
-        assert part.status(plan.ref(part, 0)) == BranchStatus.ABSENT, part.describe()
-    out = run_partition(plan, 1, SCHEMA, _batch(1), client, task="1/10")
-    assert out.decision == "COMMIT"
-    for part in parts:
-        assert part.status(plan.ref(part, 1)) == BranchStatus.COMMITTED, part.describe()
+    from twophase import failpoints
+
+    sink, parts, client, plan, finish = _lost_after_commit(setup)
+    files = parts[1]
+    plan_file, rows_file = tmp_path / "plan.pkl", tmp_path / "rows.arrow"
+    plan_file.write_bytes(pickle.dumps(finish))
+    with pa.OSFile(str(rows_file), "wb") as sink_file, \
+            pa.ipc.new_stream(sink_file, SCHEMA) as writer:
+        for b in _batch(0):
+            writer.write_batch(b)
+    env = {**os.environ, failpoints.ENV: "before_ack=kill"}
+    env.pop(failpoints.ONCE_DIR_ENV, None)
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "support" / "run_partition.py"),
+         str(plan_file), "0", str(rows_file)], env=env, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert child.returncode == -9, (child.returncode, child.stderr[-2000:])
+    assert files.status(finish.ref(files, 0)) == BranchStatus.COMMITTED  # redone, applied
+    assert client.get(plan.key).branches[f"{files.name}/0"].ack is None  # not acknowledged
+    again, kind = _plan(sink, parts, setup[2], client.register(sink))
+    assert kind == BeginKind.IN_DOUBT and again.mode == "finish"
+    outs = _run_all(again)
+    assert sum(o.redone for o in outs) == 0
+    assert client.get(plan.key).state == State.COMMITTED
+    want = [p * 1000 + i for p in range(2) for i in range(5)]
+    report = verify(parts, want, sink=sink)
+    assert report.ok, report.lines()

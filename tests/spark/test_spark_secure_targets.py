@@ -43,7 +43,7 @@ def test_job_into_postgres_tls_kafka_sasl_ssl_and_delta_exactly_once(
     pg = PostgresParticipant(dsn=tls_pg.tls_dsn(), table=f"secjob_{topic[-12:]}")
     delta = DeltaParticipant(str(tmp_path / "delta"))
     sink = TransactionalSink("secjob", [pg, kafka, delta], f"sqlite:///{tmp_path / 'c.db'}",
-                             lineage="secjob-1", partitions=2, cluster_wait=1)
+                             lineage="secjob-1", partitions=2)
     try:
         for batch_id in range(2):
             sink(spark.range(batch_id * 100, (batch_id + 1) * 100)
@@ -67,7 +67,7 @@ def test_secured_targets_refuse_a_wrong_password_or_no_tls_before_any_write(
                                          "sasl.password": "wrong"}, connect_timeout_s=10)
     pg = PostgresParticipant(dsn=tls_pg.tls_dsn(), table=f"secref_{topic[-12:]}")
     sink = TransactionalSink("secref", [pg, bad_kafka], f"sqlite:///{tmp_path / 'c.db'}",
-                             lineage="secref-1", partitions=2, cluster_wait=1)
+                             lineage="secref-1", partitions=2)
     try:
         with pytest.raises(TwophaseError, match=r"(?s)SASL authentication failed.*"
                                                 r"sasl\.username and sasl\.password"):

@@ -14,7 +14,9 @@ import pyarrow as pa
 import pytest
 
 from twophase.client.connection import Connection, connect
-from twophase.engine.plan import BatchPlan
+from twophase.engine.commit import Committer
+from twophase.engine.decide import decide, votes_of
+from twophase.engine.plan import PREPARE, BatchPlan
 from twophase.engine.task import run_partition
 from twophase.participant import Participant
 from twophase.sinks.files import StagedFileParticipant
@@ -64,7 +66,7 @@ def _plan(tmp_path: Path, pg_dsn: str) -> tuple[BatchPlan, str, Connection]:
     epoch = client.register(sink)
     res = client.begin(sink, "lin-1", 0, epoch, [p.name for p in parts], 1, 30.0)
     assert res.txn is not None
-    plan = BatchPlan(key=res.txn.key, epoch=epoch, partitions=1, mode="run",
+    plan = BatchPlan(key=res.txn.key, epoch=epoch, partitions=1, mode=PREPARE,
                      coordinator_url=conn.url, token=conn.token, participants=tuple(parts))
     return plan, f"stream_{k}", conn
 
@@ -72,11 +74,16 @@ def _plan(tmp_path: Path, pg_dsn: str) -> tuple[BatchPlan, str, Connection]:
 def test_a_partition_is_never_held_whole(tmp_path: Path, pg_dsn: str) -> None:
     plan, table, conn = _plan(tmp_path, pg_dsn)
     live = _Live()
+    committer = Committer(plan.participants)
     try:
         out = run_partition(plan, 0, SCHEMA, live.batches(60, 500))
+        client = conn.client()  # the driver's steps: the votes, then the commit
+        final = decide(client, client.get(plan.key), plan.epoch, votes_of([out.as_dict()]), "")
+        final, error = committer.apply(client, plan.epoch, final)
     finally:
+        committer.close()
         conn.close()
-    assert (out.decision, out.rows) == ("COMMIT", 30_000)
+    assert (final.state.value, error, out.rows) == ("COMMITTED", "", 30_000)
     assert live.peak <= 8, live.peak  # 60 batches went through, a handful at a time
     with psycopg.connect(pg_dsn) as c:
         assert c.execute(f"SELECT count(*) FROM {table}").fetchone() == (30_000,)

@@ -200,7 +200,7 @@ def run(conf, participants, partitions, ckpt):
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     sink = TransactionalSink("orders", participants, coordinator=cfg["coordinator"],
-                             partitions=partitions, cluster_wait=5)
+                             partitions=partitions)
     q = (spark.readStream.schema(EVENT_DDL).option("maxFilesPerTrigger", 1)
          .parquet(cfg["input"]).writeStream
          .foreachBatch(sink).option("checkpointLocation", cfg["ckpt"] + ckpt)

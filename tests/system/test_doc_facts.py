@@ -2,14 +2,14 @@
 now.
 
 Each fact the pages state is checked against its one definition in the code: the store
-schema version and the messages about it, which participants run a barrier stage
-(``twophase.participant.IN_TASK_PREPARES``), the environment variables the code reads
-(cli.md's table, both ways), the Kafka timeout rule, the version in pyproject against
-CHANGELOG, the README's tagline against the user guide's, what ``scripts/test.sh``
-installs against the README, and every test file a page cites. And no user or reference
-page carries development history (issue or session numbers, commit hashes, load
-averages) or measured rates of its own: those live in docs/decisions.md, the development
-record of docs/performance.md, and the results of docs/chaos.md.
+schema version and the messages about it, that no participant runs a barrier stage, the
+environment variables the code reads (cli.md's table, both ways), the Kafka timeout
+rule, the version in pyproject against CHANGELOG, the README's tagline against the user
+guide's, what ``scripts/test.sh`` installs against the README, and every test file a
+page cites. And no user or reference page carries development history (issue or session
+numbers, commit hashes, load averages) or measured rates of its own: those live in
+docs/decisions.md, the development record of docs/performance.md, and the results of
+docs/chaos.md.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_the_pages_give_the_codes_store_schema(tmp_path: Path) -> None:
     assert newest and int(newest[1]) == SCHEMA_VERSION, "CHANGELOG's newest store schema"
 
 
-# ---- which participants run a barrier stage ----------------------------------------------
+# ---- no participant runs a barrier stage --------------------------------------------------
 def _kinds() -> dict[str, str]:
     meta = tomllib.loads(_read(ROOT / "pyproject.toml"))["project"]
     return dict(meta["entry-points"]["twophase.participants"])
@@ -131,36 +131,18 @@ def _class(target: str) -> type:
     return cls
 
 
-def test_in_task_prepares_is_what_the_participants_do() -> None:
-    """The one definition matches each participant: every kind not named there prepares
-    durably (none is named since Kafka's in-task prepare was retired)."""
-    from twophase.participant import IN_TASK_PREPARES
-
+def test_every_built_in_participant_prepares_durably() -> None:
+    """No built-in kind declares ``durable_prepare = False`` (the sink refuses it since
+    the barrier stage was retired: tests/protocol/test_participant_contract.py)."""
     kinds = _kinds()
-    assert set(IN_TASK_PREPARES) <= set(kinds), "IN_TASK_PREPARES names unknown kinds"
+    assert kinds
     for kind, target in kinds.items():
-        if kind not in IN_TASK_PREPARES:
-            assert _class(target).durable_prepare is True, kind
+        assert getattr(_class(target), "durable_prepare", True) is not False, kind
 
 
-def _spans() -> set[str]:
-    """The code spans naming the in-task prepares, from the definition."""
-    from twophase.participant import IN_TASK_PREPARES
-
-    kinds = _kinds()
-    return {f'`{kinds[kind].split(":")[1]}({option}="{value}")`'
-            for kind, (option, values) in IN_TASK_PREPARES.items() for value in values}
-
-
-def test_the_pages_name_only_the_in_task_prepares_for_a_barrier_stage() -> None:
-    """deploy.md states the fact (its marked block names exactly the definition's
-    participants); every other paragraph that ties Kafka to a barrier stage or to
-    dynamic allocation off names the in-task prepare as retired."""
-    deploy = _read(DOCS / "user" / "deploy.md")
-    block = re.search(r"<!-- fact: in-task prepares -->\n(.*?)<!-- /fact -->", deploy, re.S)
-    assert block, "deploy.md lost its statement of the in-task prepares"
-    named = set(re.findall(r"`\w+Participant\([^`]*\)`", block[1]))
-    assert named == _spans(), (named, _spans())
+def test_the_pages_offer_no_barrier_stage() -> None:
+    """Every paragraph (or table row) that names a barrier stage, a slot per partition
+    or dynamic allocation off as something a sink needs says it was retired."""
     wrong = []
     for name, text in PAGES.items():
         units = [u for para in re.split(r"\n\s*\n", text)
@@ -171,11 +153,9 @@ def test_the_pages_name_only_the_in_task_prepares_for_a_barrier_stage() -> None:
             flat = re.sub(r"\b(no|without( a)?) barrier stage", "", flat, flags=re.I)
             ties = re.search(r"barrier stage|dynamic allocation (must be )?off|"
                              r"dynamicAllocation\.enabled=false", flat, re.I)
-            if (ties and re.search(r"\bKafka|in_task|in-task", flat) and "retired" not in flat
-                    and not flat.startswith("```")):  # an error's text, not an offer
+            if ties and "retired" not in flat and not flat.startswith("```"):
                 wrong.append(f"{name}: {flat[:160]}")
-    assert not wrong, "a barrier stage offered for Kafka (its in-task prepare is retired):\n" \
-        + "\n".join(wrong)
+    assert not wrong, "a barrier stage offered (retired in 0.4):\n" + "\n".join(wrong)
 
 
 def test_no_page_offers_the_retired_in_task_prepare() -> None:

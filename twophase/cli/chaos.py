@@ -48,7 +48,7 @@ seconds, restart on the same port and log; with --kafka-tansu, tansu on S3 stora
 private moto server; with --kafka-cluster, the node leading a partition of the target or
 staging topic, or coordinating an open transaction of the sink, restarted after the
 pause and waited for until it is back in every ISR). A kill
-is a failpoint at a protocol step (before_prepare, after_vote, after_decision, ...) or a
+is a failpoint at a protocol step (before_prepare, after_decision, before_commit, ...) or a
 SIGKILL after a random delay (always, for the broker). Every victim gets a kill before
 any gets a second (when --kills allows); --seed makes the sequence reproducible. Exit
 code 0 only when every system shows 0 duplicates, 0 missing ids and nothing left

@@ -22,7 +22,6 @@ from twophase.engine.door import (
     adopt_zone,
     commit_batch,
     prepare_partition,
-    refuse_in_task,
     spec_from_options,
 )
 from twophase.errors import InvalidRequest
@@ -153,7 +152,6 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     coordinator listens in this process) and takes the sink's writer epoch, which fences
     every earlier run's writer."""
     if sink is not None:
-        refuse_in_task(sink.name, sink.participants)  # before anything is started
         engine = sink._engine
         # where its tasks reach the coordinator, its writer epoch, the targets, what a
         # crashed run left open, the executors' Python (its choice also picks the

@@ -7,6 +7,7 @@ ARCHITECTURE.md for the picture); a failure is logged and raised as one sentence
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from twophase.engine.report import (
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
 from twophase.names import LINEAGE_RULE, validate_lineage, validate_name
 from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
-from twophase.participant import Participant
+from twophase.participant import Participant, check_durable
 from twophase.spark.session import spark_connect_client
 
 if TYPE_CHECKING:
@@ -51,10 +52,10 @@ class TransactionalSink:
     On a cluster the embedded coordinator listens on the driver's
     ``spark.driver.bindAddress`` and the tasks reach it at ``spark.driver.host``
     (``coordinator_host=`` overrides both; ``coordinator_tls=(certfile, keyfile)`` serves
-    it over HTTPS). A sink with an in-task participant (Kafka) runs each batch as a
-    barrier stage: before anything is written it needs as many task slots as partitions
-    (waiting up to ``cluster_wait`` seconds for executors to register) and no dynamic
-    allocation; other sinks run on any cluster shape (docs/cluster.md).
+    it over HTTPS). The tasks prepare and end; the driver decides and commits, so a sink
+    runs on any cluster shape: dynamic allocation, speculation, more partitions than task
+    slots (docs/cluster.md). ``cluster_wait`` is accepted with a DeprecationWarning and
+    ignored (it bounded the barrier stage's wait for task slots, retired in 0.4).
     ``marker_keep_batches``: batches whose participant markers are kept (why: see
     :func:`twophase.options.check_marker_window`)."""
 
@@ -74,7 +75,7 @@ class TransactionalSink:
         on_batch: Callable[[BatchReport], None] | None = None,
         coordinator_host: str | None = None,
         coordinator_tls: tuple[str, str] | None = None,
-        cluster_wait: float = 60.0,
+        cluster_wait: float | None = None,
         json_logs: bool = False,
         retry_budget_s: float = 120.0,
         preflight: bool = True,
@@ -93,10 +94,12 @@ class TransactionalSink:
                            vote_timeout=vote_timeout, retry_budget_s=retry_budget_s,
                            marker_keep_batches=marker_keep_batches)
         self.participants = tuple(participants)
-        # A participant whose prepared branch dies with its process (Kafka's in-task
-        # transaction) needs every task alive until the decision: one barrier stage.
-        # Otherwise tasks prepare and end, and the driver commits after the job.
-        self.gang = any(not p.durable_prepare for p in self.participants)
+        # the tasks prepare and end before the decision: each prepare must outlive them
+        check_durable(self.name, self.participants)
+        if cluster_wait is not None:
+            warnings.warn("TransactionalSink(cluster_wait=...) has no effect since 0.4 (it "
+                          "bounded the barrier stage's wait for task slots, retired with "
+                          "Kafka's in-task prepare): drop it", DeprecationWarning, stacklevel=2)
         # participants' keys or complete mode may fix the split (one_branch: P is 1)
         self.split_columns, self.one_branch, partitions = fixed_split(
             self.name, self.participants, partitions)
@@ -115,7 +118,6 @@ class TransactionalSink:
         self.on_batch = on_batch
         self.coordinator_host = coordinator_host
         self.coordinator_tls = coordinator_tls
-        self.cluster_wait = cluster_wait
         self.retry_budget_s = float(retry_budget_s)
         self.preflight = preflight
         if json_logs:  # one JSON object per line on stderr, as the daemon logs

@@ -11,8 +11,8 @@ Per batch: ``begin`` with the coordinator, keyed by (sink, lineage, batch id); s
 the batch into P partitions the same way on every replay (P is stored with the first
 attempt: as Spark read it when a replay splits alike, else by a stable hash of every
 column); a batch known to be empty is voted and acknowledged by the driver alone. The
-tasks prepare (one ordinary task per partition, or one barrier stage for a sink with an
-in-task participant), the coordinator's record holds the decision (an undecided attempt
+tasks prepare (one ordinary task per partition; each prepare outlives its task), the
+coordinator's record holds the decision (an undecided attempt
 is abandoned: ABORT) and the driver applies it. ``run`` returns only when the coordinator
 shows the attempt COMMITTED; an aborted attempt is retried in place with backoff, a
 bounded number of times, then the batch fails with the participant, partition and
@@ -43,7 +43,6 @@ from twophase.errors import BatchFailed
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, Decision, StepKind, next_step
 from twophase.spark.compat import check_spark
-from twophase.spark.preflight import check_gang
 from twophase.spark.session import (
     coordinator_address,
     default_partitions,
@@ -77,13 +76,11 @@ class SinkSettings(Protocol):
     partitions: int | None
     split_columns: tuple[str, ...]
     one_branch: bool
-    gang: bool
     lineage: str | None
     max_attempts: int
     backoff: float
     vote_timeout: float
     retry_budget_s: float
-    cluster_wait: float
     preflight: bool
     on_batch: Callable[[BatchReport], None] | None
 
@@ -95,15 +92,13 @@ class BatchEngine:
     def __init__(self, sink: SinkSettings, keep: int) -> None:
         self.sink = sink
         self.committer = Committer(sink.participants, keep=keep)
-        self.job = PrepareJob(sink.participants, sink.split_columns, sink.one_branch,
-                              sink.gang)
+        self.job = PrepareJob(sink.participants, sink.split_columns, sink.one_branch)
         self.history: list[BatchReport] = []
         self.by_batch: dict[int, BatchReport] = {}
         self.conn: Connection | None = None
         self.client: CoordinatorClient | None = None
         self.epoch: int | None = None
         self._preflighted = self._spark_checked = False
-        self._slots_checked = 0
 
     # ------------------------------------------------------------------ the sink's start
     def connect(self, df: DataFrame | None = None) -> CoordinatorClient:
@@ -140,16 +135,6 @@ class BatchEngine:
             self._preflighted = True
         return client, self.epoch
 
-    def _check_cluster(self, df: DataFrame, partitions: int) -> None:
-        """Refuse, before anything is begun or written, a batch Spark would refuse
-        mid-way (only a sink with an in-task participant runs a barrier stage)."""
-        if not self.sink.gang or partitions <= self._slots_checked:
-            return  # checked before (master and dynamic allocation are fixed at start)
-        in_task = ", ".join(p.describe() for p in self.sink.participants
-                            if not p.durable_prepare)
-        check_gang(df, self.sink.name, in_task, partitions, self.sink.cluster_wait)
-        self._slots_checked = partitions
-
     def close(self) -> None:
         self.committer.close()
         if self.client is not None:
@@ -176,15 +161,13 @@ class BatchEngine:
         # job runs it when it keeps Spark's split (the plan travels as a local property).
         direct = job.frame(df)
         laps.lap("frame_s")
-        n_in = input_partitions(direct if direct is not None else df, any_split=not s.gang)
+        n_in = input_partitions(direct if direct is not None else df, any_split=True)
         laps.lap("split_s")
-        if n_in is not None and ((s.gang and n_in > default_partitions(df))
-                                 or s.partitions not in (None, n_in)):
-            n_in = None  # a barrier stage needs a slot per task; partitions=N asks for N
+        if n_in is not None and s.partitions not in (None, n_in):
+            n_in = None  # partitions=N asks for N
         # n_in == 0: Spark planned no partition at all, the batch has no rows (the
         # application's parallelism, two py4j round trips, only read when needed)
         partitions = s.partitions or (1 if n_in == 0 else n_in or default_partitions(df))
-        self._check_cluster(df, partitions)
         client, epoch = self.start(df, lineage)
         job.check(df)
         laps.lap("setup_s")
@@ -206,8 +189,6 @@ class BatchEngine:
                 return
             txn = res.txn
             assert txn is not None
-            # an attempt stored by an earlier run keeps its partition count
-            self._check_cluster(df, txn.partitions)
             in_doubt = res.kind == BeginKind.IN_DOUBT
             if n_in == 0 and settle_empty(client, epoch, txn, res.recover, in_doubt=in_doubt):
                 final, outcomes, job_error = client.get(txn.key), list[dict[str, Any]](), ""
@@ -254,7 +235,7 @@ class BatchEngine:
                 self._report(report, started)
                 return
             if step.kind == StepKind.GIVE_UP:
-                if final.decision == Decision.ABORT and not s.gang:
+                if final.decision == Decision.ABORT:
                     self.committer.sweep(final)  # nothing left prepared behind the error
                 raise BatchFailed(step.reason)
             if step.delay > 0:  # FINISH or RETRY: begin again

@@ -29,7 +29,7 @@ from twophase.engine.task import _shared_client, run_partition
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.extras import missing_extra
 from twophase.names import validate_name
-from twophase.participant import EMPTY_BRANCH, IN_TASK_PREPARES, Participant, rebuild
+from twophase.participant import EMPTY_BRANCH, Participant, check_durable, rebuild
 from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
 from twophase.protocol.door import (
     TaskAction,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
-           "prepare_partition", "refuse_in_task", "spec_from_options"]
+           "prepare_partition", "spec_from_options"]
 
 Message = tuple[TaskAnswer, dict[str, Any] | None]
 """A task's commit message: its begin's answer and its outcome (votes) when it wrote."""
@@ -69,7 +69,7 @@ class DoorSpec:
     tz: str | None = None
 
     def __post_init__(self) -> None:
-        refuse_in_task(self.name, self.participants)
+        check_durable(self.name, self.participants)
 
     def client(self) -> CoordinatorClient:
         return _shared_client(self.coordinator_url, self.token, self.retry_budget,
@@ -113,22 +113,6 @@ def spec_from_options(opts: dict[str, str]) -> DoorSpec:
     return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
                     opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
                     lineage=opts.get("lineage"), tz=opts.get("timezone"))
-
-
-def refuse_in_task(sink: str, participants: Iterable[Participant]) -> None:
-    """A branch prepared inside its task (a participant whose ``durable_prepare`` is
-    False) lives only as long as the task, which must wait for the decision in one
-    barrier stage: only the foreachBatch door runs one."""
-    bad = [p for p in participants if not p.durable_prepare]
-    if bad:
-        what = ", ".join(f"{p.describe()} ({IN_TASK_PREPARES[p.kind][0]}="
-                         f"{IN_TASK_PREPARES[p.kind][1][0]!r})" if p.kind in IN_TASK_PREPARES
-                         else p.describe() for p in bad)
-        raise InvalidRequest(
-            f"sink {sink!r}: {what} keeps its prepared branch inside its Spark task, which "
-            "must wait for the decision in a barrier stage that only foreachBatch runs; "
-            "through format('twophase') give it a durable prepare, or write with "
-            "foreachBatch(sink)")
 
 
 def adopt_zone(spec: DoorSpec, expected: pa.Schema, got: pa.Schema) -> pa.Schema:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from twophase import failpoints
-from twophase.client.wire import BranchMetrics, VoteIn, acks_body
+from twophase.client.wire import BranchMetrics, acks_body
 from twophase.digest import KINDS, digest_kind, rows_digest
 from twophase.engine.plan import BatchPlan, BranchOutcome, split_of
 from twophase.errors import RedoMismatch
@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from twophase.client.api import CoordinatorClient
-    from twophase.protocol import Transaction
 
-__all__ = ["acknowledge", "apply_decision", "check_recorded", "check_redo", "finish_commit",
+__all__ = ["acknowledge", "apply_decision", "check_redo", "finish_commit",
            "settle_earlier"]
 
 
@@ -131,35 +130,6 @@ def check_redo(
         f"{{coordinator}}/v1/admin/txns/{k.sink}/{k.lineage}/{k.batch_id}/{k.attempt}/force-ack "
         f'{{"branch": "{bid}", "outcome": "COMMIT"}} (see docs/coordinator-api.md)'
     )
-
-
-def check_recorded(
-    plan: BatchPlan, txn: Transaction, votes: Sequence[VoteIn], task: str | None
-) -> None:
-    """Before a task commits under COMMIT what it prepared itself (the in-task path), its
-    branches must be the ones the decision was taken on. ``txn`` needs only the recorded
-    state of the branches of ``votes`` (the vote call's ``touched`` answer: a recorded
-    vote's task and digest never change afterwards). When Spark runs the stage again
-    after the decision (a task failed after the last vote), each branch's recorded vote
-    is another task attempt's and the rows just prepared are a replay: commit them only
-    when their digest is the recorded one, else refuse (``RedoMismatch``) before any of
-    them becomes visible. The caller aborts what it prepared."""
-    for vote in votes:
-        rec = txn.branches.get(vote.branch)
-        if (not vote.yes or rec is None or rec.task in (None, task) or rec.digest is None
-                or vote.digest is None or rec.digest == vote.digest):
-            continue
-        k = plan.key
-        raise RedoMismatch(
-            f"branch {vote.branch} of sink {k.sink!r} batch {k.batch_id} (attempt "
-            f"{k.attempt}, lineage {k.lineage}): Spark ran the task again (task attempt "
-            f"{task}) after COMMIT was decided on task attempt {rec.task}'s vote, and the "
-            f"rows it replayed differ from the voted ones (digest {vote.digest}, voted "
-            f"{rec.digest}): the query's input or transformation is not deterministic. "
-            "Nothing of the replay was committed. Restart the query: the batch is redone "
-            "from the voted rows if the replay returns them, else settle the branch as "
-            "docs/coordinator-api.md says (force-ack)"
-        )
 
 
 def finish_commit(

@@ -76,17 +76,13 @@ _WRITE_OPTIONS: Final = {
 }
 
 
-def split_native(participants: Sequence[Participant], gang: bool
+def split_native(participants: Sequence[Participant]
                  ) -> tuple[tuple[Participant, ...], tuple[Participant, ...]]:
     """(native, Python) participants of a sink. Automatic: every participant goes native
     when all of them take files Spark wrote (the batch is then read by Spark's writers
     alone); in a sink with Python participants too, only those that ask for it
     (``native_preferred``: the batch is then persisted for both), since the rows reach
-    Python anyway and a second job over them was measured slower. Never under a barrier
-    stage (an in-task participant: its tasks wait for the decision, and a native write
-    has no task to wait in)."""
-    if gang:
-        return (), tuple(participants)
+    Python anyway and a second job over them was measured slower."""
     native = tuple(p for p in participants if native_eligible(p))
     if len(native) < len(participants):
         native = tuple(p for p in native if isinstance(p, SparkWritten)

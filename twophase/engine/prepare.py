@@ -1,7 +1,7 @@
 """The batch's Spark job (the protocol's "prepare" step, run from the driver): one task
 per partition runs ``twophase.engine.task.run_partition`` over its rows; the job's result is
-one ``BranchOutcome`` row per task. Ordinary tasks when every participant prepares
-durably; one barrier stage when a participant's prepared branch lives only in its task.
+one ``BranchOutcome`` row per task: ordinary tasks, each ending with its votes (every
+participant's prepare outlives its task).
 
 The job's DataFrame is planned once per batch before the attempt is known
 (``frame``): the batch's part of the plan reaches the tasks as a job property
@@ -53,14 +53,13 @@ class PrepareJob:
     part) is set once the driver has connected and registered its epoch."""
 
     def __init__(self, participants: Sequence[Participant], split_columns: Sequence[str],
-                 one_branch: bool, gang: bool) -> None:
+                 one_branch: bool) -> None:
         self.participants = tuple(participants)
         self.split_columns = tuple(split_columns)
         self.one_branch = one_branch
-        self.gang = gang
         self.template: BatchPlan | None = None
         # the native data path's participants, and the Python job's of a new attempt
-        self.native, self.python = split_native(self.participants, gang)
+        self.native, self.python = split_native(self.participants)
         self._native = NativePrepare(self.native) if self.native else None
         # the persist policy (None): persist when two consumers read the split batch;
         # False recomputes it per consumer (bench/persist.py measures what that costs)
@@ -77,7 +76,7 @@ class PrepareJob:
                    token_file: str | None = None) -> None:
         """What every batch's plan shares (``plan`` fills in the batch)."""
         self.template = BatchPlan(
-            key=TxnKey("", "", 0, 0), epoch=epoch, partitions=0, mode="run",
+            key=TxnKey("", "", 0, 0), epoch=epoch, partitions=0, mode=PREPARE,
             coordinator_url=coordinator_url, token=token, participants=self.participants,
             decision_timeout=vote_timeout + 60.0, ca_pem=ca_pem,
             retry_budget=retry_budget, driver_acks=True, token_file=token_file,
@@ -128,7 +127,7 @@ class PrepareJob:
         kept = self._maps.get(id(base))
         if kept is None or kept[0] is not base or not kept[1].equals(batch_schema):
             kept = (base, batch_schema, ArrowMap(self._task(None, batch_schema, base),
-                                                 report_struct(), self.gang))
+                                                 report_struct()))
             self._maps = {k: v for k, v in self._maps.items()
                           if v[0] is self.template or v[0] is self._python}
             self._maps[id(base)] = kept
@@ -150,7 +149,7 @@ class PrepareJob:
             self.template,
             key=txn.key,
             partitions=txn.partitions,
-            mode="finish" if kind == BeginKind.IN_DOUBT else "run" if self.gang else PREPARE,
+            mode="finish" if kind == BeginKind.IN_DOUBT else PREPARE,
             handles=handles,
             digests=digests,
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
@@ -181,7 +180,7 @@ class PrepareJob:
         ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
         attempt of a sink with native participants writes theirs with Spark's writer
         (``client`` settles earlier attempts) and runs the Python job for the rest."""
-        if plan.mode == "finish" and not self.gang and client is not None:
+        if plan.mode == "finish" and client is not None:
             finished = finish_on_driver(self.participants, df, plan, client)
             if finished is not None:  # else a branch needs its rows: the tasks' finish
                 return finished, ""
@@ -218,7 +217,7 @@ class PrepareJob:
             fixed = plan if template is None else dataclasses.replace(
                 plan, participants=self.python)
             job = (df if template is not None else self._split(df, plan)).mapInArrow(
-                self._task(fixed, batch_schema), report_struct(), barrier=self.gang)
+                self._task(fixed, batch_schema), report_struct())
         elif template is not None:  # the Python participants beside native ones, split
             job = self._mapped(df, template, batch_schema)
         elif plan.split == INPUT_SPLIT and direct is not None:
@@ -255,7 +254,7 @@ class PrepareJob:
             from pyspark import TaskContext
 
             entered = time.perf_counter()
-            ctx = TaskContext.get()  # a BarrierTaskContext in a barrier stage
+            ctx = TaskContext.get()
             assert ctx is not None, "a Spark task always has its context"
             partition = ctx.partitionId()
             # unique in the application: a retried or speculative copy has its own

@@ -5,12 +5,10 @@ tests drive it directly with real participants and a real coordinator. One task 
 the branches ``(participant, p)`` of every participant for its partition ``p``:
 
 1. settle what earlier attempts of this checkpoint left prepared (recovery rule);
-2. ``prepare`` (the default, in ordinary tasks): prepare every branch and end, the votes
-   going back with the job's result; the driver sends them (``twophase.engine.decide``) and
-   applies the decision (``twophase.engine.commit``);
-   ``run`` (a participant whose prepare dies with its process, Kafka's in-task
-   transaction; one barrier stage): prepare, vote, wait for the decision, apply it,
-   acknowledge;
+2. ``prepare`` (a new attempt): prepare every branch and end, the votes going back with
+   the job's result; the driver sends them (``twophase.engine.decide``) and applies the
+   decision (``twophase.engine.commit``). Every participant's prepare outlives the task
+   (``Participant`` refuses one that does not), so no task waits for the decision;
    ``finish``: COMMIT is already decided, so commit what is prepared and redo what is
    lost (Kafka), then acknowledge.
 
@@ -38,29 +36,23 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twophase import failpoints
 from twophase.client.wire import BranchMetrics, VoteIn, votes_body
 from twophase.digest import RowsDigest
 from twophase.engine.feed import first_rows, prepare_streaming
 from twophase.engine.finish import (
-    acknowledge,
-    apply_decision,
-    check_recorded,
     finish_commit,
     settle_earlier,
 )
-from twophase.engine.plan import PREPARE, BatchPlan, BranchOutcome
-from twophase.errors import RedoMismatch, TargetProblem
+from twophase.engine.plan import BatchPlan, BranchOutcome
+from twophase.errors import TargetProblem
 from twophase.participant import (
     EMPTY_BRANCH,
-    BranchRef,
     Handle,
     Participant,
-    ParticipantError,
     PrepareRefused,
-    is_empty_branch,
 )
 from twophase.protocol import (
     CommitScope,
@@ -72,7 +64,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from twophase.client.api import CoordinatorClient
-    from twophase.protocol import Transaction
 
 __all__ = ["run_partition"]
 
@@ -101,10 +92,10 @@ def _run_attempt(
     partition: int,
     schema: pa.Schema,
     batches: Iterator[pa.RecordBatch],
-    client: CoordinatorClient,
     out: BranchOutcome,
     task: str | None,
 ) -> None:
+    """Prepare this partition's branches of a new attempt and hand the votes over."""
     t0 = time.perf_counter()
     digest = RowsDigest(schema)  # stored with the vote: a redo must match it
     head, out.rows = first_rows(batches)
@@ -118,86 +109,31 @@ def _run_attempt(
             failpoints.hit("before_prepare", part.name, partition)
             results.append(EMPTY_BRANCH)
             failpoints.hit("after_prepare", part.name, partition)
-    prepared: list[tuple[Participant, BranchRef, Handle]] = []
     votes: list[VoteIn] = []
     unexpected: Exception | None = None
     for part, res in zip(plan.participants, results, strict=True):
-        ref, bid = plan.ref(part, partition), branch_id(part.name, partition)
+        bid = branch_id(part.name, partition)
         if isinstance(res, PrepareRefused):
             votes.append(VoteIn(branch=bid, yes=False, reason=str(res), task=task))
         elif isinstance(res, Exception):
-            # An unexpected failure while preparing: vote NO with the cause so the batch
-            # aborts now instead of at the vote deadline, undo what this task prepared,
-            # and fail the task so the driver sees the error.
+            # An unexpected failure while preparing: a NO vote with the cause (the task
+            # fails unless the target refused for good: ``_hand_over_votes``)
             votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(res).__name__}: {res}",
                                 task=task))
             unexpected = unexpected or res
         else:
-            prepared.append((part, ref, res))
             # prepares run together: each branch's time is the partition's prepare time
             measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
             votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
                                 metrics=measured, digest=digest.value(), task=task))
-    if plan.mode == PREPARE:
-        _hand_over_votes(plan, votes, unexpected, out, t0)
-        return
-    if unexpected is not None:
-        _vote_and_abort(plan, client, votes, prepared)
-        if not isinstance(unexpected, TargetProblem):
-            raise unexpected
-        # A target's permanent refusal is said in full by the NO vote (the driver leads
-        # its error with it): end the task quietly rather than add Spark's wall of frames.
-        acknowledge(plan, client, out, [(ref.branch_id, Decision.ABORT)
-                                         for _, ref, _ in prepared], {})
-        out.decision = Decision.ABORT.value
-        out.error = next((v.reason or "" for v in votes if not v.yes), "")
-        return
-    out.prepare_s = time.perf_counter() - t0
-    # The answer carries this task's branches only (O(own branches), not O(P)): all that
-    # check_recorded needs, as a recorded vote (its task and digest) never changes after.
-    answer = client.vote(plan.key, plan.epoch, votes, touched=True)
-    failpoints.hit("after_vote", None, partition)
-
-    t1 = time.perf_counter()
-    out.vote_s = t1 - t0 - out.prepare_s
-    refused = [v for v in votes if not v.yes]
-    if refused:
-        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
-    # The last voter's answer already carries the decision: no long-poll needed then.
-    decided = answer if answer.decision is not None else _await_decision(plan, client)
-    decision = decided.decision
-    assert decision is not None
-    out.wait_s = time.perf_counter() - t1
-    if decision == Decision.COMMIT:
-        try:  # a stage run again after the decision: only the voted rows may commit
-            check_recorded(plan, answer, votes, task)
-        except RedoMismatch:
-            for part, ref, handle in prepared:
-                if not is_empty_branch(handle):
-                    part.abort(ref, handle)
-            raise
-    t2 = time.perf_counter()
-    acks: list[tuple[str, Decision]] = []
-    measured_acks: dict[str, BranchMetrics] = {}
-    for part, ref, handle in prepared:
-        if _batch_commits(part, decision):
-            continue  # the driver commits the batch's files at once and acknowledges
-        tc = time.perf_counter()
-        apply_decision(part, ref, handle, decision)
-        acks.append((ref.branch_id, decision))
-        measured_acks[ref.branch_id] = {"wait_s": out.wait_s,
-                                        "commit_s": time.perf_counter() - tc}
-    failpoints.hit("before_ack", None, partition)
-    acknowledge(plan, client, out, acks, measured_acks)
-    out.commit_s = time.perf_counter() - t2
-    out.decision = decision.value
+    _hand_over_votes(plan, votes, unexpected, out, t0)
 
 
 def _hand_over_votes(
     plan: BatchPlan, votes: list[VoteIn], unexpected: Exception | None, out: BranchOutcome,
     t0: float,
 ) -> None:
-    """``prepare`` mode: the task's votes go back with the job's result, and the driver
+    """A new attempt's votes go back with the job's result, and the driver
     sends every task's at once (``twophase.engine.decide``): one result per partition is what
     Spark keeps of a task run twice (a retry, a speculative copy), so the votes the
     coordinator sees are one task attempt's per branch. YES votes first: a NO then decides
@@ -222,36 +158,6 @@ def _prepare_one(plan: BatchPlan, part: Participant, partition: int, schema: pa.
     handle = part.prepare(plan.ref(part, partition), schema, source)
     failpoints.hit("after_prepare", part.name, partition)
     return handle
-
-
-def _vote_and_abort(
-    plan: BatchPlan,
-    client: CoordinatorClient,
-    votes: list[Any],
-    prepared: list[tuple[Participant, BranchRef, Handle]],
-) -> None:
-    try:
-        client.vote(plan.key, plan.epoch, votes, brief=True)  # the answer is not read
-    finally:
-        for part, ref, handle in prepared:
-            if not is_empty_branch(handle):
-                part.abort(ref, handle)
-
-
-def _await_decision(plan: BatchPlan, client: CoordinatorClient) -> Transaction:
-    deadline = time.monotonic() + plan.decision_timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ParticipantError(
-                f"no decision for {plan.key.sink} batch {plan.key.batch_id} attempt "
-                f"{plan.key.attempt} within {plan.decision_timeout:.0f}s"
-            )
-        # brief: the state and decision only, not every branch of the batch (P tasks
-        # each waiting would fetch O(P) bytes each: O(P^2) in all)
-        txn = client.await_decision(plan.key, timeout=min(remaining, 30.0), brief=True)
-        if txn.decision is not None:
-            return txn
 
 
 def run_partition(
@@ -280,7 +186,7 @@ def run_partition(
             out.rows = sum(b.num_rows for b in rows)
             finish_commit(plan, partition, schema, rows, cl, out)
         else:
-            _run_attempt(plan, partition, schema, iter(batches), cl, out, task)
+            _run_attempt(plan, partition, schema, iter(batches), out, task)
     finally:
         for part in plan.participants:
             part.close()

@@ -4,10 +4,9 @@ modules (docs/user/compatibility.md).
 
 The sink runs on Spark 3.5 and 4.x. What it needs, and since when Spark has it:
 
-- ``DataFrame.mapInArrow(..., barrier=True)``: the barrier stage of a sink with an
-  in-task participant (Kafka's in-task prepare) and, without it, the prepare job itself.
-  Added in Spark 3.5.0 (SPARK-42896), the floor;
-- ``foreachBatch`` under Spark Connect: Spark 3.5.0 (SPARK-42944), the same floor;
+- ``DataFrame.mapInArrow``: the prepare job (Spark 3.3);
+- ``foreachBatch`` under Spark Connect: Spark 3.5.0 (SPARK-42944), the floor, which is
+  also the oldest release the suite runs on;
 - ``to_arrow_schema(schema, timezone=)``: pyspark 4.2. Older ones say UTC for every
   timestamp while the JVM hands ``mapInArrow`` the session's zone, so the zone is set
   here (:func:`arrow_schema_of`), found by the call's signature;
@@ -33,8 +32,8 @@ __all__ = ["SPARK_FLOOR", "ArrowMap", "arrow_schema_of", "check_spark", "in_zone
            "zone_of"]
 
 SPARK_FLOOR = (3, 5)
-"""The oldest Spark release the sink runs on (``mapInArrow``'s ``barrier=``, Connect's
-``foreachBatch``: both 3.5.0)."""
+"""The oldest Spark release the sink runs on (Connect's ``foreachBatch``: 3.5.0; the
+suite's Spark 3.5 job runs the sink there)."""
 
 
 def spark_version(text: str) -> tuple[int, int]:
@@ -56,10 +55,9 @@ def check_spark(sink: str, jvm: str, python: str) -> None:
     floor = f"{SPARK_FLOOR[0]}.{SPARK_FLOOR[1]}"
     if spark < SPARK_FLOOR:
         raise EnvironmentProblem(
-            f"sink {sink!r}: Spark {jvm} is too old: the sink prepares each batch with "
-            f"mapInArrow(barrier=...) and, under Spark Connect, runs in foreachBatch, both "
-            f"added in Spark {floor}.0. Fix: run on Spark {floor} or 4.x "
-            "(docs/user/compatibility.md)")
+            f"sink {sink!r}: Spark {jvm} is too old: the sink runs in foreachBatch under Spark "
+            f"Connect, added in Spark {floor}.0, and is tested from there. Fix: run on "
+            f"Spark {floor} or 4.x (docs/user/compatibility.md)")
     if client != spark:
         raise EnvironmentProblem(
             f"sink {sink!r}: pyspark {python} talks to Spark {jvm}: Python and JVM sides of "
@@ -126,7 +124,7 @@ _COLUMN_MAP: dict[str, bool] = {}  # "ok": whether Dataset.mapInArrow takes a Co
 
 
 class ArrowMap:
-    """``df.mapInArrow(func, schema, barrier=barrier)`` for every batch, with ``func``
+    """``df.mapInArrow(func, schema)`` for every batch, with ``func``
     pickled and handed to the JVM once.
 
     ``DataFrame.mapInArrow`` makes a new UDF per call: it pickles the function (the task's
@@ -138,14 +136,14 @@ class ArrowMap:
     one broadcast. Where that JVM method is not there (Spark 3.5 takes a PythonUDF; Spark
     Connect has no JVM here) this is the public ``mapInArrow``, as before."""
 
-    def __init__(self, func: Any, schema: Any, barrier: bool) -> None:
-        self.func, self.schema, self.barrier = func, schema, barrier
+    def __init__(self, func: Any, schema: Any) -> None:
+        self.func, self.schema = func, schema
         self._mapped: tuple[Any, tuple[str, ...], Any] | None = None  # (jsc, names, Column)
 
     def __call__(self, df: Any) -> Any:
         jdf = getattr(df, "_jdf", None)
         if jdf is None or not _COLUMN_MAP.get("ok", True):
-            return df.mapInArrow(self.func, self.schema, barrier=self.barrier)
+            return df.mapInArrow(self.func, self.schema)
         from py4j.protocol import Py4JError, Py4JJavaError
         from pyspark.sql import DataFrame  # as pyspark's own mapInArrow makes it
 
@@ -155,13 +153,13 @@ class ArrowMap:
         try:
             if self._mapped is None or self._mapped[0] is not jsc or self._mapped[1] != names:
                 self._mapped = (jsc, names, self._column(names))
-            mapped = jdf.mapInArrow(self._mapped[2], self.barrier, None)
+            mapped = jdf.mapInArrow(self._mapped[2], False, None)  # no barrier stage
         except (ImportError, Py4JError) as exc:
             if isinstance(exc, Py4JJavaError) or (isinstance(exc, Py4JError)
                                                   and "does not exist" not in str(exc)):
                 raise  # Spark refused the plan, or the JVM is gone: its own error
             _COLUMN_MAP["ok"] = False  # not this pyspark or JVM method: the public one
-            return df.mapInArrow(self.func, self.schema, barrier=self.barrier)
+            return df.mapInArrow(self.func, self.schema)
         _COLUMN_MAP["ok"] = True
         return DataFrame(mapped, session)
 

@@ -1,5 +1,4 @@
-"""Before a sink writes anything: can the executors run its tasks? (And, for a barrier
-stage, does the cluster offer a slot per task: ``check_gang``.)
+"""Before a sink writes anything: can the executors run its tasks?
 
 A sink's tasks run in the executors' Python, which is not the driver's unless someone
 said so: Spark starts ``python3`` from the PATH when neither ``PYSPARK_PYTHON`` nor
@@ -34,14 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
-from twophase.errors import EnvironmentProblem, InvalidRequest, TargetProblem
+from twophase.errors import EnvironmentProblem, TargetProblem
 from twophase.participant import Participant
-from twophase.spark.session import task_slots
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    pass
 
-__all__ = ["HostReport", "PreflightReport", "check_executors", "check_gang", "choose_worker_python",
+__all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
            "modules_to_check", "preflight_sink", "probe_targets"]
 
 log = logging.getLogger("twophase.preflight")
@@ -461,37 +459,3 @@ def _spark_cause(exc: BaseException) -> str:
 def _skip_py4j(lines: list[str]) -> Iterator[str]:
     return (ln for ln in lines if not ln.startswith(("An error occurred while calling",
                                                      "py4j.protocol.Py4JJavaError")))
-
-
-def check_gang(df: DataFrame, sink: str, in_task: str, partitions: int, wait: float) -> None:
-    """A barrier stage of ``partitions`` tasks (``in_task`` names the participants that
-    need it) runs only without dynamic allocation and with that many task slots at once:
-    refuse otherwise, with the fix, waiting up to ``wait`` seconds for executors."""
-    conf = df.sparkSession.conf
-    master = conf.get("spark.master", "local") or "local"
-    dyn = (conf.get("spark.dynamicAllocation.enabled", "false") or "false").lower()
-    if dyn == "true" and not master.startswith("local"):
-        raise InvalidRequest(
-            f"sink {sink!r}: spark.dynamicAllocation.enabled=true, but "
-            f"{in_task} keeps its prepared branches in-task until the "
-            "decision, so the sink runs each batch as a barrier stage, which Spark "
-            "does not run under dynamic allocation; start the application with "
-            "--conf spark.dynamicAllocation.enabled=false and a fixed executor count "
-            "(--num-executors / spark.cores.max) covering the sink's partitions"
-        )
-    slots = task_slots(df)
-    if slots is None:  # Spark Connect: no SparkContext to ask; Spark's own check rules
-        return
-    deadline = time.monotonic() + wait
-    while slots < partitions and time.monotonic() < deadline:
-        time.sleep(0.5)  # executors may still be registering
-        slots = task_slots(df) or 0
-    if slots < partitions:
-        raise InvalidRequest(
-            f"sink {sink!r}: a batch needs {partitions} task slots at once (one "
-            f"barrier task per partition, as {in_task} keeps its prepared "
-            f"branches in-task) but the cluster offers {slots} (waited "
-            f"{wait:.0f}s for executors); pass partitions<={slots} to "
-            "the sink, or give the application more executor cores "
-            "(spark.cores.max / --num-executors x spark.executor.cores)"
-        )

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 __all__ = ["arrow_schema", "coordinator_address", "default_partitions", "jvm_context",
-           "query_lineage", "run_through", "spark_connect_client", "task_slots"]
+           "query_lineage", "run_through", "spark_connect_client"]
 
 
 QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on the stream execution thread
@@ -60,17 +60,6 @@ def jvm_context(df: DataFrame) -> Any:
     if type(session).__module__.startswith("pyspark.sql.connect"):
         return None
     return session.sparkContext
-
-
-def task_slots(df: DataFrame) -> int | None:
-    """How many tasks the application's executors can run at once (Spark's own figure
-    for barrier stages), or None when it cannot be asked (Spark Connect)."""
-    sc = jvm_context(df)
-    if sc is None:
-        return None
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
 
 
 def default_partitions(df: DataFrame) -> int:

@@ -22,14 +22,13 @@ _SOURCES = frozenset({
 def input_partitions(df: DataFrame, any_split: bool = False) -> int | None:
     """How many partitions the batch has as Spark made it, when a replay of the batch
     makes the same split: its RDD lineage is one source RDD and then only one-to-one
-    (narrow, same partition) steps, no shuffle, no union, no coalesce (which a barrier
-    stage would refuse anyway); 0 when the source is known to hold no rows at all. With
-    ``any_split`` (a sink whose prepares are durable: only a redo, which the vote's digest
-    checks, needs a replay split alike) also a split that comes from a shuffle, a union
-    or a coalesce, as planned (a stateful aggregation's ``spark.sql.shuffle.partitions``):
-    no second shuffle. None otherwise, or when it cannot be told (Spark Connect).
-    foreachBatch hands the batch over as an RDD scan, so the RDD, not the plan, is read.
-    Plans the batch; runs no job."""
+    (narrow, same partition) steps, no shuffle, no union, no coalesce; 0 when the source
+    is known to hold no rows at all. With ``any_split`` (the sink: its prepares are
+    durable, so only a redo, which the vote's digest checks, needs a replay split alike)
+    also a split that comes from a shuffle, a union or a coalesce, as planned (a stateful
+    aggregation's ``spark.sql.shuffle.partitions``): no second shuffle. None otherwise, or
+    when it cannot be told (Spark Connect). foreachBatch hands the batch over as an RDD
+    scan, so the RDD, not the plan, is read. Plans the batch; runs no job."""
     try:
         rdd = df._jdf.queryExecution().toRdd()
         # With any split allowed, only an empty local relation answers otherwise than the

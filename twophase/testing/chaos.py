@@ -48,7 +48,6 @@ from twophase.testing.chaosplan import (
     PER_BRANCH_POINTS,
     TABLE_POINTS,
     VICTIMS,
-    WORKER_POINTS,
     ChaosError,
     ChaosOptions,
     KillEvent,
@@ -70,7 +69,6 @@ __all__ = [
     "PER_BRANCH_POINTS",
     "TABLE_POINTS",
     "VICTIMS",
-    "WORKER_POINTS",
     "ChaosError",
     "ChaosOptions",
     "points_for",
@@ -113,12 +111,11 @@ class _Chaos:
                 "(docs/writing-a-participant.md) so the verifier can read its output")
         self.participant_names = [p.name for p in built]
         self.tables = any(p.commit_scope == CommitScope.BATCH for p in built)
-        self.in_task = any(not p.durable_prepare for p in built)
         from twophase.sinks.kafka import KafkaParticipant
 
         kafka = [p for p in built if isinstance(p, KafkaParticipant)]
         self.kafka_staged = [p.name for p in kafka if p.prepare_mode == "staged"]
-        # Written once (resumable, in-task): open from the vote until EndTxn.
+        # Written once (resumable): open from the vote until EndTxn.
         self.kafka_once = [p.name for p in kafka if p.prepare_mode != "staged"]
         self.kafka_prepare = kafka[0].prepare_mode if kafka else None  # as run
         self.batch_seconds: list[float] = [3.0]
@@ -211,8 +208,8 @@ class _Chaos:
         return self.rng.choice(self.o.victims)
 
     def _choose_failpoint(self, victim: str) -> str | None:
-        points = points_for(victim, self.o.coordinator_mode, self.tables, self.in_task,
-                            bool(self.kafka_staged))
+        points = points_for(victim, self.o.coordinator_mode, self.tables,
+                            kafka_staged=bool(self.kafka_staged))
         if not points:
             return None
         aim = (self.kafka_once and sum(ev.endtxn for ev in self.events) < self.o.aim_endtxn

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COORDINATOR_POINTS", "DRIVER_POINTS", "ENDTXN_POINTS", "KAFKA_COPY_POINTS",
            "PER_BRANCH_POINTS",
-           "TABLE_POINTS", "VICTIMS", "WORKER_POINTS", "ChaosError", "ChaosOptions", "KillEvent",
+           "TABLE_POINTS", "VICTIMS", "ChaosError", "ChaosOptions", "KillEvent",
            "points_for"]
 
 VICTIMS = ("driver", "worker", "coordinator", "broker")
@@ -27,21 +27,17 @@ TABLE_POINTS = ("before_batch_commit", "after_batch_commit")
 """Driver points around a table's once-per-batch commit: chosen only when the job writes
 a participant that commits per batch (Iceberg, Delta)."""
 COORDINATOR_POINTS = ("coordinator_before_decision", "after_decision")
-WORKER_POINTS = (
-    "before_prepare", "after_prepare", "after_vote", "before_commit", "after_commit",
-    "before_ack",
-)
 PREPARE_POINTS = ("before_prepare", "after_prepare")
-"""The task's points when no participant is in-task: tasks prepare, the driver commits."""
+"""The task's points: tasks prepare and end, the driver commits."""
 DRIVER_COMMIT_POINTS = ("before_commit", "after_commit")
-"""Where the driver applies a decision to each branch (no in-task participant)."""
+"""Where the driver applies a decision to each branch."""
 KAFKA_COPY_POINTS = ("mid_commit",)
 """Inside a staged Kafka branch's commit on the driver: the copy's transaction open."""
 ENDTXN_POINTS = ("coordinator_before_decision", "after_decision", "before_commit")
-"""Where a kill leaves a written-once Kafka branch (resumable or in-task) voted and its
-transaction open, ``EndTxn`` not sent: every vote in, decision not written; decision
-written, not answered; decision known, not applied (``before_commit`` of a Kafka branch:
-on the driver for the resumable prepare, in the task for the in-task one)."""
+"""Where a kill leaves a written-once (resumable) Kafka branch voted and its transaction
+open, ``EndTxn`` not sent: every vote in, decision not written; decision written, not
+answered; decision known, not applied (``before_commit`` of a Kafka branch, on the
+driver)."""
 # Points hit once per branch (participant and partition known); the others are hit once
 # per task (partition only) or outside tasks.
 PER_BRANCH_POINTS = frozenset({"before_prepare", "after_prepare", "before_commit", "after_commit",
@@ -53,22 +49,20 @@ class ChaosError(TwophaseError, RuntimeError):
 
 
 def points_for(
-    victim: str, mode: str, tables: bool = False, in_task: bool = True,
-    kafka_staged: bool = False,
+    victim: str, mode: str, tables: bool = False, kafka_staged: bool = False,
 ) -> tuple[str, ...]:
     """The failpoints whose ``kill`` lands in ``victim`` for this coordinator mode
-    (``tables``: the job writes a participant that commits once per batch; ``in_task``:
-    it writes an in-task participant (Kafka), so its tasks vote, wait, commit and
-    acknowledge; without one the tasks only prepare and the driver commits;
-    ``kafka_staged``: a staged Kafka participant, whose copy the driver commits)."""
+    (``tables``: the job writes a participant that commits once per batch;
+    ``kafka_staged``: a staged Kafka participant, whose copy the driver commits). The
+    tasks only prepare; the driver commits."""
     if victim == "driver":
         # The embedded coordinator lives in the driver: its points kill the driver.
         return (DRIVER_POINTS + (TABLE_POINTS if tables else ())
-                + (() if in_task else DRIVER_COMMIT_POINTS)
-                + (KAFKA_COPY_POINTS if kafka_staged and not in_task else ())
+                + DRIVER_COMMIT_POINTS
+                + (KAFKA_COPY_POINTS if kafka_staged else ())
                 + (COORDINATOR_POINTS if mode == "embedded" else ()))
     if victim == "worker":
-        return WORKER_POINTS if in_task else PREPARE_POINTS
+        return PREPARE_POINTS
     if victim == "coordinator":
         return COORDINATOR_POINTS if mode == "daemon" else ()
     if victim == "broker":

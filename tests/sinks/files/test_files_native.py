@@ -116,7 +116,6 @@ def test_which_path_each_participant_takes(tmp_path: Path) -> None:
     asked = StagedFileParticipant(str(tmp_path / "b"), native=True)
     python = StagedFileParticipant(str(tmp_path / "c"), native=False)
     pg = PostgresParticipant(dsn="postgresql://localhost/x", table="t")
-    assert split_native([auto, asked], gang=False) == ((auto, asked), ())  # all native
-    assert split_native([auto, pg], gang=False) == ((), (auto, pg))  # beside Python: asked only
-    assert split_native([asked, auto, python], gang=False) == ((asked,), (auto, python))
-    assert split_native([auto], gang=True) == ((), (auto,))  # a barrier stage: never
+    assert split_native([auto, asked]) == ((auto, asked), ())  # all native
+    assert split_native([auto, pg]) == ((), (auto, pg))  # beside Python: asked only
+    assert split_native([asked, auto, python]) == ((asked,), (auto, python))

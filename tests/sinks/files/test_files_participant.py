@@ -38,7 +38,7 @@ def _all_files(root: Path) -> list[str]:
 
 def test_file_names_and_handle(tmp_path: Path) -> None:
     p = StagedFileParticipant(str(tmp_path / "out"))
-    assert p.name == "files-out" and p.kind == "files" and p.durable_prepare
+    assert p.name == "files-out" and p.kind == "files"
     b = _branch(p, batch_id=42, attempt=2, partition=7)
     h = p.prepare(b, SCHEMA, [_batch([1, 2])])
     staged = f"s~part-s~lin-1-{42:020d}-files-out-00007.attempt-2.parquet"

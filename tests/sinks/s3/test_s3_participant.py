@@ -107,7 +107,7 @@ def _nothing_left(s3: LocalS3, bucket: str, prefix: str) -> None:
 def test_same_class_names_and_handle(s3: LocalS3, s3_bucket: str) -> None:
     prefix = unique_prefix("names")
     p = _p(s3, s3_bucket, f"{prefix}/orders")
-    assert isinstance(p, StagedFileParticipant) and p.kind == "files" and p.durable_prepare
+    assert isinstance(p, StagedFileParticipant) and p.kind == "files"
     assert p.name == "files-orders"
     assert p.url == f"s3://{s3_bucket}/{prefix}/orders/"
     b = _branch(p, batch_id=42, attempt=2, partition=7)

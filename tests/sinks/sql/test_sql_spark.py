@@ -44,7 +44,7 @@ def _cases() -> list[object]:
     coordinator); one runs by default, the rest with ``-m slow``."""
     return [pytest.param(v, p, id=f"{v}-{p}",
                          marks=[] if (v, p) in FAST else [pytest.mark.slow])
-            for v in ("driver", "worker") for p in points_for(v, "embedded", in_task=False)]
+            for v in ("driver", "worker") for p in points_for(v, "embedded")]
 
 
 @pytest.mark.parametrize(("victim", "point"), _cases())
