@@ -121,15 +121,7 @@ def check_topic(
             f"{timeout:g}s: {describe_error(exc)}"
         ) from exc
     broker_cfg = _broker_config(who, bootstrap, admin, md, timeout)
-    max_timeout = int(
-        broker_cfg.get("transaction.max.timeout.ms", DEFAULT_TRANSACTION_MAX_TIMEOUT_MS)
-    )
-    if transaction_timeout_ms > max_timeout:
-        raise ParticipantError(
-            f"{who}: transaction_timeout_ms={transaction_timeout_ms} "
-            f"exceeds the broker's transaction.max.timeout.ms={max_timeout}; lower it or "
-            "raise the broker setting"
-        )
+    _check_timeout(who, transaction_timeout_ms, broker_cfg)
     topic_md = md.topics.get(topic)
     if topic_md is None or topic_md.error is not None:
         _create_topic(who, bootstrap, admin, topic, broker_cfg, timeout)
@@ -253,6 +245,31 @@ def _configs(
     return {n: e.value for n, e in entries.items() if e.value is not None}
 
 
+def _check_timeout(who: str, transaction_timeout_ms: int, broker_cfg: Mapping[str, str]) -> None:
+    """The transaction timeout within the broker's maximum, or an error naming both."""
+    max_timeout = int(
+        broker_cfg.get("transaction.max.timeout.ms", DEFAULT_TRANSACTION_MAX_TIMEOUT_MS)
+    )
+    if transaction_timeout_ms > max_timeout:
+        raise ParticipantError(
+            f"{who}: transaction_timeout_ms={transaction_timeout_ms} "
+            f"exceeds the broker's transaction.max.timeout.ms={max_timeout}; lower it or "
+            "raise the broker setting"
+        )
+
+
+def _timeout_refused(who: str, producer_config: Mapping[str, object], timeout: float) -> None:
+    """The broker refused the producer's transaction timeout (``INVALID_TRANSACTION_TIMEOUT``
+    at ``init_transactions``): raise :func:`_check_timeout`'s error, with the broker's
+    maximum read from its configs, rather than the broker's bare words."""
+    config = common_config(producer_config)
+    bootstrap = str(config["bootstrap.servers"])
+    admin, errors = _admin(config)
+    md = list_metadata(admin, errors, timeout)
+    _check_timeout(who, int(str(producer_config["transaction.timeout.ms"])),
+                   _broker_config(who, bootstrap, admin, md, timeout))
+
+
 def _broker_config(
     who: str, bootstrap: str, admin: Any, md: Any, timeout: float
 ) -> dict[str, str]:
@@ -349,6 +366,8 @@ def probe_transactional_write(
                 "grant the principal Write and Describe on the transactional ids by prefix "
                 f"(kafka-acls.sh --add {acl_hint})", host=host,
                 kind=Failure.AUTHORIZATION) from None
+        if err is not None and err.name() == "INVALID_TRANSACTION_TIMEOUT":
+            _timeout_refused(who, producer_config, timeout)  # names both numbers
         # another process probing the same id at once: the broker accepted it
         if err is None or err.name() not in _PROBE_RACES:
             raise ParticipantError(

@@ -11,53 +11,22 @@ file, no open Kafka transaction."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
+from tests.support.driver_kill import kill_when_held, prepared, start_driver
 from tests.support.kafka import create_topic, unique_topic
 from twophase import failpoints
+from twophase.sinks.files import STAGING_DIR
 from twophase.testing.job import JobConfig, build_participants, expected_ids, write_input
 from twophase.testing.verify import VerifyReport, verify
 
 pytestmark = [pytest.mark.spark, pytest.mark.real_kafka]
 
 ROWS = 40
-
-
-def _start(cfg_path: Path, env_extra: dict[str, str], log: Path) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (failpoints.ENV, failpoints.ONCE_DIR_ENV, "PYSPARK_PYTHON")}
-    env.update(env_extra)
-    with open(log, "a") as err:
-        return subprocess.Popen([sys.executable, "-m", "twophase.testing.job", str(cfg_path)],
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-
-
-def _kill_when_held(proc: subprocess.Popen[str], once: Path, log: Path) -> None:
-    """SIGKILL the driver's whole process group once the failpoint holds it."""
-    deadline = time.monotonic() + 300
-    while not failpoints.fired(str(once)):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    time.sleep(0.5)  # the other commit lanes go on while one is held: let them land
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-def _prepared(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        return [r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
 
 
 def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: list[str],
@@ -72,14 +41,14 @@ def _killed_runs(cfg: JobConfig, tmp_path: Path, driver_kills: list[str],
     batches = 1
     for i, spec in enumerate(driver_kills):
         once = tmp_path / f"once{i}"
-        proc = _start(cfg_path, {failpoints.ENV: f"{spec}=sleep(120)*1",
-                                 failpoints.ONCE_DIR_ENV: str(once)}, log)
-        _kill_when_held(proc, once, log)
+        proc = start_driver(cfg_path, {failpoints.ENV: f"{spec}=sleep(120)*1",
+                                       failpoints.ONCE_DIR_ENV: str(once)}, log)
+        kill_when_held(proc, once, log)
         write_input(cfg.input_dir, 1, ROWS, first=batches)
         batches += 1
     once = tmp_path / "worker"
-    last = _start(cfg_path, {failpoints.ENV: f"{worker_kill}=kill*1",
-                             failpoints.ONCE_DIR_ENV: str(once)}, log)
+    last = start_driver(cfg_path, {failpoints.ENV: f"{worker_kill}=kill*1",
+                                   failpoints.ONCE_DIR_ENV: str(once)}, log)
     out, _ = last.communicate(timeout=600)
     assert last.returncode == 0, log.read_text()[-3000:]
     assert len(failpoints.fired(str(once))) == 1, worker_kill
@@ -133,16 +102,18 @@ def test_every_kind_killed_through_the_door(
     assert report.ok, report.lines()
     assert [s.rows for s in report.systems] == [ROWS * 5] * 6, report.lines()
     _kafka_judged(report)
-    assert [g for g in _prepared(pg_dsn) if cfg.sink in g] == []
+    assert [g for g in prepared(pg_dsn) if cfg.sink in g] == []
     assert mariadb_server.sql("XA RECOVER") == []
 
 
-@pytest.mark.slow  # three driver runs: about 2 minutes
+@pytest.mark.slow  # five driver runs: about 3 minutes
 def test_staged_kafka_killed_through_the_door(
     tmp_path: Path, pg_dsn: str, kafka_bootstrap: str,
 ) -> None:
     """Kafka's staged prepare (the driver copies the staged records into the topic)
-    beside PostgreSQL and local files, killed before the commit and in the copy."""
+    beside PostgreSQL and local files, killed before the commit and in the copy; the
+    local files also with their branches staged and no vote handed back, and with a
+    branch renamed into place, not acknowledged."""
     tag = secrets.token_hex(3)
     topic = unique_topic("doorstaged")
     create_topic(kafka_bootstrap, topic, partitions=2)
@@ -157,10 +128,21 @@ def test_staged_kafka_killed_through_the_door(
     name = {p.kind: p.name for p in build_participants(cfg)}
     report = _killed_runs(cfg, tmp_path, [
         f"before_commit@{name['files']}",  # COMMIT decided, the files' rename held
+        # a task's file staged and fsynced (PostgreSQL's branch prepared before it), no
+        # vote handed back: the restart's new attempt writes it again, the staged one
+        # is swept
+        f"after_prepare@{name['files']}",
+        # a staged file renamed into the visible folder, not acknowledged: the restart
+        # finds it committed and does not write it twice
+        f"after_commit@{name['files']}",
         # the staged copy's transaction open (records and marker sent), not committed
         f"mid_commit@{name['kafka']}",
     ], worker_kill=f"after_prepare@{name['kafka']}")  # staged, no vote handed back
     assert report.ok, report.lines()
-    assert [s.rows for s in report.systems] == [ROWS * 3] * 3, report.lines()
+    assert [s.rows for s in report.systems] == [ROWS * 5] * 3, report.lines()
     _kafka_judged(report)
-    assert [g for g in _prepared(pg_dsn) if cfg.sink in g] == []
+    files = next(s for s in report.systems if s.kind == "files")
+    assert (files.prepared_leftovers, files.temp_leftovers) == (0, 0), report.lines()
+    staging = tmp_path / "out" / STAGING_DIR
+    assert not staging.exists() or [f for f in staging.rglob("*") if f.is_file()] == []
+    assert [g for g in prepared(pg_dsn) if cfg.sink in g] == []

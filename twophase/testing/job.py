@@ -68,6 +68,8 @@ class JobConfig:
     # KafkaParticipant(prepare=...): "resumable", "staged" ("in_task" refused: retired in
     # 0.4); None: its default
     kafka_prepare: str | None = None
+    # KafkaParticipant(transaction_timeout_ms=...); None: its default
+    kafka_transaction_timeout_ms: int | None = None
     # librdkafka settings (TLS, SASL) from a properties file, read where the participant
     # is made; the password from TWOPHASE_KAFKA_SASL_PASSWORD, never in this config
     kafka_config_file: str | None = None
@@ -199,6 +201,8 @@ def build_participants(cfg: JobConfig) -> list[Participant]:
             if cfg.kafka_config_file else {}
         chosen: dict[str, Any] = {} if cfg.kafka_prepare is None else {
             "prepare": cfg.kafka_prepare}
+        if cfg.kafka_transaction_timeout_ms is not None:
+            chosen["transaction_timeout_ms"] = cfg.kafka_transaction_timeout_ms
         parts.append(
             KafkaParticipant(topic=cfg.kafka_topic,
                              config={**settings, "bootstrap.servers": cfg.kafka_bootstrap},
@@ -390,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def progress(r: BatchReport) -> None:
         print(json.dumps({"batch": r.batch_id, "outcome": r.outcome, "attempts": r.attempts,
-                          "rows": r.rows, "seconds": round(r.seconds, 3)}), flush=True)
+                          "rows": r.rows, "recovered": r.recovered, "redone": r.redone,
+                          "seconds": round(r.seconds, 3)}), flush=True)
 
     run(cfg, on_batch=progress)
     print(json.dumps({"done": True}), flush=True)
