@@ -3,6 +3,7 @@ answers and documented schemas, and the client's request bodies."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -99,6 +100,24 @@ def test_answers_match_their_documented_schema() -> None:
     begun = wire.encode_begin(res)
     assert TypeAdapter(wire.BeginOut).validate_python(begun) == begun
     assert wire.decode_begin(json.loads(json.dumps(begun))) == res
+
+
+def test_a_touched_answer_decodes_into_the_callers_copy() -> None:
+    """``decode_touched``: the answer's branches over the copy's, in the copy's order; a
+    branch the copy lacks, or a merge that is not coherent, asks for the whole record."""
+    base = _txn()
+    voted = dataclasses.replace(base, state=p.State.COMMITTING, branches={
+        **base.branches, "kafka/0": p.BranchState(vote=p.Decision.COMMIT, handle={"t": "x"})})
+    answer = wire.encode_txn(voted, only=["kafka/0"])
+    merged = wire.decode_touched(json.loads(json.dumps(answer)), base)
+    assert merged == voted and list(merged.branches) == ["pg/0", "kafka/0"]
+    stranger = wire.encode_txn(dataclasses.replace(
+        base, branches={"s3/0": p.BranchState()}), only=["s3/0"])
+    assert wire.decode_touched(stranger, base) is None
+    # acknowledged under no decision: no record the machine leaves, so not merged
+    acked = dataclasses.replace(base, branches={
+        **base.branches, "kafka/0": p.BranchState(ack=p.Decision.COMMIT)})
+    assert wire.decode_touched(wire.encode_txn(acked, only=["kafka/0"]), base) is None
 
 
 def test_openapi_response_schemas_are_wires(tmp_path: Path) -> None:

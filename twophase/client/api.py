@@ -18,8 +18,6 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -37,7 +35,7 @@ from twophase.errors import (
 )
 from twophase.protocol import TxnKey
 
-__all__ = ["CoordinatorClient", "merge_touched", "pinned", "read_token_file"]
+__all__ = ["CoordinatorClient", "pinned", "read_token_file"]
 
 TOKEN_ENV: Final = "TWOPHASE_TOKEN"  # noqa: S105 - a variable name, not a secret
 TOKEN_FILE_ENV: Final = "TWOPHASE_CLIENT_TOKEN_FILE"  # noqa: S105 - a variable name
@@ -241,6 +239,25 @@ class CoordinatorClient:
         sink, lineage, checkpoint, attempt = key
         return f"/v1/txns/{_seg(sink)}/{_seg(lineage)}/{int(checkpoint)}/{int(attempt)}"
 
+    def _txn(self, method: str, key: TxnKey, action: str = "", body: Any = None, *,
+             into: protocol.Transaction | None = None, admin: bool = False,
+             params: Mapping[str, Any] | None = None, read_timeout: float | None = None,
+             ) -> protocol.Transaction:
+        """One call on transaction ``key`` (``action``: its verb, e.g. ``/votes``) whose
+        answer is the record, decoded in one place. With ``into`` (the caller's copy) the
+        answer holds only the branches the call named, decoded into ``into``
+        (:func:`twophase.client.wire.decode_touched`); where the two disagree (another
+        writer moved a branch the copy still shows) the whole record is read instead."""
+        path = self._txn_path(key)
+        if admin:
+            path = "/v1/admin" + path[3:]
+        out = self._request(method, path + action, body=body, params=params,
+                            read_timeout=read_timeout)
+        if into is None:
+            return wire.decode_txn(out)
+        merged = wire.decode_touched(out, into)
+        return merged if merged is not None else self._txn("GET", key)
+
     # ----------------------------------------------------------------- calls
 
     def register(
@@ -291,13 +308,12 @@ class CoordinatorClient:
         """Record ``votes``; the answer is the record afterwards. ``brief``: without its
         branches (empty), state and decision only. ``into``: the caller's copy of the
         record: the coordinator answers with only the branches voted on here (O(votes)
-        bytes, not O(branches)), merged into ``into``'s (:func:`merge_touched`).
+        bytes, not O(branches)), decoded into ``into`` (``wire.decode_touched``).
         ``touched`` without ``into``: that answer as it is, a partial record whose
         branches are only those voted on here (for a caller that needs no others: a
         task). An older coordinator may answer with every branch: a superset."""
         body = wire.votes_body(epoch, votes, brief=brief, touched=touched or into is not None)
-        out = self._request("POST", self._txn_path(key) + "/votes", body=body)
-        return self._merged(key, into, out)
+        return self._txn("POST", key, "/votes", body, into=into)
 
     def await_decision(
         self, key: TxnKey, timeout: float, *, until: str = "decided", brief: bool = False
@@ -312,13 +328,12 @@ class CoordinatorClient:
         while True:
             left = max(0.0, end - time.monotonic())
             slice_ = min(left, POLL_SLICE)
-            out = self._request(
-                "GET", self._txn_path(key) + "/decision",
+            txn = self._txn(
+                "GET", key, "/decision",
                 params={"timeout": f"{slice_:.3f}", "until": until,
                         **({"brief": "true"} if brief else {})},
                 read_timeout=slice_ + self.timeout,
             )
-            txn = wire.decode_txn(out)
             done = txn.state.decided if until == "decided" else txn.state.finished
             if done or time.monotonic() >= end:
                 return txn
@@ -335,27 +350,13 @@ class CoordinatorClient:
     ) -> protocol.Transaction:
         """Record ``acks``; ``brief`` and ``into`` as for :meth:`vote`."""
         body = wire.acks_body(epoch, acks, metrics, brief=brief, touched=into is not None)
-        out = self._request("POST", self._txn_path(key) + "/acks", body=body)
-        return self._merged(key, into, out)
-
-    def _merged(self, key: TxnKey, into: protocol.Transaction | None,
-                out: Any) -> protocol.Transaction:
-        answer = wire.decode_txn(out)
-        if into is None:
-            return answer
-        merged = merge_touched(into, answer)
-        # the caller's copy disagrees with the answer (someone else moved a branch it
-        # did not name): the whole record instead
-        return merged if merged is not None else self.get(key)
+        return self._txn("POST", key, "/acks", body, into=into)
 
     def abandon(self, key: TxnKey, epoch: int, reason: str) -> protocol.Transaction:
-        body = wire.abandon_body(epoch, reason)
-        return wire.decode_txn(
-            self._request("POST", self._txn_path(key) + "/abandon", body=body)
-        )
+        return self._txn("POST", key, "/abandon", wire.abandon_body(epoch, reason))
 
     def get(self, key: TxnKey) -> protocol.Transaction:
-        return wire.decode_txn(self._request("GET", self._txn_path(key)))
+        return self._txn("GET", key)
 
     def get_raw(self, key: TxnKey, *, history: bool = False) -> dict[str, Any]:
         """The server's JSON for one transaction (with ``alert``; ``history`` on demand)."""
@@ -390,14 +391,12 @@ class CoordinatorClient:
     def force_ack(
         self, key: TxnKey, branch: str, outcome: protocol.Decision, reason: str | None = None
     ) -> protocol.Transaction:
-        path = "/v1/admin" + self._txn_path(key)[3:] + "/force-ack"
         body = wire.force_ack_body(branch, outcome, reason)
-        return wire.decode_txn(self._request("POST", path, body=body))
+        return self._txn("POST", key, "/force-ack", body, admin=True)
 
     def admin_abort(self, key: TxnKey, reason: str) -> protocol.Transaction:
         """Operator: ABORT an undecided transaction whose writer is gone."""
-        path = "/v1/admin" + self._txn_path(key)[3:] + "/abort"
-        return wire.decode_txn(self._request("POST", path, body=wire.abort_body(reason)))
+        return self._txn("POST", key, "/abort", wire.abort_body(reason), admin=True)
 
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = self._request("GET", "/healthz")
@@ -435,16 +434,3 @@ def _refusal(resp: httpx.Response) -> TwophaseError:
         code, message = "error", resp.text[:500]
     text = f"coordinator refused ({resp.status_code} {code}): {message}"
     return error_class(code)(text, status=resp.status_code, code=code)
-
-
-def merge_touched(
-    base: protocol.Transaction, answer: protocol.Transaction
-) -> protocol.Transaction | None:
-    """``answer`` (the branches a request named, and the record's state) with ``base``'s
-    other branches, in ``base``'s order; None when the two disagree: a branch ``base``
-    does not have, or a merged record that is not :meth:`~protocol.Transaction.coherent`,
-    which means another writer moved a branch ``base`` still shows."""
-    if not answer.branches.keys() <= base.branches.keys():
-        return None
-    merged = replace(answer, branches=MappingProxyType({**base.branches, **answer.branches}))
-    return merged if merged.coherent() else None

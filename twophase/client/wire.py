@@ -11,7 +11,7 @@ half-built record. A missing optional key reads as null (older stored rows omit 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
@@ -59,6 +59,7 @@ __all__ = [
     "decode_branches",
     "decode_descriptor",
     "decode_sink",
+    "decode_touched",
     "decode_txn",
     "encode_begin",
     "encode_branch",
@@ -525,6 +526,19 @@ def decode_txn(d: Mapping[str, Any], where: str = "txn") -> p.Transaction:
         finished_at=_opt_num(d, "finished_at", where),
         version=_get(d, "version", int, where),
     )
+
+
+def decode_touched(d: Mapping[str, Any], base: p.Transaction) -> p.Transaction | None:
+    """A ``touched`` answer (the record's state with only the branches its request
+    named) decoded into ``base``, the caller's copy: ``base``'s other branches kept, in
+    ``base``'s order. None when the two disagree: a branch ``base`` does not have, or a
+    merged record that is not :meth:`~twophase.protocol.Transaction.coherent` (another
+    writer moved a branch ``base`` still shows); then only the whole record will do."""
+    answer = decode_txn(d)
+    if not answer.branches.keys() <= base.branches.keys():
+        return None
+    merged = replace(answer, branches=MappingProxyType({**base.branches, **answer.branches}))
+    return merged if merged.coherent() else None
 
 
 def decode_sink(d: Mapping[str, Any], where: str = "sink") -> p.SinkRecord:

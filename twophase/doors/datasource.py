@@ -26,6 +26,7 @@ from twophase.engine.door import (
 )
 from twophase.errors import InvalidRequest
 from twophase.spark.compat import arrow_schema_of
+from twophase.spark.session import read_app
 
 try:  # Spark 4.1+: Arrow record batches in, no Python rows
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _Writer
@@ -156,7 +157,7 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
         # where its tasks reach the coordinator, its writer epoch, the targets, what a
         # crashed run left open, the executors' Python (its choice also picks the
         # interpreter of the data source's driver-side processes)
-        client, epoch = engine.start(spark.range(0))
+        client, epoch = engine.start(read_app(spark, sink.coordinator_host))
         conn = engine.conn
         assert conn is not None
         bound = sink.partitions or int(spark.conf.get("spark.sql.shuffle.partitions") or 200)

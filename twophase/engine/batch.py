@@ -27,9 +27,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from twophase import failpoints
-from twophase.engine.commit import Committer, commit_batches
+from twophase.engine.commit import Committer, commit_batches, relay_acks
 from twophase.engine.decide import decide, settle_empty, votes_of
-from twophase.engine.plan import PREPARE, descriptors, redone_handles, relay_acks
+from twophase.engine.plan import PREPARE, descriptors, redone_handles
 from twophase.engine.prepare import PrepareJob
 from twophase.engine.report import (
     DRIVER_PHASES,
@@ -42,15 +42,8 @@ from twophase.engine.report import (
 from twophase.errors import BatchFailed
 from twophase.participant import Participant
 from twophase.protocol import BeginKind, Decision, StepKind, next_step
-from twophase.spark.compat import check_spark
-from twophase.spark.session import (
-    coordinator_address,
-    default_partitions,
-    jvm_context,
-    query_lineage,
-    run_through,
-)
-from twophase.spark.split import input_partitions
+from twophase.spark.session import SparkApp, SparkBatch, read_batch, run_through
+from twophase.spark.split import default_partitions, input_partitions
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -98,25 +91,28 @@ class BatchEngine:
         self.conn: Connection | None = None
         self.client: CoordinatorClient | None = None
         self.epoch: int | None = None
-        self._preflighted = self._spark_checked = False
+        self.spark: SparkBatch | None = None  # the last batch's read of Spark
+        self._preflighted = False
 
     # ------------------------------------------------------------------ the sink's start
-    def connect(self, df: DataFrame | None = None) -> CoordinatorClient:
+    def connect(self, address: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
+                ) -> CoordinatorClient:
+        """The sink's coordinator client; an embedded coordinator listens at ``address``
+        (bind, told to the tasks: :func:`twophase.spark.session.read_app`)."""
         if self.client is None:
             from twophase.client.connection import connect
 
-            s = self.sink  # where an embedded coordinator listens, what the tasks are told
-            bind, advertise = ((s.coordinator_host, s.coordinator_host) if s.coordinator_host
-                               else coordinator_address(df))
-            self.conn = connect(s.coordinator, s.token, host=bind, advertise=advertise,
+            s = self.sink
+            self.conn = connect(s.coordinator, s.token, host=address[0], advertise=address[1],
                                 tls=s.coordinator_tls, token_file=s.token_file)
             self.client = self.conn.client(retry_budget=s.retry_budget_s)
         return self.client
 
-    def start(self, df: DataFrame, lineage: str | None = None) -> tuple[CoordinatorClient, int]:
+    def start(self, app: SparkApp, lineage: str | None = None
+              ) -> tuple[CoordinatorClient, int]:
         """Connect, take the writer epoch (once per driver run: a restarted driver fences
         the old one) and check the targets, what a crash left open and the executors."""
-        client, s = self.connect(df), self.sink
+        client, s = self.connect(app.address), self.sink
         conn = self.conn
         assert conn is not None
         if self.epoch is None:
@@ -130,7 +126,7 @@ class BatchEngine:
         if not self._preflighted:
             from twophase.spark.preflight import preflight_sink
 
-            preflight_sink(jvm_context(df), df.sparkSession, s.name, s.participants, conn.url,
+            preflight_sink(app.jvm, app.session, s.name, s.participants, conn.url,
                            executors=s.preflight, wait_s=s.retry_budget_s, client=client)
             self._preflighted = True
         return client, self.epoch
@@ -142,7 +138,7 @@ class BatchEngine:
         if self.conn is not None:
             self.conn.close()
         self.client = self.conn = None
-        self.epoch = None
+        self.epoch = self.spark = None
         self.job.forget()
 
     # ------------------------------------------------------------------ one batch
@@ -151,15 +147,13 @@ class BatchEngine:
         s, job = self.sink, self.job
         started = time.perf_counter()
         laps = Laps(started)
-        if not self._spark_checked:  # before anything is begun or written
-            import pyspark
-
-            check_spark(s.name, df.sparkSession.version, pyspark.__version__)
-            self._spark_checked = True
-        lineage = s.lineage or query_lineage(df, s.name)
+        # Spark, read once (the version checked before anything is begun or written):
+        # the steps below take this as plain data
+        spark = self.spark = read_batch(df, s.name, s.lineage, s.coordinator_host, self.spark)
+        lineage = spark.lineage
         # The job's own DataFrame, planned once: its split is read from its plan, and the
         # job runs it when it keeps Spark's split (the plan travels as a local property).
-        direct = job.frame(df)
+        direct = job.frame(df, spark)
         laps.lap("frame_s")
         n_in = input_partitions(direct if direct is not None else df, any_split=True)
         laps.lap("split_s")
@@ -167,9 +161,10 @@ class BatchEngine:
             n_in = None  # partitions=N asks for N
         # n_in == 0: Spark planned no partition at all, the batch has no rows (the
         # application's parallelism, two py4j round trips, only read when needed)
-        partitions = s.partitions or (1 if n_in == 0 else n_in or default_partitions(df))
-        client, epoch = self.start(df, lineage)
-        job.check(df)
+        partitions = s.partitions or (1 if n_in == 0 else n_in
+                                      or default_partitions(df, spark.jvm))
+        client, epoch = self.start(spark.app, lineage)
+        job.check(spark.schema)
         laps.lap("setup_s")
         failpoints.hit("before_begin")
         aborted = finishing = 0
@@ -177,7 +172,6 @@ class BatchEngine:
             res = client.begin(s.name, lineage, batch_id, epoch,
                                [p.name for p in s.participants], partitions, s.vote_timeout)
             laps.lap("begin_s")
-            job.renew_token(client.token)  # the begin may have met a rotation
             if res.new_lineage:
                 log.warning("sink %s: new lineage %s (checkpoint location changed): batch ids "
                             "restart here and are not taken for already-committed ones",
@@ -190,15 +184,17 @@ class BatchEngine:
             txn = res.txn
             assert txn is not None
             in_doubt = res.kind == BeginKind.IN_DOUBT
-            if n_in == 0 and settle_empty(client, epoch, txn, res.recover, in_doubt=in_doubt):
-                final, outcomes, job_error = client.get(txn.key), list[dict[str, Any]](), ""
+            settled = (settle_empty(client, epoch, txn, res.recover, in_doubt=in_doubt)
+                       if n_in == 0 else None)
+            if settled is not None:
+                final, outcomes, job_error = settled, list[dict[str, Any]](), ""
                 split = "none"
                 laps.lap("settle_s")
             else:
-                plan = job.plan(res.kind, txn, res.recover, n_in)
+                plan = job.plan(res.kind, txn, res.recover, n_in, client.token)
                 split = plan.split
                 laps.lap("plan_s")
-                outcomes, job_error = job.run(df, plan, direct, client)
+                outcomes, job_error = job.run(df, plan, spark, direct, client)
                 laps.lap("job_s")
                 if plan.mode == PREPARE:
                     # No task waited for the decision: the driver sends every task's
@@ -211,7 +207,7 @@ class BatchEngine:
                 else:
                     # The tasks' acks in one call (its answer is the record after them);
                     # the coordinator's record, not the job's fate, says what comes next.
-                    final = relay_acks(client, txn.key, epoch, outcomes) or client.get(txn.key)
+                    final = relay_acks(client, txn.key, epoch, outcomes)
                     laps.lap("relay_s")
                     final, commit_error = commit_batches(client, epoch, s.participants, final,
                                                          redone_handles(outcomes))

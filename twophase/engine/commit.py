@@ -11,6 +11,9 @@ handle the vote carried:
 - ABORT: every YES branch is aborted (a branch that never voted is found by name by the
   next attempt's tasks, or by ``twophase resolve``).
 
+A finish's tasks apply the decision themselves and return their acknowledgements,
+which the driver relays in one call (``relay_acks``) before the tables' batch commit.
+
 What was applied is acknowledged in chunks (one request stays far below the service's
 body limit, however many branches). A branch whose commit failed stays unacknowledged:
 the retry rule finishes the batch again, and the participant's marker makes a second
@@ -20,15 +23,16 @@ commits) and Flink's committer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from twophase import failpoints
 from twophase.options import MARKER_KEEP_BATCHES
@@ -37,11 +41,11 @@ from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
-    from twophase.client.wire import BranchMetrics
+    from twophase.client.wire import AckBody, BranchMetrics
     from twophase.protocol import Transaction
 
 __all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "SLOW_COMMIT_S",
-           "Committer", "commit_batches", "send_acks"]
+           "Committer", "commit_batches", "relay_acks", "send_acks"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -61,6 +65,19 @@ where it waits, and again every as long: a stalled commit is never silent (issue
 10-minute wait inside librdkafka with nothing in the log)."""
 
 _Work = tuple[Participant, BranchRef, Handle]
+
+
+def relay_acks(
+    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
+) -> Transaction:
+    """The driver's half of ``driver_acks`` (a finish's tasks applied the decision): every
+    task's acks in one call. Returns the transaction as the coordinator has it afterwards
+    (read when no task had any)."""
+    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
+    if not bodies:
+        return client.get(key)
+    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
+                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
 
 
 def send_acks(

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twophase.client.wire import VoteIn
 from twophase.participant import EMPTY_BRANCH, is_empty_branch
+from twophase.protocol import Transaction, TxnKey
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
-    from twophase.protocol import Transaction
 
 __all__ = ["VOTE_CHUNK", "decide", "settle_empty", "votes_of"]
 
@@ -45,46 +45,48 @@ def votes_of(outcomes: Iterable[Mapping[str, Any]]) -> list[VoteIn]:
 
 
 def decide(
-    client: CoordinatorClient, txn: Transaction, epoch: int, votes: list[VoteIn],
+    client: CoordinatorClient, txn: Transaction | TxnKey, epoch: int, votes: list[VoteIn],
     job_error: str,
 ) -> Transaction:
     """Send ``votes`` for ``txn`` in chunks; abandon the attempt if it is still undecided
-    (``job_error`` says why). Returns the record with its decision."""
-    after = txn
+    (``job_error`` says why). Returns the record with its decision. ``txn``: the driver's
+    copy of the record, or only its key where the driver has none (the data source
+    door's committer): the first chunk's answer is then the whole record, and no
+    request reads it first."""
+    key, after = (txn.key, txn) if isinstance(txn, Transaction) else (txn, None)
     # every YES first: a NO then decides ABORT with each prepared branch on record, so
     # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
     votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
-        after = client.vote(txn.key, epoch, votes[i:i + VOTE_CHUNK], into=after)
-    if not votes:
-        after = client.get(txn.key)  # tasks of an earlier run may have settled it
+        after = client.vote(key, epoch, votes[i:i + VOTE_CHUNK], into=after)
+    if after is None or not votes:
+        after = client.get(key)  # tasks of an earlier run may have settled it
     if after.decision is None:
         reason = (f"Spark job failed: {job_error}" if job_error
                   else "the prepare job ended without every branch's vote")
-        after = client.abandon(txn.key, epoch, reason)
+        after = client.abandon(key, epoch, reason)
     return after
 
 
 def settle_empty(
     client: CoordinatorClient, epoch: int, txn: Transaction,
     recover: tuple[Transaction, ...], *, in_doubt: bool,
-) -> bool:
+) -> Transaction | None:
     """A batch with no partitions at all (Spark planned an empty relation): vote and
-    acknowledge every branch from the driver, no Spark job. Returns False (run the
-    tasks) when earlier attempts or prepared branches need settling."""
+    acknowledge every branch from the driver, no Spark job. Returns the record
+    afterwards, or None (run the tasks) when earlier attempts or prepared branches need
+    settling."""
     if any(t.attempt != txn.attempt for t in recover):
-        return False
+        return None
     if in_doubt:
         if not all(is_empty_branch(st.handle) for st in txn.branches.values()):
-            return False
+            return None
         decided = txn
     else:
         votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
                  for b, st in txn.branches.items() if st.vote is None]
         decided = client.vote(txn.key, epoch, votes, into=txn) if votes else txn
     if decided.decision is None:
-        return False
+        return None
     acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
-    if acks:
-        client.ack(txn.key, epoch, acks, into=decided)
-    return True
+    return client.ack(txn.key, epoch, acks, into=decided) if acks else decided

@@ -195,10 +195,11 @@ def commit_batch(spec: DoorSpec, messages: Sequence[Message | None], batch_id: i
         return
     client = spec.client()
     committer = _committer(spec)
-    txn = client.get(door.key)
     if door.kind == BeginKind.NEW:
         votes = votes_of(m[1] for m in messages if m and m[1]) + _unused(spec, len(messages))
-        txn = decide(client, txn, door.epoch, votes, "")
+        txn = decide(client, door.key, door.epoch, votes, "")  # the votes' answer: the record
+    else:
+        txn = client.get(door.key)
     final, error = committer.apply(client, door.epoch, txn)
     if final.state == State.COMMITTED:
         committer.prune(spec.name, door.key.lineage, batch_id)
@@ -222,8 +223,7 @@ def abort_batch(spec: DoorSpec, messages: Sequence[Message | None], batch_id: in
     committer = _committer(spec)
     for key, epoch in {(a.key, a.epoch) for a, _ in known}:
         votes = votes_of(o for a, o in known if a.key == key and o)
-        txn = decide(client, client.get(key), epoch, votes,
-                     f"a task of batch {batch_id} failed")
+        txn = decide(client, key, epoch, votes, f"a task of batch {batch_id} failed")
         final, _ = committer.apply(client, epoch, txn)
         if final.decision == Decision.ABORT:
             committer.sweep(final)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from twophase.client.wire import AckBody
 from twophase.errors import InvalidRequest
 from twophase.participant import (
     BranchRef,
@@ -20,14 +19,11 @@ from twophase.participant import (
     ParticipantError,
     descriptor_of,
 )
-from twophase.protocol import Decision, Transaction, TxnKey
-
-if TYPE_CHECKING:
-    from twophase.client.api import CoordinatorClient
+from twophase.protocol import TxnKey
 
 __all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
            "descriptors", "fixed_split", "plan_from_property", "plan_property",
-           "redone_handles", "relay_acks", "split_of", "split_rule"]
+           "redone_handles", "split_of", "split_rule"]
 
 PREPARE: Final = "prepare"
 """The plan's mode when every participant's prepare is durable: tasks prepare and hand
@@ -121,18 +117,6 @@ def plan_from_property(template: BatchPlan, value: str | None) -> BatchPlan:
                    partitions=d["partitions"], mode=d["mode"], handles=d["handles"],
                    digests=d["digests"], ack_earlier=tuple(d["ack_earlier"]),
                    split=d["split"])
-
-
-def relay_acks(
-    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
-) -> Transaction | None:
-    """The driver's half of ``driver_acks``: every task's acks in one call. Returns the
-    transaction as the coordinator has it afterwards, or None when no task had any."""
-    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
-    if not bodies:
-        return None
-    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
-                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
 
 
 def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,6 @@ from twophase.engine.report import REPORT_SCHEMA, report_struct, short_error
 from twophase.engine.task import run_partition
 from twophase.protocol import BeginKind, TxnKey
 from twophase.spark.compat import ArrowMap
-from twophase.spark.session import arrow_schema, jvm_context
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -44,6 +42,7 @@ if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
     from twophase.participant import Participant
     from twophase.protocol import Transaction
+    from twophase.spark.session import SparkBatch
 
 __all__ = ["PrepareJob"]
 
@@ -66,8 +65,6 @@ class PrepareJob:
         self.persist: bool | None = None
         self._python: BatchPlan | None = None  # the template of the Python job beside it
         self._checked_schema: Any = None
-        self._schema_of: tuple[Any, Any] = (None, None)  # ((Spark schema, zone), Arrow)
-        self._last: tuple[Any, Any] = (None, None)  # (this batch's DataFrame, weakly; Arrow)
         # the task's function per template, pickled once: (template, Arrow schema, map)
         self._maps: dict[int, tuple[BatchPlan, Any, ArrowMap]] = {}
 
@@ -87,17 +84,16 @@ class PrepareJob:
         """The sink closed: no template, no function kept for the next batches."""
         self.template = self._python = None
         self._maps.clear()
-        self._last = (None, None)
 
-    def renew_token(self, token: str | None) -> None:
-        """The driver's client re-read a rotated token: the next batches' tasks carry it."""
+    def _renew_token(self, token: str | None) -> None:
+        """The driver's client re-read a rotated token: the next tasks carry it."""
         if self.template is not None and self.template.token != token:
             self.template = dataclasses.replace(self.template, token=token)
             self._python = dataclasses.replace(self.template, participants=self.python)
 
-    def check(self, df: DataFrame) -> None:
-        """Each participant checks its target against the schema once, before writing."""
-        schema = self.schema(df)
+    def check(self, schema: Any) -> None:
+        """Each participant checks its target against the batch's Arrow ``schema`` once,
+        before writing."""
         if self._checked_schema is schema:
             return
         if self._checked_schema is not None and self._checked_schema.equals(schema):
@@ -105,20 +101,6 @@ class PrepareJob:
         for p in self.participants:
             p.check(schema)
         self._checked_schema = schema
-
-    def schema(self, df: DataFrame) -> Any:
-        """The batch's Arrow schema. A user's foreachBatch function may reshape the batch
-        (a column added from batch N on), so the schema is the batch's own, never the
-        lineage's; only the conversion is reused while the Spark schema and the session's
-        time zone stay the same; the zone is read once per DataFrame (a py4j round trip)."""
-        if self._last[0] is not None and self._last[0]() is df:
-            return self._last[1]
-        tz = df.sparkSession.conf.get("spark.sql.session.timeZone")
-        key = (df.schema, tz)
-        if self._schema_of[0] != key:
-            self._schema_of = (key, arrow_schema(df, tz))
-        self._last = (weakref.ref(df), self._schema_of[1])  # the batch's lifetime only
-        return self._schema_of[1]
 
     def _mapped(self, df: DataFrame, base: BatchPlan, batch_schema: Any) -> DataFrame:
         """``df`` mapped by the task over ``base`` (reading its batch from the job
@@ -135,8 +117,11 @@ class PrepareJob:
         return mapped
 
     def plan(self, kind: BeginKind, txn: Transaction, recover: tuple[Transaction, ...],
-             n_in: int | None) -> BatchPlan:
-        """The plan of this attempt: its mode, and for a finish the votes to honour."""
+             n_in: int | None, token: str | None) -> BatchPlan:
+        """The plan of this attempt: its mode, and for a finish the votes to honour.
+        ``token``: the driver's client's, as its begin left it (a rotated token file is
+        re-read on a refusal): this attempt's tasks and the next batches' carry it."""
+        self._renew_token(token)
         assert self.template is not None
         handles = {b: dict(s.handle) for b, s in txn.branches.items() if s.handle}
         digests = {b: s.digest for b, s in txn.branches.items() if s.digest}
@@ -156,14 +141,14 @@ class PrepareJob:
             split=split,
         )
 
-    def frame(self, df: DataFrame) -> DataFrame | None:
+    def frame(self, df: DataFrame, spark: SparkBatch) -> DataFrame | None:
         """``df`` mapped by the sink's task, the plan left to the job property, when this
-        batch may run on Spark's own split; None before the first batch connected, under
+        batch may run on Spark's own split; None before the sink connected, under
         Spark Connect (no local properties) and when the sink always shuffles."""
         if (self.template is None or self.split_columns or self.one_branch
-                or jvm_context(df) is None or self.native):
+                or spark.jvm is None or self.native):
             return None  # the native path splits the batch itself (``run``)
-        return self._mapped(df, self.template, self.schema(df))
+        return self._mapped(df, self.template, spark.schema)
 
     def _split(self, df: DataFrame, plan: BatchPlan) -> DataFrame:
         """The batch in the plan's partitions."""
@@ -174,7 +159,8 @@ class PrepareJob:
             return df.repartition(plan.partitions, *cols)
         return df.repartition(plan.partitions)
 
-    def run(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None = None,
+    def run(self, df: DataFrame, plan: BatchPlan, spark: SparkBatch,
+            direct: DataFrame | None = None,
             client: CoordinatorClient | None = None) -> tuple[list[dict[str, Any]], str]:
         """One task per partition; returns the tasks' outcomes and the job's error.
         ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
@@ -185,7 +171,7 @@ class PrepareJob:
             if finished is not None:  # else a branch needs its rows: the tasks' finish
                 return finished, ""
         if self._native is None or plan.mode != PREPARE or client is None:
-            return self._run_python(df, plan, direct, None)
+            return self._run_python(df, plan, spark, direct, None)
         from pyspark import StorageLevel
 
         split = self._split(df, plan)
@@ -198,7 +184,7 @@ class PrepareJob:
             error = ""
             if self.python:
                 assert self._python is not None
-                outcomes, error = self._run_python(split, plan, None, self._python)
+                outcomes, error = self._run_python(split, plan, spark, None, self._python)
             if not error:
                 native, error = self._native.run(split, plan, client,
                                                  count_rows=not self.python)
@@ -208,11 +194,11 @@ class PrepareJob:
             if persisted:
                 split.unpersist()
 
-    def _run_python(self, df: DataFrame, plan: BatchPlan, direct: DataFrame | None,
-                    template: BatchPlan | None) -> tuple[list[dict[str, Any]], str]:
+    def _run_python(self, df: DataFrame, plan: BatchPlan, spark: SparkBatch,
+                    direct: DataFrame | None, template: BatchPlan | None
+                    ) -> tuple[list[dict[str, Any]], str]:
         """The Python job (``template``: its participants, default the sink's)."""
-        sc = jvm_context(df)
-        batch_schema = self.schema(df)
+        sc, batch_schema = spark.jvm, spark.schema
         if sc is None:  # Spark Connect: no job property, the plan in the function
             fixed = plan if template is None else dataclasses.replace(
                 plan, participants=self.python)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-__all__ = ["input_partitions"]
+__all__ = ["default_partitions", "input_partitions"]
 
 
 # RDDs whose split is fixed by what the batch reads (its files, its offset ranges, its
@@ -84,3 +84,13 @@ def _kafka_ranges(rdd: Any) -> bool:
         return False
     inputs = parts[0].inputPartitions()
     return bool(inputs.nonEmpty()) and "kafka" in inputs.head().getClass().getName().lower()
+
+
+def default_partitions(df: DataFrame, jvm: Any) -> int:
+    """The application's parallelism, the partitions of a batch whose split cannot be
+    read (``jvm``: the JVM SparkContext, None under Spark Connect: then the session's
+    ``spark.default.parallelism``, else 2). Two py4j round trips: read only when needed."""
+    if jvm is None:
+        conf = df.sparkSession.conf.get("spark.default.parallelism", None)
+        return max(1, int(conf)) if conf else 2
+    return max(1, int(jvm.defaultParallelism))
