@@ -129,3 +129,20 @@ def test_without_aim_points_are_drawn_evenly_and_mid_commit_is_staged_only(
     assert isinstance(staged, _Chaos)
     assert staged.kafka_once == [] and staged.kafka_staged
     assert not staged._in_endtxn_window("after_decision=kill*1")
+
+
+def test_while_aiming_each_run_takes_one_kill_then_the_usual_count(tmp_path: Path) -> None:
+    """A failpoint is drawn only as a driver run starts, so with ``--aim-endtxn`` a run
+    ends after each kill until N window kills landed (a 100-kill run with 12 kills per
+    run drew 7 and 9); then ``--max-kills-per-run`` applies again."""
+    from twophase.testing.chaos import KillEvent, _Chaos
+
+    c = _kafka_chaos(tmp_path, "resumable", aim=1)
+    assert isinstance(c, _Chaos)
+    assert c._aiming() and c._run_ends(1) and not c._run_ends(0)
+    c.events.append(KillEvent(1, 1, "driver", "failpoint", "after_decision", "x", 1.0,
+                              endtxn=True))
+    assert not c._aiming()
+    assert not c._run_ends(1) and c._run_ends(c.o.max_kills_per_run)
+    staged = _kafka_chaos(tmp_path, "staged", aim=5)  # nothing to aim at: never aiming
+    assert isinstance(staged, _Chaos) and not staged._aiming()

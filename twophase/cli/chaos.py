@@ -151,8 +151,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "to finish (default 4)")
     p.add_argument("--aim-endtxn", type=int, default=0, metavar="N",
                    help="aim the failpoint kills of the driver and coordinator between a "
-                   "Kafka vote and its EndTxn (resumable or in-task prepare) until N have "
-                   "landed there; the report counts them (default 0: points drawn evenly)")
+                   "Kafka vote and its EndTxn (the resumable prepare) until N have landed "
+                   "there, each driver run taking one kill meanwhile (a failpoint is drawn "
+                   "as a run starts); the report counts them (default 0: points drawn "
+                   "evenly)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop killing after this many minutes, then finish and verify")
     p.add_argument("--quiet", action="store_true", help="print only the final report")

@@ -207,13 +207,22 @@ class _Chaos:
             return self.rng.choice(pending)
         return self.rng.choice(self.o.victims)
 
+    def _aiming(self) -> bool:
+        """``--aim-endtxn`` not met yet (a written-once Kafka participant in the job)."""
+        return bool(self.kafka_once) and sum(ev.endtxn for ev in self.events) < self.o.aim_endtxn
+
+    def _run_ends(self, kills_in_run: int) -> bool:
+        """Whether the current driver run is left to finish before the next kill: after
+        ``--max-kills-per-run`` kills, and while aiming after each one, since a failpoint
+        is drawn only when a run starts."""
+        return kills_in_run >= (1 if self._aiming() else self.o.max_kills_per_run)
+
     def _choose_failpoint(self, victim: str) -> str | None:
         points = points_for(victim, self.o.coordinator_mode, self.tables,
                             kafka_staged=bool(self.kafka_staged))
         if not points:
             return None
-        aim = (self.kafka_once and sum(ev.endtxn for ev in self.events) < self.o.aim_endtxn
-               and any(p in ENDTXN_POINTS for p in points))
+        aim = self._aiming() and any(p in ENDTXN_POINTS for p in points)
         if aim:
             points = tuple(p for p in points if p in ENDTXN_POINTS)
         point = self.rng.choice(points)
@@ -401,7 +410,7 @@ class _Chaos:
                     raise ChaosError(f"only {len(self.events)} of {o.kills} kills landed in "
                                      f"{attempts - 1} tries; see {self.work / 'logs'}")
                 victim = self._choose_victim()
-                if job is not None and (not job.alive or kills_in_run >= o.max_kills_per_run):
+                if job is not None and (not job.alive or self._run_ends(kills_in_run)):
                     self._finish_run(job)
                     job = None
                 fresh = job is None
