@@ -9,6 +9,7 @@ from twophase.spark.preflight import (
     HostReport,
     PreflightReport,
     _mismatch,
+    after_unreachable,
     modules_to_check,
 )
 
@@ -50,3 +51,14 @@ def test_the_message_names_host_interpreter_problem_and_fix() -> None:
     assert "h2" not in msg  # only where something is wrong
     assert "PYSPARK_PYTHON" in msg and "spark.pyspark.python" in msg
     assert "(this driver runs /venv/bin/python)" in msg and "--archives" in msg
+
+
+def test_an_unreachable_coordinator_is_probed_again_once_the_driver_reaches_it() -> None:
+    """A daemon restarting between the executors' probe and the driver's check (found by
+    a 100-kill chaos run: the driver reached it, the first probe had not, and the sink
+    failed at once): the executors are probed once more before their network is blamed;
+    a coordinator the driver cannot reach either is waited for (an outage)."""
+    assert after_unreachable(driver_reaches=False, rechecked=False) == "wait"
+    assert after_unreachable(driver_reaches=False, rechecked=True) == "wait"
+    assert after_unreachable(driver_reaches=True, rechecked=False) == "again"
+    assert after_unreachable(driver_reaches=True, rechecked=True) == "report"

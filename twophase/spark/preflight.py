@@ -30,17 +30,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from twophase.errors import EnvironmentProblem, TargetProblem
 from twophase.participant import Participant
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["HostReport", "PreflightReport", "check_executors", "choose_worker_python",
-           "modules_to_check", "preflight_sink", "probe_targets"]
+__all__ = ["HostReport", "PreflightReport", "after_unreachable", "check_executors",
+           "choose_worker_python", "modules_to_check", "preflight_sink", "probe_targets"]
 
 log = logging.getLogger("twophase.preflight")
 
@@ -325,7 +322,7 @@ def check_executors(
     key = (sc.applicationId, sc.pythonExec, coordinator_url, modules, targets)
     report = _CACHE.get(key)
     deadline = time.monotonic() + wait_s
-    outage = warned = False
+    rechecked = warned = False
     while report is None:
         report = _probe(sc, modules, coordinator_url, targets, session)
         if report.ok:
@@ -334,24 +331,35 @@ def check_executors(
                      ", ".join(f"{h.host} ({h.executable}, {h.tasks} task(s))"
                                for h in report.hosts))
         elif report.only_unreachable and time.monotonic() < deadline:
-            if not _reachable(coordinator_url):
-                if not warned:
-                    log.warning("sink %s: the coordinator at %s does not answer the driver "
-                                "either (an outage?): checking the executors again for up "
-                                "to %.0fs", sink, coordinator_url, wait_s)
-                    warned = True
-                outage = True
+            step = after_unreachable(_reachable(coordinator_url), rechecked)
+            if step == "report":
+                break
+            if step == "wait" and not warned:
+                log.warning("sink %s: the coordinator at %s does not answer the driver "
+                            "either (an outage?): checking the executors again for up "
+                            "to %.0fs", sink, coordinator_url, wait_s)
+                warned = True
+            if step == "wait":
                 time.sleep(1.0)
-                report = None
-            elif outage:  # back for the driver since that probe: ask the executors again
-                outage = False
-                report = None
+            rechecked = step == "again"
+            report = None
     if not report.ok:
         refused = report.target_problem()
         if refused is not None:
             raise refused
         raise EnvironmentProblem(report.message(sink))
     return report
+
+
+def after_unreachable(driver_reaches: bool, rechecked: bool) -> str:
+    """What follows a probe whose only problem is an unreachable coordinator: ``wait``
+    (the driver cannot reach it either: an outage, probe again after a pause), ``again``
+    (the driver reaches it: it may have come back between the executors' probe and the
+    driver's check, a daemon restarting, so probe once more) or ``report`` (the driver
+    reaches it and the executors still did not after a second probe: their network)."""
+    if not driver_reaches:
+        return "wait"
+    return "report" if rechecked else "again"
 
 
 def _reachable(url: str) -> bool:
