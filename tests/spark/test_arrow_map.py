@@ -40,7 +40,7 @@ def test_one_pickle_for_every_batch_and_one_more_for_new_columns(spark: Any) -> 
             yield pa.RecordBatch.from_pylist([{"rows": rows, "names": names}])
 
     mapped = ArrowMap(Counted(), StructType([StructField("rows", LongType()),
-                                              StructField("names", StringType())]), False)
+                                              StructField("names", StringType())]))
     assert _seen(mapped(spark.range(5))) == (5, {"id"})
     assert _seen(mapped(spark.range(3).filter("id > 0"))) == (2, {"id"})
     assert len(pickled) == 1  # the second batch reused the first one's function
