@@ -91,11 +91,14 @@ def test_long_poll_wakes_promptly_and_times_out(client: CoordinatorClient) -> No
     time.sleep(0.3)
     voted_at = time.monotonic()
     client.vote(key, epoch, [VoteIn("pg/0", True), VoteIn("kafka/0", False, reason="broker gone")])
-    th.join(10)
+    th.join(15)
+    assert not th.is_alive(), "the long poll was not woken by the vote"
     res = got["txn"]
     assert isinstance(res, p.Transaction) and res.state == p.State.ABORTING
     assert "broker gone" in (res.reason or "")
-    assert float(got["at"]) - voted_at < 0.5  # type: ignore[arg-type]
+    # Woken by the vote, not by its 20 s timeout. The bound is loose on purpose: a CI
+    # machine at load 8 once took 0.65 s, and speed is the benchmarks' business.
+    assert float(got["at"]) - voted_at < 5.0  # type: ignore[arg-type]
     # until=finished waits for the acks
     fin = client.await_decision(key, 0.2, until="finished")
     assert fin.state == p.State.ABORTING
