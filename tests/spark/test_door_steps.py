@@ -143,3 +143,38 @@ def test_the_tasks_take_the_sessions_zone_and_refuse_another_named_one() -> None
         "(spark.sql.session.timeZone, which Spark's batches carry) is 'Etc/UTC'; leave the "
         "option out (the sink then takes the session's zone) or set timezone='Etc/UTC'")
 
+
+
+def test_a_sink_declared_by_options_is_checked_as_one_declared_in_code(tmp_path: Path) -> None:
+    """The options door builds the same ``SinkSettings`` as ``TransactionalSink``: each
+    bad option is refused naming it and its fix, before any coordinator is asked (the
+    URL below answers nobody), and a secret or an unknown sink name is refused too."""
+    import json
+
+    from twophase.engine.door import spec_for
+    from twophase.participant import descriptor_of
+    from twophase.sinks.kafka import KafkaParticipant
+
+    files = StagedFileParticipant(path=str(tmp_path / "out"))
+    kafka = KafkaParticipant("orders", {"bootstrap.servers": "127.0.0.1:9"},
+                             transaction_timeout_ms=120_000, prepare="resumable")
+    base = {"sink": "opts", "coordinator": "http://127.0.0.1:1",
+            "participants": json.dumps([descriptor_of(files)])}
+    cases = [
+        ({"partitions": "eight"}, "option partitions='eight' is not a number: give a whole "
+                                  "number, or leave it out for the default"),
+        ({"vote_timeout": "soon"}, "option vote_timeout='soon' is not a number"),
+        ({"partitions": "0"}, "partitions"),
+        ({"lineage": "../up"}, "lineage"),
+        ({"participants": json.dumps([descriptor_of(files), descriptor_of(kafka)]),
+          "vote_timeout": "300"}, "transaction_timeout_ms=120000 must exceed the sink's "
+                                  "vote window"),
+        ({"password": "x"}, "option 'password': secrets never go in options"),
+    ]
+    for extra, refusal in cases:
+        with pytest.raises(InvalidRequest) as err:
+            spec_for({**base, **extra}, {})
+        assert refusal in str(err.value), (extra, str(err.value))
+    with pytest.raises(InvalidRequest, match=r"no twophase sink named 'other' is registered "
+                                             r"in this application \(registered: none\)"):
+        spec_for({"sink": "other"}, {})

@@ -22,7 +22,8 @@ from twophase.engine.door import (
     adopt_zone,
     commit_batch,
     prepare_partition,
-    spec_from_options,
+    spec_for,
+    spec_of_engine,
 )
 from twophase.errors import InvalidRequest
 from twophase.spark.compat import arrow_schema_of
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["BATCH_ID_PROPERTY", "TwophaseDataSource", "register"]
 
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # set by Spark on each micro-batch's jobs
-_SECRET_OPTIONS = ("token", "password", "secret")
 
 
 class DoorMessage(WriterCommitMessage):
@@ -126,22 +126,7 @@ class TwophaseDataSource(DataSource):
         return TwophaseWriter(spec, arrow)
 
     def _spec(self) -> DoorSpec:
-        opts = {k.lower(): v for k, v in self.options.items()}
-        for k in opts:
-            if any(s in k for s in _SECRET_OPTIONS) and k not in ("token_env", "token_file"):
-                raise InvalidRequest(
-                    f"option {k!r}: secrets never go in options (Spark logs them and shows "
-                    "them in its UI); name an environment variable (token_env) or a file "
-                    "(token_file), and participants' secrets in TWOPHASE_SECRET_* variables")
-        if "sink" in opts and not ({"participants", "config"} & opts.keys()):
-            found = self.specs.get(opts["sink"])
-            if found is None:
-                raise InvalidRequest(
-                    f"no twophase sink named {opts['sink']!r} is registered in this "
-                    f"application (registered: {sorted(self.specs) or 'none'}); call "
-                    "twophase.register(spark, sink) first, or declare it by options")
-            return found
-        return spec_from_options(opts)
+        return spec_for({k.lower(): v for k, v in self.options.items()}, self.specs)
 
 
 _SINKS: dict[str, tuple[TransactionalSink, DoorSpec]] = {}
@@ -153,18 +138,12 @@ def register(spark: SparkSession, sink: TransactionalSink | None = None) -> None
     coordinator listens in this process) and takes the sink's writer epoch, which fences
     every earlier run's writer."""
     if sink is not None:
-        engine = sink._engine
         # where its tasks reach the coordinator, its writer epoch, the targets, what a
         # crashed run left open, the executors' Python (its choice also picks the
         # interpreter of the data source's driver-side processes)
-        client, epoch = engine.start(read_app(spark, sink.coordinator_host))
-        conn = engine.conn
-        assert conn is not None
-        bound = sink.partitions or int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
-        _SINKS[sink.name] = (sink, DoorSpec(
-            sink.name, sink.participants, conn.url, epoch, bound, client.token,
-            conn.token_file, conn.ca_pem, sink.vote_timeout, sink.retry_budget_s,
-            sink.lineage))
+        app = read_app(spark, sink.settings.coordinator_host)
+        shuffle = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+        _SINKS[sink.name] = (sink, spec_of_engine(sink._engine, app, shuffle))
     from twophase.spark.preflight import choose_worker_python
 
     # the data source's Python processes run the interpreter registered here: in local

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
 from twophase.engine.commit import Committer, commit_batches, relay_acks
@@ -39,8 +38,8 @@ from twophase.engine.report import (
     log_batch,
     summary,
 )
+from twophase.engine.settings import SinkSettings
 from twophase.errors import BatchFailed
-from twophase.participant import Participant
 from twophase.protocol import BeginKind, Decision, StepKind, next_step
 from twophase.spark.session import SparkApp, SparkBatch, read_batch, run_through
 from twophase.spark.split import default_partitions, input_partitions
@@ -51,40 +50,18 @@ if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
     from twophase.client.connection import Connection
 
-__all__ = ["BatchEngine", "SinkSettings"]
+__all__ = ["BatchEngine"]
 
 log = logging.getLogger("twophase.sink")
-
-
-class SinkSettings(Protocol):
-    """What the engine reads of a sink (``TransactionalSink`` has it all)."""
-
-    name: str
-    participants: tuple[Participant, ...]
-    coordinator: str
-    token: str | None
-    token_file: str | None
-    coordinator_host: str | None
-    coordinator_tls: tuple[str, str] | None
-    partitions: int | None
-    split_columns: tuple[str, ...]
-    one_branch: bool
-    lineage: str | None
-    max_attempts: int
-    backoff: float
-    vote_timeout: float
-    retry_budget_s: float
-    preflight: bool
-    on_batch: Callable[[BatchReport], None] | None
 
 
 class BatchEngine:
     """One sink's driver side: its coordinator connection and writer epoch, its prepare
     job and committer, and the reports of the batches it ran."""
 
-    def __init__(self, sink: SinkSettings, keep: int) -> None:
+    def __init__(self, sink: SinkSettings) -> None:
         self.sink = sink
-        self.committer = Committer(sink.participants, keep=keep)
+        self.committer = Committer(sink.participants, keep=sink.marker_keep_batches)
         self.job = PrepareJob(sink.participants, sink.split_columns, sink.one_branch)
         self.history: list[BatchReport] = []
         self.by_batch: dict[int, BatchReport] = {}
@@ -130,6 +107,17 @@ class BatchEngine:
                            executors=s.preflight, wait_s=s.retry_budget_s, client=client)
             self._preflighted = True
         return client, self.epoch
+
+    def console_url(self) -> str | None:
+        """The web console (``/ui``), signed in with an embedded coordinator's operator
+        token, else the sink's (in the URL's fragment, which browsers never send);
+        ``None`` before the first batch connects."""
+        if self.conn is None:
+            return None
+        from urllib.parse import quote
+
+        token = self.conn.operator_token or (self.client.token if self.client else None)
+        return f"{self.conn.url}/ui" + (f"#token={quote(token, safe='')}" if token else "")
 
     def close(self) -> None:
         self.committer.close()

@@ -15,16 +15,17 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from twophase.client.api import CoordinatorClient
 from twophase.client.wire import VoteIn
 from twophase.engine.commit import Committer
 from twophase.engine.decide import decide, votes_of
 from twophase.engine.plan import INPUT_SPLIT, PREPARE, BatchPlan, descriptors
+from twophase.engine.settings import SinkSettings
 from twophase.engine.task import _shared_client, run_partition
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.extras import missing_extra
@@ -42,8 +43,11 @@ from twophase.protocol.door import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from twophase.engine.batch import BatchEngine
+    from twophase.spark.session import SparkApp
+
 __all__ = ["DoorSpec", "Message", "abort_batch", "adopt_zone", "commit_batch",
-           "prepare_partition", "spec_from_options"]
+           "prepare_partition", "spec_for", "spec_from_options", "spec_of_engine"]
 
 Message = tuple[TaskAnswer, dict[str, Any] | None]
 """A task's commit message: its begin's answer and its outcome (votes) when it wrote."""
@@ -74,6 +78,44 @@ class DoorSpec:
     def client(self) -> CoordinatorClient:
         return _shared_client(self.coordinator_url, self.token, self.retry_budget,
                               self.ca_pem, self.token_file)
+
+
+_SECRET_OPTIONS = ("token", "password", "secret")
+_N = TypeVar("_N", int, float)
+
+
+def spec_for(opts: dict[str, str], registered: Mapping[str, DoorSpec]) -> DoorSpec:
+    """The sink the data source's options name (lower-cased keys): one ``registered`` in
+    code by ``sink``, else one declared by options alone. A secret in the options is
+    refused: Spark logs them and shows them in its UI."""
+    for k in opts:
+        if any(s in k for s in _SECRET_OPTIONS) and k not in ("token_env", "token_file"):
+            raise InvalidRequest(
+                f"option {k!r}: secrets never go in options (Spark logs them and shows "
+                "them in its UI); name an environment variable (token_env) or a file "
+                "(token_file), and participants' secrets in TWOPHASE_SECRET_* variables")
+    if "sink" in opts and not ({"participants", "config"} & opts.keys()):
+        found = registered.get(opts["sink"])
+        if found is None:
+            raise InvalidRequest(
+                f"no twophase sink named {opts['sink']!r} is registered in this "
+                f"application (registered: {sorted(registered) or 'none'}); call "
+                "twophase.register(spark, sink) first, or declare it by options")
+        return found
+    return spec_from_options(opts)
+
+
+def spec_of_engine(engine: BatchEngine, app: SparkApp, shuffle_partitions: int) -> DoorSpec:
+    """A sink declared in code, as its tasks and committer need it: this starts its
+    coordinator connection (an embedded coordinator listens in this process) and takes
+    its writer epoch, which fences every earlier run's writer. The bound on partitions
+    is the sink's ``partitions``, else Spark's ``spark.sql.shuffle.partitions``."""
+    client, epoch = engine.start(app)
+    conn, s = engine.conn, engine.sink
+    assert conn is not None
+    return DoorSpec(s.name, s.participants, conn.url, epoch,
+                    s.partitions or shuffle_partitions, client.token, conn.token_file,
+                    conn.ca_pem, s.vote_timeout, s.retry_budget_s, s.lineage)
 
 
 def spec_from_options(opts: dict[str, str]) -> DoorSpec:
@@ -108,11 +150,28 @@ def spec_from_options(opts: dict[str, str]) -> DoorSpec:
     if env and token is None:
         raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
                              "driver")
-    with CoordinatorClient(url, token, token_file=opts.get("token_file")) as client:
+    vote_timeout = _number(opts, "vote_timeout", float)
+    checked = SinkSettings(  # the same checks as a sink declared in code
+        name, parts, url, token=token, token_file=opts.get("token_file"),
+        partitions=_number(opts, "partitions", int), lineage=opts.get("lineage"),
+        vote_timeout=300.0 if vote_timeout is None else vote_timeout)
+    with CoordinatorClient(url, token, token_file=checked.token_file) as client:
         epoch = client.register(name, descriptors(parts))
-    return DoorSpec(name, parts, url, epoch, int(opts.get("partitions", "200")), token,
-                    opts.get("token_file"), None, float(opts.get("vote_timeout", "300")),
-                    lineage=opts.get("lineage"), tz=opts.get("timezone"))
+    return DoorSpec(name, parts, url, epoch, checked.partitions or 200, token,
+                    checked.token_file, None, checked.vote_timeout, lineage=checked.lineage,
+                    tz=opts.get("timezone"))
+
+
+def _number(opts: dict[str, str], key: str, kind: Callable[[str], _N]) -> _N | None:
+    """Option ``key`` as a number (None when it is not given), refused naming it."""
+    if key not in opts:
+        return None
+    try:
+        return kind(opts[key])
+    except ValueError:
+        raise InvalidRequest(f"option {key}={opts[key]!r} is not a number: give "
+                             f"{'a whole number' if kind is int else 'a number'}, or leave it "
+                             "out for the default") from None
 
 
 def adopt_zone(spec: DoorSpec, expected: pa.Schema, got: pa.Schema) -> pa.Schema:

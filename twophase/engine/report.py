@@ -129,11 +129,16 @@ class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
 _SHOWN = ("twophase.sink", "twophase.preflight")  # INFO by default: a line per batch
 
 
-def default_logging() -> None:
+def default_logging(json_logs: bool = False) -> None:
     """A job that never configured ``logging`` still shows a line per batch and every
     warning: a stderr handler on the ``twophase`` logger, and INFO for the sink's own
     loggers unless the application set their level (an embedded coordinator's INFO lines
-    stay off)."""
+    stay off). ``json_logs``: one JSON object per line on stderr, as the daemon logs."""
+    if json_logs:
+        from twophase.logs import setup_logging
+
+        setup_logging("info")
+        return
     top = logging.getLogger("twophase")
     if top.handlers:  # ours already, or the application's (e.g. json_logs)
         return
@@ -144,7 +149,6 @@ def default_logging() -> None:
         lg = logging.getLogger(name)
         if lg.level == logging.NOTSET:
             lg.setLevel(logging.INFO)
-
 
 
 def short_error(exc: BaseException) -> str:
