@@ -1,7 +1,8 @@
 """One sink's engine on the driver, and one micro-batch's run through the protocol's
 steps in order: plan (``plan``, the split read from Spark), prepare (``prepare``: the
-batch's Spark job), decide (``decide``), commit (``commit``), report (``report``); a
-restart's in-doubt attempt is finished on the way (``recover``).
+batch's Spark job), decide (``decide``), commit (``commit``), report (``report``). A
+restart's in-doubt attempt takes the same steps: its job runs tasks only to redo lost
+branches (``recover`` asks whether any is lost), and the same commit step commits it.
 
 Both doors start a sink here (``start``: its coordinator connection, its writer epoch,
 the preflight); the ``foreachBatch`` door runs each batch with ``run``, the data source
