@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.size}, {args.batches - 1} measured batches x {args.runs}; load "
               f"{os.getloadavg()[0]:.1f}")
         order = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s", "job_s",
-                 "decide_s", "driver_commit_s", "relay_s", "batch_commit_s", "driver_s")
+                 "decide_s", "driver_commit_s", "driver_s")
         for k in order:
             if k not in phases:
                 continue

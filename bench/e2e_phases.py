@@ -36,10 +36,9 @@ def phase_line(title: str, runs: Mapping[str, Sequence[Any]], a50: float) -> str
             f"{p50('split_s'):.1f}, setup {p50('setup_s'):.1f}, begin "
             f"{p50('begin_s'):.1f}, plan {p50('plan_s'):.1f}, job {p50('job_s'):.1f} "
             f"[Spark's part {job_spark:.1f}; slowest task {p50('task_s'):.1f} = prepare "
-            f"{p50('prepare_s'):.1f} + vote {p50('vote_s'):.1f} + wait {p50('wait_s'):.1f} + "
-            f"commit {p50('commit_s'):.1f}], decide {p50('decide_s'):.1f}, driver's commit "
-            f"{p50('driver_commit_s'):.1f}, relay {p50('relay_s'):.1f}, batch commit "
-            f"{p50('batch_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
+            f"{p50('prepare_s'):.1f}], "
+            f"decide {p50('decide_s'):.1f}, driver's commit "
+            f"{p50('driver_commit_s'):.1f}, settle {p50('settle_s'):.1f}, driver "
             f"{p50('driver_s'):.1f}; A's whole batch p50 {1000 * a50:.1f}\n"
             f"{title}: B's report p50 (ms, the tasks' and the driver's work): prepare "
             f"{batch_p50('prepare_s'):.1f}, wait {batch_p50('wait_s'):.1f}, commit "
@@ -64,7 +63,7 @@ def mean_line(title: str, runs: Mapping[str, Sequence[Any]]) -> str:
         return mean("job_s", of) - mean("task_s", of)
 
     own = ("frame_s", "split_s", "setup_s", "begin_s", "plan_s", "settle_s", "decide_s",
-           "driver_commit_s", "relay_s", "batch_commit_s", "driver_s")
+           "driver_commit_s", "driver_s")
     parts = {k[:-2]: mean(k, b_ph) for k in own if mean(k, b_ph) >= 0.05}
     parts["job: Spark's part"] = spark(b_ph) - spark(a_ph)
     parts["job: slowest task"] = mean("task_s", b_ph) - mean("task_s", a_ph)

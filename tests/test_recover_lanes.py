@@ -1,6 +1,6 @@
-"""The driver's finish of a recovered batch runs its statuses and commits in lanes
-(``twophase.engine.recover``): a batch of many partitions is committed whole, each branch by a
-participant no other thread uses, and a failure is raised, not lost."""
+"""The driver asks the branches of a recovered batch their state in lanes
+(``twophase.engine.recover``): each branch by a participant no other thread uses, every
+result in order, and a failure in a lane raised, not lost."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from twophase.engine import recover
-from twophase.engine.finish import apply_decision
 from twophase.participant import BranchRef, BranchStatus, Handle, Participant
-from twophase.protocol import Decision
 from twophase.sinks.files import StagedFileParticipant
 from twophase.testing.conformance import SCHEMA, _prepare, make_branch
 
@@ -29,7 +27,7 @@ def _prepared(tmp_path: Path, n: int) -> tuple[StagedFileParticipant, list[recov
     return part, items
 
 
-def test_a_many_partition_finish_commits_every_branch_in_lanes(tmp_path: Path) -> None:
+def test_a_many_partition_finish_asks_every_branch_in_lanes(tmp_path: Path) -> None:
     part, items = _prepared(tmp_path, 3 * recover.BRANCHES_PER_LANE)
     used: Counter[int] = Counter()  # participant object -> branches it was asked about
     threads: dict[int, set[int]] = {}  # participant object -> threads that used it
@@ -47,15 +45,15 @@ def test_a_many_partition_finish_commits_every_branch_in_lanes(tmp_path: Path) -
     # first lane the sink's own), and no participant used by two threads
     assert sorted(used.values()) == [recover.BRANCHES_PER_LANE] * 3
     assert id(part) in used and all(len(t) == 1 for t in threads.values())
-    recover._in_lanes(items, lambda p, r, h: apply_decision(p, r, h, Decision.COMMIT))
+    recover._in_lanes(items, lambda p, r, h: p.commit(r, h))  # a lane's writes land too
     assert [part.status(ref) for _, ref, _ in items] == [BranchStatus.COMMITTED] * len(items)
     assert len(list((tmp_path / "out").glob("*.parquet"))) == len(items)
 
 
-def test_a_failed_commit_in_a_lane_is_raised(tmp_path: Path) -> None:
+def test_a_failure_in_a_lane_is_raised(tmp_path: Path) -> None:
     part, items = _prepared(tmp_path, 2 * recover.BRANCHES_PER_LANE)
     broken = items[5][1]
     part.abort(broken, items[5][2])  # its staged file is gone: its commit must fail
     with pytest.raises(Exception, match="neither the staged nor the final file exists"):
-        recover._in_lanes(items, lambda p, r, h: apply_decision(p, r, h, Decision.COMMIT))
+        recover._in_lanes(items, lambda p, r, h: p.commit(r, h))
     assert part.status(items[0][1]) is BranchStatus.COMMITTED  # the other lane went on

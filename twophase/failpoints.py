@@ -37,12 +37,11 @@ POINTS: Final = (
     "before_prepare",  # task, per branch
     "after_prepare",  # task, per branch: prepared, vote not sent
     "after_decision",  # coordinator: decision written, answer not sent
-    "before_commit",  # per branch, where it is applied (the driver; a task finishing a
-    # batch whose branch needs its rows): decision known, not applied
+    "before_commit",  # driver, per branch: decision known, not applied
     "mid_commit",  # per branch, Kafka's staged copy on the driver: its transaction
     # open, records and marker offset sent, commit_transaction not called
     "after_commit",  # per branch, the same: applied, ack not sent
-    "before_ack",  # task finishing a batch (a redo under COMMIT): applied, acks not sent
+    "before_ack",  # driver, once per apply: every branch's decision applied, acks not sent
     "before_batch_commit",  # driver, per batch participant: COMMIT decided, table untouched
     "after_batch_commit",  # driver, per batch participant: table committed, acks not sent
     "before_return",  # driver: coordinator shows COMMITTED, foreachBatch not returned

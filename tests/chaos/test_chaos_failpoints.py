@@ -73,9 +73,9 @@ def test_victim_points_cover_every_point() -> None:
     covered = {p for v in VICTIMS for mode in ("embedded", "daemon")
                for p in points_for(v, mode, tables=True)}
     covered |= set(points_for("driver", "embedded", kafka_staged=True))
-    # before_ack fires only in a task finishing a batch that needs a branch's rows (a
-    # redo under COMMIT), which no victim's draw can aim at: tests/spark/test_branch.py's
-    # test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_redo
+    # before_ack (the driver, between its last after_commit and its acks: the state an
+    # after_commit kill of the last branch leaves) is no draw's; tests/spark/
+    # test_branch.py's test_a_driver_killed_before_its_acks_after_a_redo_... aims at it
     assert covered == set(failpoints.POINTS) - {"before_ack"}
     # the tasks only prepare; the driver commits
     assert points_for("worker", "embedded") == ("before_prepare", "after_prepare")

@@ -184,7 +184,7 @@ def test_matrix_covers_every_point_kind_and_victim() -> None:
     process_victims = set(VICTIMS) - {"broker"}
     assert points_for("broker", "daemon") == points_for("broker", "embedded") == ()
     # the batch-commit points fire only for a table participant (none of KINDS)
-    # before_ack fires only in a task finishing a batch that needs a branch's rows
+    # before_ack: the driver's step after its last after_commit, aimed by test_branch.py
     assert {p for _, p, _ in cases} == (set(failpoints.POINTS) - set(TABLE_POINTS)
                                         - {"before_ack"})
     assert {v for v, _, _ in cases} == process_victims

@@ -55,7 +55,7 @@ def test_the_report_counts_the_drivers_commit_and_the_whole_batchs_rows(
     assert (first.outcome, first.rows, first.partitions) == ("committed", sizes[0], 4)
     assert (second.outcome, second.rows) == ("recovered", sizes[1]), second
     # no task committed (the staged path): the driver's commit is the batch's commit
-    assert first.phases["commit_s"] == 0.0 < first.phases["driver_commit_s"]
+    assert "commit_s" not in first.phases and first.phases["driver_commit_s"] > 0
     assert first.commit_s >= SLEEP_S, first.phases
     for r in sink.history:
         for name, parts in BATCH_PHASES.items():

@@ -1,6 +1,7 @@
 """The task-side runner (``twophase.engine.task``) without Spark: real PostgreSQL, real
 files, a real embedded coordinator; partitions run in threads the way Spark's tasks
-would, then the driver's steps (decide, commit) run here as the sink runs them."""
+would, then the driver's steps (decide, commit) run here as the sink runs them: a new
+attempt's and a finish's alike (one commit path, the driver's ``Committer.apply``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from twophase.client.connection import Connection, connect
 from twophase.engine.commit import Committer
 from twophase.engine.decide import decide, votes_of
-from twophase.engine.plan import PREPARE, BatchPlan, BranchOutcome
+from twophase.engine.plan import FINISH, PREPARE, BatchPlan, BranchOutcome, redone_handles
 from twophase.engine.task import run_partition
 from twophase.errors import RedoMismatch
 from twophase.participant import BranchStatus, Participant
@@ -57,9 +58,10 @@ def _plan(sink: str, parts: list[Participant], conn: Connection, epoch: int, *,
     handles = {b: dict(s.handle) for b, s in res.txn.branches.items() if s.handle}
     plan = BatchPlan(
         key=res.txn.key, epoch=epoch, partitions=2,
-        mode="finish" if res.kind == BeginKind.IN_DOUBT else PREPARE,
+        mode=FINISH if res.kind == BeginKind.IN_DOUBT else PREPARE,
         coordinator_url=conn.url, token=conn.token, participants=tuple(parts),
         handles=handles, digests={b: s.digest for b, s in res.txn.branches.items() if s.digest},
+        acked=tuple(b for b, s in res.txn.branches.items() if s.ack is not None),
         ack_earlier=tuple(t.attempt for t in res.recover
                                            if t.attempt != res.txn.attempt),
     )
@@ -104,13 +106,16 @@ def _run_all(plan: BatchPlan) -> list[BranchOutcome]:
 
 def _drive(conn: Connection, epoch: int, plan: BatchPlan, parts: list[Participant],
            outs: list[BranchOutcome]) -> State:
-    """The driver's steps after the prepare job: send the votes, apply the decision."""
+    """The driver's steps after the job, as ``BatchEngine.run`` takes them: send the
+    votes (a finish has none: it is decided), apply the decision, a finish's lost
+    branches from the handles its tasks redid."""
     client = conn.client()
     final = decide(client, client.get(plan.key), epoch,
                    votes_of(o.as_dict() for o in outs), "")
     committer = Committer(parts)
     try:
-        final, error = committer.apply(client, epoch, final)
+        final, error = committer.apply(client, epoch, final,
+                                       redone_handles(o.as_dict() for o in outs))
     finally:
         committer.close()
     assert not error, error
@@ -123,7 +128,7 @@ def test_tasks_prepare_and_the_driver_commits_every_branch(setup) -> None:  # ty
     plan, kind = _plan(sink, parts, conn, epoch)
     assert kind == BeginKind.NEW
     outs = _run_all(plan)
-    assert [o.decision for o in outs] == ["", ""] and sum(o.rows for o in outs) == 10
+    assert sum(o.rows for o in outs) == 10
     assert conn.client().get(plan.key).decision is None  # no task voted itself
     assert _drive(conn, epoch, plan, parts, outs) == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
@@ -153,9 +158,12 @@ def test_new_writer_settles_leftovers_of_a_dead_attempt(setup) -> None:  # type:
     assert report.ok, report.lines()
 
 
-def test_finish_mode_commits_prepared_and_redoes_lost(setup) -> None:  # type: ignore[no-untyped-def]
-    """COMMIT decided, then the writer died: one branch still PREPARED, one lost (its
-    staged file gone, as a Kafka branch would be). Finish commits one, redoes the other."""
+def test_a_finish_task_only_redoes_and_the_driver_commits_every_branch(setup) -> None:  # type: ignore[no-untyped-def]
+    """COMMIT decided, then the writer died: every branch still PREPARED but one lost (its
+    staged file gone, as a Kafka branch would be). The finish's tasks redo the lost one
+    and commit nothing: after the job no branch is acknowledged, the redone branch is
+    PREPARED and a reader sees none of the batch's rows. The driver's ``Committer.apply``
+    then commits every branch, the lost one from its redone handle: every row once."""
     sink, parts, conn = setup
     client = conn.client()
     epoch = client.register(sink)
@@ -167,11 +175,18 @@ def test_finish_mode_commits_prepared_and_redoes_lost(setup) -> None:  # type: i
     assert files.status(plan.ref(files, 1)) == BranchStatus.ABSENT
     new_epoch = client.register(sink)
     finish, kind = _plan(sink, parts, conn, new_epoch)
-    assert kind == BeginKind.IN_DOUBT and finish.mode == "finish"
+    assert kind == BeginKind.IN_DOUBT and finish.mode == FINISH
     outs = _run_all(finish)
     assert sum(o.redone for o in outs) == 1
-    assert client.get(plan.key).state == State.COMMITTED
+    assert set(redone_handles(o.as_dict() for o in outs)) == {f"{files.name}/1"}
+    after_job = client.get(plan.key)
+    assert after_job.state == State.COMMITTING
+    assert all(st.ack is None for st in after_job.branches.values())  # no task acked
+    assert files.status(plan.ref(files, 1)) == BranchStatus.PREPARED  # redone, not committed
     want = [p * 1000 + i for p in range(2) for i in range(5)]
+    before = verify(parts, want, sink=sink)
+    assert [r.missing for r in before.systems] == [10, 10], before.lines()  # none visible
+    assert _drive(conn, new_epoch, finish, parts, outs) == State.COMMITTED
     report = verify(parts, want, sink=sink)
     assert report.ok, report.lines()
 
@@ -218,6 +233,7 @@ def test_redo_refuses_a_replay_that_differs_from_the_vote_then_redrive(  # type:
                  "re-drive", "force-ack", '"outcome": "COMMIT"', "not deterministic"):
         assert part in msg, (part, msg)
     assert files.status(finish.ref(files, 0)) == BranchStatus.ABSENT
+    assert all(st.ack is None for st in client.get(plan.key).branches.values())
     # re-drive: the same replay as voted (any row order) finishes the batch
     outs = []
     for p in range(2):
@@ -225,7 +241,7 @@ def test_redo_refuses_a_replay_that_differs_from_the_vote_then_redrive(  # type:
         outs.append(run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA,
                                   [b.take(pa.array(list(reversed(range(b.num_rows)))))]))
     assert sum(o.redone for o in outs) == 1
-    assert client.get(plan.key).state == State.COMMITTED
+    assert _drive(setup[2], finish.epoch, finish, parts, outs) == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
     report = verify(parts, want, sink=sink)
     assert report.ok, report.lines()
@@ -233,18 +249,24 @@ def test_redo_refuses_a_replay_that_differs_from_the_vote_then_redrive(  # type:
 
 def test_redo_mismatch_settled_by_accepting_the_loss(setup) -> None:  # type: ignore[no-untyped-def]
     """The other way out: the operator force-acks the lost branch (its rows are given
-    up); the transaction completes and nothing of the refused replay was written."""
+    up); the next finish commits the rest and nothing of the refused replay was
+    written."""
     sink, parts, client, plan, finish = _lost_after_commit(setup)
     with pytest.raises(RedoMismatch):
         run_partition(finish, 0, SCHEMA, _same_count_other_value(0))
-    run_partition(pickle.loads(pickle.dumps(finish)), 1, SCHEMA, _batch(1))
+    # the job failed: the driver applies nothing (the lost branch's vote names rows
+    # that are gone), so every branch waits, unacknowledged
+    assert all(st.ack is None for st in client.get(plan.key).branches.values())
     # what the refusal told the operator to run (here through the operator's client)
     operator = setup[2].client(operator=True)
-    for part in parts:
-        bid = f"{part.name}/0"
-        if client.get(plan.key).branches[bid].ack is None:
-            operator.force_ack(plan.key, bid, Decision.COMMIT)
-    assert client.get(plan.key).state == State.COMMITTED
+    operator.force_ack(plan.key, f"{parts[1].name}/0", Decision.COMMIT)
+    # the next finish: the given-up branch is acknowledged, so nothing is redone and
+    # the driver commits the others from their votes
+    again, kind = _plan(sink, parts, setup[2], client.register(sink))
+    assert kind == BeginKind.IN_DOUBT
+    outs = _run_all(again)
+    assert sum(o.redone for o in outs) == 0
+    assert _drive(setup[2], again.epoch, again, parts, outs) == State.COMMITTED
     report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
     [pg, fl] = report.systems
     assert pg.ok and fl.missing == 5 and fl.duplicates == fl.unexpected == 0
@@ -259,13 +281,14 @@ def test_a_vote_of_an_older_version_is_checked_with_its_own_digest(setup) -> Non
     with pytest.raises(RedoMismatch, match="not deterministic"):
         run_partition(finish, 0, SCHEMA, _same_count_other_value(0))
     assert parts[1].status(finish.ref(parts[1], 0)) == BranchStatus.ABSENT
+    assert all(st.ack is None for st in client.get(plan.key).branches.values())
     outs = []
     for p in range(2):
         [b] = _batch(p)
         outs.append(run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA,
                                   [b.take(pa.array(list(reversed(range(b.num_rows)))))]))
     assert sum(o.redone for o in outs) == 1
-    assert client.get(plan.key).state == State.COMMITTED
+    assert _drive(setup[2], finish.epoch, finish, parts, outs) == State.COMMITTED
     report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
     assert report.ok, report.lines()
 
@@ -282,10 +305,11 @@ def test_a_digest_of_an_unknown_kind_refuses_the_redo(setup) -> None:  # type: i
     msg = str(err.value)
     assert "'v9'" in msg and "v2, b2s1" in msg and "twophase version that voted" in msg
     assert parts[1].status(finish.ref(parts[1], 0)) == BranchStatus.ABSENT
+    assert all(st.ack is None for st in client.get(plan.key).branches.values())
     # the version that voted finishes it (and leaves nothing prepared on the server)
-    for p in range(2):
-        run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA, _batch(p))
-    assert client.get(plan.key).state == State.COMMITTED
+    outs = [run_partition(pickle.loads(pickle.dumps(finish)), p, SCHEMA, _batch(p))
+            for p in range(2)]
+    assert _drive(setup[2], finish.epoch, finish, parts, outs) == State.COMMITTED
     report = verify(parts, [p * 1000 + i for p in range(2) for i in range(5)], sink=sink)
     assert report.ok, report.lines()
 
@@ -325,13 +349,13 @@ def test_torn_temp_files_of_a_killed_prepare_are_removed(tmp_path: Path) -> None
     assert not torn.exists()
 
 
-def test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_redo(  # type: ignore[no-untyped-def]
+def test_a_driver_killed_before_its_acks_after_a_redo_is_finished_without_a_second_redo(  # type: ignore[no-untyped-def]
     setup, tmp_path: Path
 ) -> None:
-    """``before_ack``, the one failpoint only a finishing task reaches: a Python worker
-    redoes the lost branch under COMMIT, applies it, and is SIGKILLed before it
-    acknowledges. The next finish finds the branch committed by its marker (no second
-    redo) and acknowledges it; every row once."""
+    """``before_ack`` in a finish: the task redoes the lost branch under COMMIT, the
+    driver commits every branch (the lost one from its redone handle) and is SIGKILLed
+    before it acknowledges. The next finish finds the branch committed by its marker (no
+    second redo) and the driver acknowledges it; every row once."""
     import os
     import subprocess
     import sys
@@ -350,16 +374,16 @@ def test_a_task_killed_before_its_ack_after_a_redo_is_finished_without_a_second_
     env.pop(failpoints.ONCE_DIR_ENV, None)
     child = subprocess.run(
         [sys.executable, str(Path(__file__).parents[1] / "support" / "run_partition.py"),
-         str(plan_file), "0", str(rows_file)], env=env, capture_output=True, text=True,
-        timeout=120, check=False)
+         str(plan_file), "0", str(rows_file), "--apply"], env=env, capture_output=True,
+        text=True, timeout=120, check=False)
     assert child.returncode == -9, (child.returncode, child.stderr[-2000:])
     assert files.status(finish.ref(files, 0)) == BranchStatus.COMMITTED  # redone, applied
-    assert client.get(plan.key).branches[f"{files.name}/0"].ack is None  # not acknowledged
+    assert all(st.ack is None for st in client.get(plan.key).branches.values())  # no ack
     again, kind = _plan(sink, parts, setup[2], client.register(sink))
-    assert kind == BeginKind.IN_DOUBT and again.mode == "finish"
+    assert kind == BeginKind.IN_DOUBT and again.mode == FINISH
     outs = _run_all(again)
     assert sum(o.redone for o in outs) == 0
-    assert client.get(plan.key).state == State.COMMITTED
+    assert _drive(setup[2], again.epoch, again, parts, outs) == State.COMMITTED
     want = [p * 1000 + i for p in range(2) for i in range(5)]
     report = verify(parts, want, sink=sink)
     assert report.ok, report.lines()

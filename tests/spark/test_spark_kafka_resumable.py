@@ -39,7 +39,7 @@ def test_postgres_and_resumable_kafka_run_barrier_free_on_more_partitions_than_s
     finally:
         sink.close()
     assert [(r.outcome, r.partitions) for r in sink.history] == [("committed", 5)] * 3
-    assert all("driver_commit_s" in r.phases and "relay_s" not in r.phases
+    assert all(r.phases.get("driver_commit_s", 0) > 0
                for r in sink.history), [r.phases for r in sink.history]
     report = verify([pg, kafka], range(1500), sink="kres")
     assert report.ok, report

@@ -66,7 +66,6 @@ def _one_round(client: CoordinatorClient, url: str, sink: str, epoch: int, batch
         coordinator_url=url, token=TOKEN, participants=parts,
         handles={b: dict(s.handle) for b, s in txn.branches.items() if s.handle},
         ack_earlier=tuple(t.attempt for t in res.recover if t.attempt != txn.attempt),
-        decision_timeout=60.0,
     )
     job_error, outcomes = "", list[dict[str, object]]()
     try:

@@ -261,12 +261,13 @@ def encode_begin(r: p.BeginResult) -> BeginOut:
 
 
 class BranchMetrics(TypedDict, total=False):
-    """What an executor measured for one branch, sent with its vote (``prepare_s``,
-    ``rows``) and its ack (``wait_s``, ``commit_s``). Optional and only observed: the
-    coordinator exports them as Prometheus histograms, never decides on them."""
+    """What was measured for one branch: by its task, sent with the vote (``prepare_s``,
+    ``rows``), and by the driver, sent with the ack (``commit_s``). Optional and only
+    observed: the coordinator exports them as Prometheus histograms, never decides on
+    them. (The coordinator still takes a 0.3 client's ``wait_s``: its tasks waited for
+    the decision.)"""
 
     prepare_s: float
-    wait_s: float
     commit_s: float
     rows: int
 

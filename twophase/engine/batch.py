@@ -1,7 +1,8 @@
 """One sink's engine on the driver, and one micro-batch's run through the protocol's
 steps in order: plan (``plan``, the split read from Spark), prepare (``prepare``: the
-batch's Spark job), decide (``decide``), commit (``commit``), report (``report``); a
-restart's in-doubt attempt is finished on the way (``recover``).
+batch's Spark job), decide (``decide``), commit (``commit``), report (``report``). A
+restart's in-doubt attempt takes the same steps: its job runs tasks only to redo lost
+branches (``recover`` asks whether any is lost), and the same commit step commits it.
 
 Both doors start a sink here (``start``: its coordinator connection, its writer epoch,
 the preflight); the ``foreachBatch`` door runs each batch with ``run``, the data source
@@ -26,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from twophase import failpoints
-from twophase.engine.commit import Committer, commit_batches, relay_acks
+from twophase.engine.commit import Committer
 from twophase.engine.decide import decide, settle_empty, votes_of
 from twophase.engine.plan import PREPARE, descriptors, redone_handles
 from twophase.engine.prepare import PrepareJob
@@ -98,8 +99,8 @@ class BatchEngine:
             log.info("sink %s: writer epoch %d, lineage %s", s.name, self.epoch,
                      lineage or "per query")
             self.job.fixed_part(epoch=self.epoch, coordinator_url=conn.url, token=client.token,
-                                ca_pem=conn.ca_pem, vote_timeout=s.vote_timeout,
-                                retry_budget=s.retry_budget_s, token_file=conn.token_file)
+                                ca_pem=conn.ca_pem, retry_budget=s.retry_budget_s,
+                                token_file=conn.token_file)
         if not self._preflighted:
             from twophase.spark.preflight import preflight_sink
 
@@ -182,24 +183,22 @@ class BatchEngine:
                 plan = job.plan(res.kind, txn, res.recover, n_in, client.token)
                 split = plan.split
                 laps.lap("plan_s")
-                outcomes, job_error = job.run(df, plan, spark, direct, client)
+                outcomes, job_error = job.launch(df, plan, spark, direct, client)
                 laps.lap("job_s")
-                if plan.mode == PREPARE:
-                    # No task waited for the decision: the driver sends every task's
-                    # votes (an undecided attempt, its job failed, is abandoned), then
-                    # applies the decision from here.
-                    final = decide(client, txn, epoch, votes_of(outcomes), job_error)
-                    laps.lap("decide_s")
-                    final, commit_error = self.committer.apply(client, epoch, final)
+                # No task waited for the decision: the driver sends every task's votes
+                # (an undecided attempt, its job failed, is abandoned); a finish's is
+                # decided already.
+                final = decide(client, txn, epoch, votes_of(outcomes), job_error)
+                laps.lap("decide_s")
+                commit_error = ""
+                if plan.mode == PREPARE or not job_error:
+                    # The driver applies the decision to every branch, a finish's lost
+                    # ones from the handles its tasks redid. A finish whose job failed
+                    # applies nothing: a lost branch's vote names rows that are gone, and
+                    # the retry rule finishes the batch again.
+                    final, commit_error = self.committer.apply(client, epoch, final,
+                                                               redone_handles(outcomes))
                     laps.lap("driver_commit_s")
-                else:
-                    # The tasks' acks in one call (its answer is the record after them);
-                    # the coordinator's record, not the job's fate, says what comes next.
-                    final = relay_acks(client, txn.key, epoch, outcomes)
-                    laps.lap("relay_s")
-                    final, commit_error = commit_batches(client, epoch, s.participants, final,
-                                                         redone_handles(outcomes))
-                    laps.lap("batch_commit_s")
                 job_error = job_error or commit_error
             rule = partial(next_step, max_attempts=s.max_attempts, backoff=s.backoff,
                            job_error=job_error)

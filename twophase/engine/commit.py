@@ -11,8 +11,10 @@ handle the vote carried:
 - ABORT: every YES branch is aborted (a branch that never voted is found by name by the
   next attempt's tasks, or by ``twophase resolve``).
 
-A finish's tasks apply the decision themselves and return their acknowledgements,
-which the driver relays in one call (``relay_acks``) before the tables' batch commit.
+A finish (a restart found COMMIT decided) is committed here too, by the same steps: its
+tasks only write again what was lost (``twophase.engine.finish.redo_lost``) and hand the
+new handles back, which replace the lost ones' (``redone``); every other branch is
+committed from its vote's handle.
 
 What was applied is acknowledged in chunks (one request stays far below the service's
 body limit, however many branches). A branch whose commit failed stays unacknowledged:
@@ -23,16 +25,15 @@ commits) and Flink's committer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from twophase import failpoints
 from twophase.options import MARKER_KEEP_BATCHES
@@ -41,11 +42,11 @@ from twophase.protocol import BranchStatus, CommitScope, Decision, TxnKey, parse
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
-    from twophase.client.wire import AckBody, BranchMetrics
+    from twophase.client.wire import BranchMetrics
     from twophase.protocol import Transaction
 
 __all__ = ["ACK_CHUNK", "COMMIT_THREADS", "MARKER_KEEP_BATCHES", "PRUNE_EVERY", "SLOW_COMMIT_S",
-           "Committer", "commit_batches", "relay_acks", "send_acks"]
+           "Committer", "send_acks"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -65,19 +66,6 @@ where it waits, and again every as long: a stalled commit is never silent (issue
 10-minute wait inside librdkafka with nothing in the log)."""
 
 _Work = tuple[Participant, BranchRef, Handle]
-
-
-def relay_acks(
-    client: CoordinatorClient, key: TxnKey, epoch: int, outcomes: Iterable[Mapping[str, Any]]
-) -> Transaction:
-    """The driver's half of ``driver_acks`` (a finish's tasks applied the decision): every
-    task's acks in one call. Returns the transaction as the coordinator has it afterwards
-    (read when no task had any)."""
-    bodies: list[AckBody] = [a for o in outcomes for a in json.loads(o.get("acks") or "[]")]
-    if not bodies:
-        return client.get(key)
-    return client.ack(key, epoch, [(a["branch"], Decision(a["outcome"])) for a in bodies],
-                      {a["branch"]: a["metrics"] for a in bodies if "metrics" in a})
 
 
 def send_acks(
@@ -113,7 +101,8 @@ class Committer:
         self._pruner: ThreadPoolExecutor | None = None
         self._pruning: dict[str, Participant] = {}
         self._running: dict[int, tuple[str, float]] = {}  # thread id -> (what, since)
-        self._last: Transaction | None = None  # the last batch applied without error
+        # the last batch applied without error, and its redone handles
+        self._last: tuple[Transaction, Mapping[str, Handle] | None] | None = None
         self.slow_commit_s = SLOW_COMMIT_S
         self._watch: threading.Thread | None = None
         # made with the watch, not here: the sink is pickled before its first batch
@@ -121,13 +110,17 @@ class Committer:
         self._stop: threading.Event | None = None
 
     def apply(
-        self, client: CoordinatorClient, epoch: int, txn: Transaction
+        self, client: CoordinatorClient, epoch: int, txn: Transaction,
+        redone: Mapping[str, Handle] | None = None,
     ) -> tuple[Transaction, str]:
-        """Apply ``txn``'s decision to its YES branches (see the module docstring).
+        """Apply ``txn``'s decision to its YES branches (see the module docstring);
+        ``redone``: under COMMIT, the handles of branches a finish's tasks wrote again
+        (branch id -> handle), committed in place of the lost ones the votes carry.
         Returns the record afterwards and the first failure's cause ("" when none)."""
         decision = txn.decision
         if decision is None:
             return txn, ""
+        handles = _handles(txn, redone)
         work: list[_Work] = []
         settled: list[tuple[str, Decision]] = []
         for bid, st in txn.branches.items():
@@ -137,33 +130,73 @@ class Committer:
             part = self._by_name[name]
             if decision == Decision.COMMIT and part.commit_scope == CommitScope.BATCH:
                 continue  # the table's one commit for the batch, below
-            if is_empty_branch(st.handle):
+            if is_empty_branch(handles[bid]):
                 settled.append((bid, decision))  # voted with no rows: nothing to apply
                 continue
             ref = BranchRef(*txn.key, participant=name, partition=partition)
-            work.append((part, ref, dict(st.handle or {})))
+            work.append((part, ref, handles[bid]))
         done, error = self._apply_all(work, decision)
         acks = settled + [(b, decision) for b in done]
         took: dict[str, BranchMetrics] = {b: {"commit_s": s} for b, s in done.items()}
+        failpoints.hit("before_ack")
         after = send_acks(client, txn.key, epoch, acks, into=txn, metrics=took) or txn
         if decision == Decision.COMMIT:
-            after, batch_error = commit_batches(client, epoch, self.participants, after)
+            after, batch_error = self._commit_batches(client, epoch, after, handles)
             error = error or batch_error
         if not error:
-            self.end_other_attempts(after)
-            self._last = after
+            self.end_other_attempts(after, redone)
+            self._last = (after, redone)
         return after, error
 
-    def end_other_attempts(self, txn: Transaction) -> int:
+    def _commit_batches(
+        self, client: CoordinatorClient, epoch: int, txn: Transaction,
+        handles: Mapping[str, Handle],
+    ) -> tuple[Transaction, str]:
+        """Under COMMIT, commit each once-per-batch participant (a table) with every
+        branch's handle (``handles``: the votes', a redone branch's new one) at once and
+        acknowledge its branches. Returns the record after the acks and the first
+        commit's error ("" when none failed): a commit that fails leaves the branches
+        unacknowledged, and the retry rule finishes the batch again (the table's marker
+        makes a second commit a no-op)."""
+        error = ""
+        for part in self.participants:
+            if part.commit_scope != CommitScope.BATCH:
+                continue
+            mine = {bid: st for bid, st in txn.branches.items()
+                    if parse_branch_id(bid)[0] == part.name}
+            if all(st.ack is not None for st in mine.values()):
+                continue
+            batch = {parse_branch_id(bid)[1]: handles[bid] for bid in mine
+                     if not is_empty_branch(handles[bid])}
+            try:
+                failpoints.hit("before_batch_commit", part.name)
+                if batch:  # every branch empty: nothing was written, nothing to commit
+                    part.commit_batch(txn.key, batch)
+                failpoints.hit("after_batch_commit", part.name)
+            except Exception as exc:
+                cause = f"{part.describe()}: batch commit failed: {type(exc).__name__}: {exc}"
+                log.warning("sink %s batch %d: %s; finishing it again", txn.sink,
+                            txn.batch_id, cause)
+                error = error or cause
+                continue
+            txn = send_acks(client, txn.key, epoch,
+                            [(bid, Decision.COMMIT) for bid, st in mine.items()
+                             if st.ack is None], into=txn) or txn
+        return txn, error
+
+    def end_other_attempts(self, txn: Transaction,
+                           redone: Mapping[str, Handle] | None = None) -> int:
         """Once ``txn``'s decision is applied: each participant ends what other attempts
-        of its branches left open that no recorded vote carries (a speculative or retried
-        task's, :meth:`~twophase.participant.Participant.end_other_attempts`), before the
-        next batch begins. A failure is logged: the prune and the target's own timeout
-        end it later. Returns how many were ended."""
+        of its branches left open that no recorded vote (or ``redone`` handle) carries (a
+        speculative or retried task's,
+        :meth:`~twophase.participant.Participant.end_other_attempts`), before the next
+        batch begins. A failure is logged: the prune and the target's own timeout end it
+        later. Returns how many were ended."""
         lane = self._lanes[0]
         ended = 0
+        handles = _handles(txn, redone)
         for part in self.participants:
-            kept = {parse_branch_id(bid)[1]: dict(st.handle or {})
+            kept = {parse_branch_id(bid)[1]: handles[bid]
                     for bid, st in txn.branches.items()
                     if parse_branch_id(bid)[0] == part.name and st.vote == Decision.COMMIT}
             mine = lane.get(part.name)
@@ -243,7 +276,7 @@ class Committer:
         the threads."""
         last, self._last = self._last, None
         if last is not None:
-            self.end_other_attempts(last)
+            self.end_other_attempts(*last)
         if self._stop is not None:
             self._stop.set()
         if self._watch is not None:
@@ -334,6 +367,13 @@ class Committer:
                             now - since, _where(ident))
 
 
+def _handles(txn: Transaction, redone: Mapping[str, Handle] | None) -> dict[str, Handle]:
+    """Each branch's handle to commit (branch id -> handle): its vote's, or the one a
+    finish's redo wrote in place of a lost branch."""
+    return {bid: dict((redone or {}).get(bid) or st.handle or {})
+            for bid, st in txn.branches.items()}
+
+
 def _where(ident: int, depth: int = 3) -> str:
     """Thread ``ident``'s innermost ``depth`` frames of this package's code ("function
     (file:line)"), the stdlib's waits skipped."""
@@ -346,49 +386,3 @@ def _where(ident: int, depth: int = 3) -> str:
                        f"{frame.f_lineno})")
         frame = frame.f_back
     return " < ".join(out) or "(thread gone)"
-
-
-def commit_batches(
-    client: CoordinatorClient, epoch: int, participants: Sequence[Participant],
-    txn: Transaction, redone: Mapping[str, Handle] | None = None,
-) -> tuple[Transaction, str]:
-    """Under a COMMIT decision, commit each once-per-batch participant (a table) with
-    every branch's handle at once and acknowledge its branches. Returns the record after
-    the acks and the first commit's error ("" when none failed).
-
-    The tasks left these branches prepared, so this runs after every job whose attempt
-    is COMMIT, also a job that failed after the decision: the votes' handles are in the
-    coordinator's record (``redone``: handles of branches a finish wrote again). A commit
-    that fails leaves the branches unacknowledged, and the retry rule finishes the batch
-    again (the table's marker makes a second commit a no-op)."""
-    if txn.decision != Decision.COMMIT:
-        return txn, ""
-    redone = redone or {}
-    error = ""
-    for part in participants:
-        if part.commit_scope != CommitScope.BATCH:
-            continue
-        mine = {bid: st for bid, st in txn.branches.items()
-                if parse_branch_id(bid)[0] == part.name}
-        if all(st.ack is not None for st in mine.values()):
-            continue
-        handles = {}
-        for bid, st in mine.items():
-            handle = redone.get(bid) or st.handle
-            if not is_empty_branch(handle):
-                handles[parse_branch_id(bid)[1]] = dict(handle or {})
-        try:
-            failpoints.hit("before_batch_commit", part.name)
-            if handles:  # every branch empty: nothing was written, nothing to commit
-                part.commit_batch(txn.key, handles)
-            failpoints.hit("after_batch_commit", part.name)
-        except Exception as exc:
-            cause = f"{part.describe()}: batch commit failed: {type(exc).__name__}: {exc}"
-            log.warning("sink %s batch %d: %s; finishing it again", txn.sink,
-                        txn.batch_id, cause)
-            error = error or cause
-            continue
-        txn = send_acks(client, txn.key, epoch,
-                        [(bid, Decision.COMMIT) for bid, st in mine.items()
-                         if st.ack is None], into=txn) or txn
-    return txn, error

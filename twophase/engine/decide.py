@@ -52,14 +52,15 @@ def decide(
     (``job_error`` says why). Returns the record with its decision. ``txn``: the driver's
     copy of the record, or only its key where the driver has none (the data source
     door's committer): the first chunk's answer is then the whole record, and no
-    request reads it first."""
+    request reads it first. A record decided already (a finish: no votes) is returned
+    as it is."""
     key, after = (txn.key, txn) if isinstance(txn, Transaction) else (txn, None)
     # every YES first: a NO then decides ABORT with each prepared branch on record, so
     # the driver aborts them all (a YES after the NO would be late, recorded nowhere)
     votes = sorted(votes, key=lambda v: not v.yes)
     for i in range(0, len(votes), VOTE_CHUNK):
         after = client.vote(key, epoch, votes[i:i + VOTE_CHUNK], into=after)
-    if after is None or not votes:
+    if after is None or (not votes and after.decision is None):
         after = client.get(key)  # tasks of an earlier run may have settled it
     if after.decision is None:
         reason = (f"Spark job failed: {job_error}" if job_error

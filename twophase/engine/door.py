@@ -217,7 +217,7 @@ def prepare_partition(spec: DoorSpec, batch_id: int, query_id: str | None, parti
         key=key, epoch=spec.epoch, partitions=res.txn.partitions, mode=PREPARE,
         coordinator_url=spec.coordinator_url, token=spec.token,
         participants=spec.participants, ca_pem=spec.ca_pem, split=INPUT_SPLIT,
-        retry_budget=spec.retry_budget, driver_acks=True, token_file=spec.token_file,
+        retry_budget=spec.retry_budget, token_file=spec.token_file,
         ack_earlier=tuple(t.attempt for t in res.recover if t.attempt != key.attempt),
     )
     out = run_partition(plan, partition, schema, batches, client, task=task)

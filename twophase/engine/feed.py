@@ -1,23 +1,33 @@
-"""A partition's rows fed to every participant's prepare at once, as Spark hands them
-over (the protocol's "prepare" step, inside one task): a short queue per participant,
-the vote's digest in a thread of its own, nothing held whole."""
+"""A new attempt's prepare of one partition, inside its task (the protocol's "prepare"
+step): the partition's rows fed to every participant's prepare at once, as Spark hands
+them over (a short queue per participant, the vote's digest in a thread of its own,
+nothing held whole), and the votes handed back with the job's result."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from twophase.errors import ParticipantError
+from twophase import failpoints
+from twophase.client.wire import BranchMetrics, VoteIn, votes_body
+from twophase.digest import RowsDigest
+from twophase.errors import ParticipantError, TargetProblem
+from twophase.participant import EMPTY_BRANCH, PrepareRefused
+from twophase.protocol import branch_id
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.digest import RowsDigest
-    from twophase.participant import Handle
+    from twophase.engine.plan import BatchPlan, BranchOutcome
+    from twophase.participant import Handle, Participant
 
-__all__ = ["DigestThread", "ReadFailed", "first_rows", "prepare_streaming"]
+__all__ = ["DigestThread", "ReadFailed", "first_rows", "prepare_partition",
+           "prepare_streaming"]
 
 
 class _Counted(Protocol):
@@ -30,6 +40,79 @@ _END: Final = object()
 
 class ReadFailed(ParticipantError):
     """Spark's rows stopped midway (the task is failing): every prepare undoes itself."""
+
+
+def prepare_partition(
+    plan: BatchPlan,
+    partition: int,
+    schema: pa.Schema,
+    batches: Iterator[pa.RecordBatch],
+    out: BranchOutcome,
+    task: str | None,
+) -> None:
+    """Prepare this partition's branches of a new attempt and hand the votes over."""
+    t0 = time.perf_counter()
+    digest = RowsDigest(schema)  # stored with the vote: a redo must match it
+    head, out.rows = first_rows(batches)
+    if out.rows:
+        results = prepare_streaming(
+            [partial(_prepare_one, plan, part, partition, schema)
+             for part in plan.participants], head, batches, out, digest)
+    else:  # an empty partition writes nothing anywhere: its vote says so
+        results = []
+        for part in plan.participants:
+            failpoints.hit("before_prepare", part.name, partition)
+            results.append(EMPTY_BRANCH)
+            failpoints.hit("after_prepare", part.name, partition)
+    votes: list[VoteIn] = []
+    unexpected: Exception | None = None
+    for part, res in zip(plan.participants, results, strict=True):
+        bid = branch_id(part.name, partition)
+        if isinstance(res, PrepareRefused):
+            votes.append(VoteIn(branch=bid, yes=False, reason=str(res), task=task))
+        elif isinstance(res, Exception):
+            # An unexpected failure while preparing: a NO vote with the cause (the task
+            # fails unless the target refused for good: ``_hand_over_votes``)
+            votes.append(VoteIn(branch=bid, yes=False, reason=f"{type(res).__name__}: {res}",
+                                task=task))
+            unexpected = unexpected or res
+        else:
+            # prepares run together: each branch's time is the partition's prepare time
+            measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
+            votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
+                                metrics=measured, digest=digest.value(), task=task))
+    _hand_over_votes(plan, votes, unexpected, out, t0)
+
+
+def _hand_over_votes(
+    plan: BatchPlan, votes: list[VoteIn], unexpected: Exception | None, out: BranchOutcome,
+    t0: float,
+) -> None:
+    """A new attempt's votes go back with the job's result, and the driver
+    sends every task's at once (``twophase.engine.decide``): one result per partition is what
+    Spark keeps of a task run twice (a retry, a speculative copy), so the votes the
+    coordinator sees are one task attempt's per branch. YES votes first: a NO then decides
+    ABORT with every prepared branch recorded, so the driver aborts them all. An
+    unexpected error fails the task instead (Spark runs it again; a new attempt finds
+    what this one prepared under the same names); a target's permanent refusal is said
+    in full by its NO vote."""
+    if unexpected is not None and not isinstance(unexpected, TargetProblem):
+        raise unexpected
+    ordered = sorted(votes, key=lambda v: not v.yes)
+    out.votes = json.dumps(votes_body(plan.epoch, ordered)["votes"])
+    out.prepare_s = time.perf_counter() - t0
+    refused = [v for v in ordered if not v.yes]
+    if refused:
+        out.error = f"{refused[0].branch} voted NO: {refused[0].reason}"
+
+
+def _prepare_one(plan: BatchPlan, part: Participant, partition: int, schema: pa.Schema,
+                 source: Iterator[pa.RecordBatch]) -> Handle:
+    """One participant's prepare of this partition, between its failpoints."""
+    failpoints.hit("before_prepare", part.name, partition)
+    handle = part.prepare(plan.ref(part, partition), schema, source)
+    failpoints.hit("after_prepare", part.name, partition)
+    return handle
 
 
 def first_rows(batches: Iterator[pa.RecordBatch]) -> tuple[list[pa.RecordBatch], int]:

@@ -1,47 +1,25 @@
-"""The ``finish`` mode of a task, and the two steps every mode shares: COMMIT is already
-decided for the attempt (a restart found it in doubt), so a prepared branch is committed
-and a lost one (a Kafka branch dies with its producer) is written again, only when the
-replay holds exactly the rows that were voted on (``check_redo``)."""
+"""The ``finish`` mode of a task, and the recovery rule for earlier attempts every mode
+shares: COMMIT is already decided for the attempt (a restart found it in doubt), so a
+lost branch (a Kafka branch dies with its producer) is written again, only when the
+replay holds exactly the rows that were voted on (``check_redo``); the driver commits it
+with every other branch, as it commits a new attempt's (``twophase.engine.commit``)."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from twophase import failpoints
-from twophase.client.wire import BranchMetrics, acks_body
 from twophase.digest import KINDS, digest_kind, rows_digest
 from twophase.engine.plan import BatchPlan, BranchOutcome, split_of
 from twophase.errors import RedoMismatch
-from twophase.participant import BranchRef, Handle, Participant, ParticipantError, is_empty_branch
-from twophase.protocol import CommitScope, Decision, RecoveryAction, branch_id, recovery_action
+from twophase.participant import Handle, Participant, ParticipantError, is_empty_branch
+from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from twophase.client.api import CoordinatorClient
-
-__all__ = ["acknowledge", "apply_decision", "check_redo", "finish_commit",
-           "settle_earlier"]
-
-
-def acknowledge(
-    plan: BatchPlan,
-    client: CoordinatorClient,
-    out: BranchOutcome,
-    acks: Sequence[tuple[str, Decision]],
-    measured: Mapping[str, BranchMetrics],
-) -> None:
-    """Send this task's acks, or (``driver_acks``) hand them to the driver."""
-    if not acks:
-        return
-    if plan.driver_acks:
-        out.acks = json.dumps(acks_body(plan.epoch, acks, measured)["acks"])
-    else:  # the answer is not read: brief (the whole record would be O(branches))
-        client.ack(plan.key, plan.epoch, acks, measured, brief=True)
-
+__all__ = ["check_redo", "redo_lost", "settle_earlier"]
 
 
 def settle_earlier(
@@ -61,21 +39,6 @@ def settle_earlier(
             aborted += 1
         acks.append((ref.branch_id, Decision.ABORT))
     return acks, aborted
-
-
-def apply_decision(
-    part: Participant, ref: BranchRef, handle: Handle | None, decision: Decision
-) -> None:
-    """Apply the decision to one branch, between the commit failpoints."""
-    failpoints.hit("before_commit", part.name, ref.partition)
-    if is_empty_branch(handle):
-        pass  # nothing was prepared, so there is nothing to make visible or discard
-    elif decision == Decision.COMMIT:
-        part.commit(ref, handle)
-    else:
-        part.abort(ref, handle)
-    failpoints.hit("after_commit", part.name, ref.partition)
-
 
 
 def check_redo(
@@ -132,49 +95,31 @@ def check_redo(
     )
 
 
-def finish_commit(
+def redo_lost(
     plan: BatchPlan,
     partition: int,
     schema: pa.Schema,
     batches: Sequence[pa.RecordBatch],
-    client: CoordinatorClient,
     out: BranchOutcome,
 ) -> None:
-    """COMMIT is decided: COMMITTED -> nothing, PREPARED -> commit, ABSENT -> redo."""
-    t0 = time.perf_counter()
-    acks: list[tuple[str, Decision]] = []
-    measured: dict[str, BranchMetrics] = {}
+    """COMMIT is decided: write again each of this partition's branches that is lost
+    (ABSENT: a Kafka branch dies with its producer), once the replay is checked to hold
+    the voted rows, and hand the new handles back in ``out.redone_handles``. Nothing is
+    committed or acknowledged here: the driver commits every branch from its vote's
+    handle, a redone one from its new handle (``Committer.apply``). A second redo of a
+    branch the driver committed meanwhile writes nothing (the participant's marker)."""
     redone: dict[str, Handle] = {}
     for part in plan.participants:
         ref = plan.ref(part, partition)
         bid = branch_id(part.name, partition)
         voted = plan.handles.get(bid)
-        if is_empty_branch(voted):
-            acks.append((bid, Decision.COMMIT))  # voted with no rows: nothing to finish
-            continue
-        tc = time.perf_counter()
-        status = part.voted_status(ref, voted)
-        action = recovery_action(Decision.COMMIT, status, part.commit_scope)
-        if action == RecoveryAction.COMMIT:
-            apply_decision(part, ref, voted, Decision.COMMIT)
-        elif action == RecoveryAction.COMMIT_BATCH:
-            continue  # prepared and whole: the driver commits the batch and acknowledges
-        elif action == RecoveryAction.REDO:
-            # Lost (a Kafka branch dies with its producer): write it again and commit at
-            # once; the participant's marker makes a second redo write nothing.
+        if is_empty_branch(voted) or bid in plan.acked:
+            continue  # voted with no rows, or applied (or given up) already
+        action = recovery_action(Decision.COMMIT, part.voted_status(ref, voted),
+                                 part.commit_scope)
+        if action == RecoveryAction.REDO:
             check_redo(plan, part, partition, schema, batches)
-            handle = part.redo(ref, schema, batches, voted)
+            redone[bid] = {**part.redo(ref, schema, batches, voted), "split": plan.split}
             out.redone += 1
-            if part.commit_scope == CommitScope.BATCH:
-                redone[bid] = {**handle, "split": plan.split}  # the driver's batch commit
-                continue
-            apply_decision(part, ref, handle, Decision.COMMIT)
-        acks.append((bid, Decision.COMMIT))
-        measured[bid] = {"commit_s": time.perf_counter() - tc}
     if redone:
         out.redone_handles = json.dumps(redone)
-    failpoints.hit("before_ack", None, partition)
-    acknowledge(plan, client, out, acks, measured)
-    out.commit_s = time.perf_counter() - t0
-    out.decision = Decision.COMMIT.value
-

@@ -18,8 +18,8 @@ Per attempt, on the driver, in place of those participants' share of the prepare
 A driver killed during 2 or 3 leaves the attempt's write folder, named by the attempt:
 ``status`` reads it as PREPARED, so the next attempt's settle step, the give-up sweep and
 ``twophase resolve`` abort it. A finish (a restart found COMMIT decided) commits the
-staged branches by name from the driver, as for any barrier-free sink
-(``twophase.engine.recover``).
+staged branches from their votes' handles on the driver, as for any sink
+(``twophase.engine.commit``, once ``twophase.engine.recover`` found none lost).
 
 Which path (``split_native``): automatic, native for every participant when all of them
 take Spark's files; beside Python participants only for those that ask

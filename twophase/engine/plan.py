@@ -21,7 +21,7 @@ from twophase.participant import (
 )
 from twophase.protocol import TxnKey
 
-__all__ = ["INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
+__all__ = ["FINISH", "INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
            "descriptors", "fixed_split", "plan_from_property", "plan_property",
            "redone_handles", "split_of", "split_rule"]
 
@@ -29,6 +29,10 @@ PREPARE: Final = "prepare"
 """The plan's mode when every participant's prepare is durable: tasks prepare and hand
 their votes back with the job's result; the driver sends them and commits (no task waits
 for the decision, no barrier stage)."""
+
+FINISH: Final = "finish"
+"""The plan's mode when a restart found the attempt in doubt with COMMIT decided: tasks
+only write again what was lost and hand the new handles back; the driver commits."""
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
@@ -47,18 +51,17 @@ class BatchPlan:
     key: TxnKey  # the attempt this task runs
     epoch: int
     partitions: int
-    mode: str  # PREPARE or "run" a new attempt, or "finish" one whose decision is COMMIT
+    mode: str  # PREPARE a new attempt, or FINISH one whose decision is COMMIT
     coordinator_url: str
     token: str | None = field(repr=False)  # never in logs or Spark's task descriptions
     participants: tuple[Participant, ...]
     handles: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # finish mode
     digests: Mapping[str, str] = field(default_factory=dict)  # finish mode: voted digests
+    acked: tuple[str, ...] = ()  # finish mode: branches acknowledged already (force-ack)
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
-    decision_timeout: float = 600.0
     ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
     split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
-    driver_acks: bool = False  # the task returns its acks for the driver to relay (sink)
     token_file: str | None = None  # re-read after a 401 where readable (a rotated token)
 
     def ref(
@@ -74,17 +77,12 @@ class BranchOutcome:
 
     partition: int
     rows: int = 0
-    decision: str = ""
     recovered: int = 0  # leftovers of earlier attempts aborted
     redone: int = 0  # lost branches written again under a COMMIT decision
     prepare_s: float = 0.0  # first row asked of Spark -> every participant prepared
-    wait_s: float = 0.0  # vote answered -> decision known
-    commit_s: float = 0.0  # decision known -> branches committed, acks ready
-    vote_s: float = 0.0  # the vote call
     task_s: float = 0.0  # the whole of run_partition: the job's time minus this is Spark's
     error: str = ""
-    acks: str = ""  # driver_acks: this task's acks as the wire's ack bodies (JSON list)
-    redone_handles: str = ""  # batch scope: {branch id: handle} of branches redone (JSON)
+    redone_handles: str = ""  # finish mode: {branch id: handle} of branches redone (JSON)
     votes: str = ""  # prepare mode: this task's votes as the wire's vote bodies (JSON list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,7 +100,7 @@ def plan_property(plan: BatchPlan) -> str:
     return json.dumps({
         "key": list(plan.key), "epoch": plan.epoch, "partitions": plan.partitions,
         "mode": plan.mode, "handles": plan.handles, "digests": plan.digests,
-        "ack_earlier": list(plan.ack_earlier), "split": plan.split,
+        "acked": list(plan.acked), "ack_earlier": list(plan.ack_earlier), "split": plan.split,
     })
 
 
@@ -115,12 +113,13 @@ def plan_from_property(template: BatchPlan, value: str | None) -> BatchPlan:
     d = json.loads(value)
     return replace(template, key=TxnKey(*d["key"]), epoch=d["epoch"],
                    partitions=d["partitions"], mode=d["mode"], handles=d["handles"],
-                   digests=d["digests"], ack_earlier=tuple(d["ack_earlier"]),
+                   digests=d["digests"], acked=tuple(d["acked"]),
+                   ack_earlier=tuple(d["ack_earlier"]),
                    split=d["split"])
 
 
 def redone_handles(outcomes: Iterable[Mapping[str, Any]]) -> dict[str, Handle]:
-    """The handles of batch-scope branches the tasks redid (branch id -> handle): the
+    """The handles of the branches a finish's tasks redid (branch id -> handle): the
     driver commits those instead of the lost ones the coordinator recorded."""
     out: dict[str, Handle] = {}
     for o in outcomes:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from twophase.engine.native import NativePrepare, split_native
 from twophase.engine.plan import (
+    FINISH,
     INPUT_SPLIT,
     PLAN_PROPERTY,
     PREPARE,
@@ -30,7 +31,7 @@ from twophase.engine.plan import (
     plan_property,
     split_of,
 )
-from twophase.engine.recover import finish_on_driver
+from twophase.engine.recover import finish_from_votes
 from twophase.engine.report import REPORT_SCHEMA, report_struct, short_error
 from twophase.engine.task import run_partition
 from twophase.protocol import BeginKind, TxnKey
@@ -48,7 +49,7 @@ __all__ = ["PrepareJob"]
 
 
 class PrepareJob:
-    """Builds and runs each batch's job for one sink. ``template`` (the plan's fixed
+    """Builds and launches each batch's job for one sink. ``template`` (the plan's fixed
     part) is set once the driver has connected and registered its epoch."""
 
     def __init__(self, participants: Sequence[Participant], split_columns: Sequence[str],
@@ -69,14 +70,14 @@ class PrepareJob:
         self._maps: dict[int, tuple[BatchPlan, Any, ArrowMap]] = {}
 
     def fixed_part(self, *, epoch: int, coordinator_url: str, token: str | None,
-                   ca_pem: str | None, vote_timeout: float, retry_budget: float,
+                   ca_pem: str | None, retry_budget: float,
                    token_file: str | None = None) -> None:
         """What every batch's plan shares (``plan`` fills in the batch)."""
         self.template = BatchPlan(
             key=TxnKey("", "", 0, 0), epoch=epoch, partitions=0, mode=PREPARE,
             coordinator_url=coordinator_url, token=token, participants=self.participants,
-            decision_timeout=vote_timeout + 60.0, ca_pem=ca_pem,
-            retry_budget=retry_budget, driver_acks=True, token_file=token_file,
+            ca_pem=ca_pem,
+            retry_budget=retry_budget, token_file=token_file,
         )
         self._python = dataclasses.replace(self.template, participants=self.python)
 
@@ -134,9 +135,10 @@ class PrepareJob:
             self.template,
             key=txn.key,
             partitions=txn.partitions,
-            mode="finish" if kind == BeginKind.IN_DOUBT else PREPARE,
+            mode=FINISH if kind == BeginKind.IN_DOUBT else PREPARE,
             handles=handles,
             digests=digests,
+            acked=tuple(b for b, s in txn.branches.items() if s.ack is not None),
             ack_earlier=tuple(t.attempt for t in recover if t.attempt != txn.attempt),
             split=split,
         )
@@ -147,7 +149,7 @@ class PrepareJob:
         Spark Connect (no local properties) and when the sink always shuffles."""
         if (self.template is None or self.split_columns or self.one_branch
                 or spark.jvm is None or self.native):
-            return None  # the native path splits the batch itself (``run``)
+            return None  # the native path splits the batch itself (``launch``)
         return self._mapped(df, self.template, spark.schema)
 
     def _split(self, df: DataFrame, plan: BatchPlan) -> DataFrame:
@@ -159,16 +161,18 @@ class PrepareJob:
             return df.repartition(plan.partitions, *cols)
         return df.repartition(plan.partitions)
 
-    def run(self, df: DataFrame, plan: BatchPlan, spark: SparkBatch,
-            direct: DataFrame | None = None,
-            client: CoordinatorClient | None = None) -> tuple[list[dict[str, Any]], str]:
+    def launch(self, df: DataFrame, plan: BatchPlan, spark: SparkBatch,
+               direct: DataFrame | None = None,
+               client: CoordinatorClient | None = None) -> tuple[list[dict[str, Any]], str]:
         """One task per partition; returns the tasks' outcomes and the job's error.
         ``direct`` (``frame``) is run as planned when the plan keeps Spark's split. A new
         attempt of a sink with native participants writes theirs with Spark's writer
-        (``client`` settles earlier attempts) and runs the Python job for the rest."""
-        if plan.mode == "finish" and client is not None:
-            finished = finish_on_driver(self.participants, df, plan, client)
-            if finished is not None:  # else a branch needs its rows: the tasks' finish
+        (``client`` settles earlier attempts) and runs the Python job for the rest. A
+        finish runs tasks only when a branch needs its rows again (``finish_from_votes``):
+        they redo it, and the driver commits every branch either way."""
+        if plan.mode == FINISH and client is not None:
+            finished = finish_from_votes(self.participants, df, plan, client)
+            if finished is not None:  # else a branch needs its rows: the tasks' redo
                 return finished, ""
         if self._native is None or plan.mode != PREPARE or client is None:
             return self._run_python(df, plan, spark, direct, None)

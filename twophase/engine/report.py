@@ -23,10 +23,9 @@ __all__ = ["BATCH_PHASES", "DRIVER_PHASES", "REPORT_SCHEMA", "TASK_PHASES", "Bat
 log = logging.getLogger("twophase.sink")
 
 REPORT_SCHEMA = (
-    "partition long, rows long, decision string, recovered long, redone long, "
-    "prepare_s double, wait_s double, commit_s double, vote_s double, task_s double, "
-    "error string, acks string, "
-    "redone_handles string, votes string"
+    "partition long, rows long, recovered long, redone long, "
+    "prepare_s double, task_s double, "
+    "error string, redone_handles string, votes string"
 )
 
 
@@ -46,8 +45,7 @@ class BatchReport:
     # its planning and its split read; setup_s: coordinator, preflight, checks;
     # begin_s; settle_s: an empty relation's votes and acks; plan_s; job_s: the Spark
     # job; decide_s: the tasks' votes sent; driver_commit_s: the decision applied from
-    # the driver; in-task path: relay_s: the tasks' acks; batch_commit_s;
-    # driver_s: the rest) and the tasks' (prepare_s, vote_s, wait_s, commit_s, task_s:
+    # the driver; driver_s: the rest) and the tasks' (prepare_s, task_s:
     # the slowest task's), so job_s - task_s is Spark's own share of the job
     phases: dict[str, float] = field(default_factory=dict)
     split: str = ""  # "input" (as Spark read it), "hash", or "none" (empty: no job ran)
@@ -66,24 +64,23 @@ class BatchReport:
 
 
 
-TASK_PHASES: Final = ("prepare_s", "vote_s", "wait_s", "commit_s", "task_s")
+TASK_PHASES: Final = ("prepare_s", "task_s")
 DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s",
-                          "job_s", "decide_s", "driver_commit_s", "relay_s", "batch_commit_s")
+                          "job_s", "decide_s", "driver_commit_s")
 
 
 BATCH_PHASES: Final = {
     # the tasks' prepare (the slowest task's)
     "prepare_s": ("prepare_s",),
-    # votes to decision: a task waiting for it (in-task path) or the driver deciding
-    "wait_s": ("wait_s", "decide_s"),
-    # the decision applied: by the tasks (in-task path), by the driver (the default
-    # staged path: Kafka's copy, COMMIT PREPARED, the renames), the acks relayed, and a
-    # table's one commit per batch
-    "commit_s": ("commit_s", "driver_commit_s", "relay_s", "batch_commit_s"),
+    # votes to decision: the driver sending the tasks' votes, the coordinator deciding
+    "wait_s": ("decide_s",),
+    # the decision applied by the driver, a finish's too (Kafka's EndTxn or copy,
+    # COMMIT PREPARED, the renames, a table's one commit per batch), and its acks
+    "commit_s": ("driver_commit_s",),
 }
-"""Each of ``BatchReport``'s protocol phases as the sum of the measured ``phases``: on
-the staged path no task waits or commits, the driver does, and a phase shown from the
-tasks alone would read 0 ms while the driver spent seconds in it."""
+"""Each of ``BatchReport``'s protocol phases as the sum of the measured ``phases``: no
+task waits or commits, the driver does, and a phase shown from the tasks alone would
+read 0 ms while the driver spent seconds in it."""
 
 
 def batch_phases(report: BatchReport) -> None:

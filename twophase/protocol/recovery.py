@@ -5,7 +5,7 @@ participant's own system says about the branch.
 |---------------|-----------|---------|
 | COMMIT        | COMMITTED | nothing |
 | COMMIT        | PREPARED  | commit  |
-| COMMIT        | ABSENT    | redo: write again, commit at once (the marker stops a 2nd write) |
+| COMMIT        | ABSENT    | redo: write again, then commit (the marker stops a 2nd write) |
 | ABORT or none | PREPARED  | abort   |
 | ABORT or none | ABSENT    | nothing |
 | ABORT or none | COMMITTED | nothing (committed by another attempt of the batch) |
@@ -16,13 +16,15 @@ reads the same table with two rows changed, because no branch is ever committed 
 | decision      | status    | action  |
 |---------------|-----------|---------|
 | COMMIT        | PREPARED  | commit-batch: the driver commits every branch at once |
-| COMMIT        | ABSENT    | redo: write the files again; the batch commit follows |
+| COMMIT        | ABSENT    | redo: write the files again; the batch commit takes them |
 
 and COMMITTED means "the table's marker of this batch names this attempt" (committed by
 the batch commit).
 
 The same function answers an in-place retry, a driver restart (Spark replay), a job whose
-tasks died after the decision, and the operator's ``twophase resolve``.
+tasks died after the decision, and the operator's ``twophase resolve``. Whoever acts on
+it, a commit is the driver's: a redo (a finish's task) hands its new handle back, and the
+driver commits the branch from it with every other branch of the batch.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class CommitScope(str, enum.Enum):
     """Where a participant's COMMIT is applied."""
 
     BRANCH = "branch"
-    """Each task commits its own branch (PostgreSQL, files, Kafka, SQL databases)."""
+    """Each branch is committed on its own (PostgreSQL, files, Kafka, SQL databases)."""
     BATCH = "batch"
     """The driver commits every branch of the batch at once (a table: one snapshot or
     log entry per micro-batch; Flink Sink V2's global committer)."""
@@ -56,7 +58,7 @@ class RecoveryAction(str, enum.Enum):
     NOTHING = "nothing"
     COMMIT = "commit"
     ABORT = "abort"
-    REDO = "redo"  # lost under COMMIT (Kafka): write again and commit at once
+    REDO = "redo"  # lost under COMMIT (Kafka): write again, then commit from the new handle
     COMMIT_BATCH = "commit-batch"  # batch scope: the driver commits all branches at once
 
 

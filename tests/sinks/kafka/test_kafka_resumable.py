@@ -202,3 +202,66 @@ def test_vote_window_longer_than_the_transaction_timeout_is_refused() -> None:
                          transaction_timeout_ms=60_000)
     with pytest.raises(InvalidRequest, match=r"transaction_timeout_ms=60000 .*vote_timeout"):
         p.check_vote_window(120)
+
+
+def test_a_finish_task_redoes_a_lost_branch_and_the_driver_commits_it(
+    kafka_bootstrap: str, tmp_path: object
+) -> None:
+    """One commit path: COMMIT decided, the branch's transaction ended by the broker
+    (lost). The finish's task redoes it from the replay and commits nothing: its new
+    transaction is open, no ``read_committed`` reader sees a row, nothing is
+    acknowledged. The driver's ``Committer.apply`` commits it from the redone handle:
+    every row once, nothing left open."""
+    from confluent_kafka import Producer
+
+    from twophase.client.connection import connect
+    from twophase.engine.commit import Committer
+    from twophase.engine.decide import decide, votes_of
+    from twophase.engine.plan import FINISH, PREPARE, BatchPlan, redone_handles
+    from twophase.engine.task import run_partition
+    from twophase.protocol import BeginKind, State
+
+    p = make(kafka_bootstrap)
+    sink = "kfinish"
+    conn = connect(f"sqlite:///{tmp_path}/c.db")
+    try:
+        client = conn.client()
+
+        def begin(epoch: int) -> tuple[BatchPlan, BeginKind]:
+            res = client.begin(sink, "lin-1", 0, epoch, [p.name], 1, 30.0)
+            assert res.txn is not None
+            branches = res.txn.branches.items()
+            return BatchPlan(
+                key=res.txn.key, epoch=epoch, partitions=1,
+                mode=FINISH if res.kind == BeginKind.IN_DOUBT else PREPARE,
+                coordinator_url=conn.url, token=conn.token, participants=(p,),
+                handles={b: dict(s.handle) for b, s in branches if s.handle},
+                digests={b: s.digest for b, s in branches if s.digest},
+                acked=tuple(b for b, s in branches if s.ack is not None)), res.kind
+
+        plan, _ = begin(client.register(sink))
+        voted = run_partition(plan, 0, SCHEMA, [rows(0, 20)])
+        decided = decide(client, client.get(plan.key), plan.epoch,
+                         votes_of([voted.as_dict()]), "")
+        assert decided.state == State.COMMITTING  # the writer dies before its commit
+        handle = decided.branches[f"{p.name}/0"].handle
+        assert handle is not None
+        Producer(p.producer_config(handle["transactional_id"])).init_transactions(10)
+        finish, kind = begin(client.register(sink))
+        assert kind == BeginKind.IN_DOUBT and finish.mode == FINISH
+        out = run_partition(finish, 0, SCHEMA, [rows(0, 20)])
+        assert out.redone == 1
+        back = p.read_back("id")
+        assert back.values == () and back.open == 1, back  # redone, left open
+        assert client.get(plan.key).branches[f"{p.name}/0"].ack is None
+        committer = Committer([p])
+        try:
+            final, error = committer.apply(client, finish.epoch, client.get(plan.key),
+                                           redone_handles([out.as_dict()]))
+        finally:
+            committer.close()
+        assert not error and final.state == State.COMMITTED, error
+        assert committed_ids(p) == list(range(20))
+        assert p.open_transactions(sink) == []
+    finally:
+        conn.close()

@@ -294,7 +294,7 @@ def test_a_fenced_copy_takes_the_branch_over_when_the_fencing_copy_died(
 
 
 def test_staged_branch_reads_prepared_until_its_records_are_gone(kafka_bootstrap: str) -> None:
-    """A finish commits a staged branch from the driver (twophase.engine.recover) because its
+    """A finish commits a staged branch from the driver (twophase.engine.commit) because its
     voted state reads PREPARED while the staged range is there; once the staging topic's
     retention took it, ABSENT (only a redo from the replay can write it), and after the
     copy COMMITTED."""
