@@ -13,8 +13,9 @@ A private Apache Kafka broker (``twophase.testing.apachekafka``, one KRaft node)
 started unless ``--bootstrap`` names one, and a topic of 2 partitions made per size, as
 bench/e2e.py's. The rows are bench/e2e.py's events (``twophase.testing.job.write_input``),
 in Arrow batches of 10,000 rows (Spark's ``maxRecordsPerBatch``). In bench/e2e.py a batch
-is one Parquet file of one row group, so one task holds all its rows and the other none:
-the default sizes are those tasks' shares (0, 100k, 1M).
+is one Parquet file of one row group, so one task reads all its rows and B's sink keeps
+that split (one branch a participant): the default sizes are that task's share at 100k and
+1M rows a batch, and an empty branch (the fixed calls alone).
 
 Per repeat, alternating which runs first:
 
@@ -318,8 +319,8 @@ def report(rows: int, repeats: int, b_runs: list[dict[str, float]],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="0,100000,1000000",
-                    help="rows per prepare, comma separated (default: bench/e2e.py's task "
-                         "shares at 100k and 1M rows a batch, and its empty task)")
+                    help="rows per prepare, comma separated (default: an empty branch and "
+                         "bench/e2e.py's task share at 100k and 1M rows a batch)")
     ap.add_argument("--repeats", type=int, default=20, help="measured repeats per size")
     ap.add_argument("--large-repeats", type=int, default=5,
                     help="measured repeats for sizes of 500,000 rows or more")
