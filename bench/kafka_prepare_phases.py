@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     load = os.getloadavg()
-    print(f"kafka_prepare_phases: confluent-kafka {confluent_kafka.version()[0]} "
+    print(f"kafka_prepare_phases: confluent-kafka {confluent_kafka.__version__} "
           f"(librdkafka {confluent_kafka.libversion()[0]}), sizes {sizes}, load average "
           f"before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     instrument()
