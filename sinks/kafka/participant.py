@@ -50,6 +50,7 @@ from twophase.sinks.kafka.brokerconn import unsupported
 from twophase.sinks.kafka.clients import MARKER_CONSUMERS, PRODUCERS
 from twophase.sinks.kafka.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    RECONNECT_BACKOFF_MS,
     TEST_BROKER_CLUSTER_ID,
     common_config,
     validate_config,
@@ -152,7 +153,7 @@ class KafkaParticipant(Participant, Rebuildable, Verifiable):
         return common_config(self.config)
 
     def producer_config(self, transactional_id: str) -> dict[str, object]:
-        cfg = dict(self.config)
+        cfg: dict[str, object] = {"reconnect.backoff.ms": RECONNECT_BACKOFF_MS, **self.config}
         cfg.update(
             {
                 "transactional.id": transactional_id,

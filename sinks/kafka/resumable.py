@@ -161,10 +161,14 @@ def prepare(p: KafkaParticipant, branch: BranchRef, schema: pa.Schema,
             PARKED.pop(tid, None)
         producer = Producer(p.producer_config(tid))
         try:
-            # a broker connection up first: librdkafka asks for the transaction
+            # the broker's connection up first: librdkafka asks for the transaction
             # coordinator at once and, finding no broker up yet, only again after a
-            # fixed 500 ms (measured: init_transactions 60 ms or 507 ms, by that race)
-            producer.list_topics(p.topic, timeout=p.connect_timeout_s)
+            # fixed 500 ms. The first answer may come from the bootstrap connection,
+            # which librdkafka then replaces by one to the broker's node id; the second
+            # request waits for that one (measured, bench/kafka_prepare_phases.py: one
+            # request left 13 of 120 init_transactions at 505 ms, two none, +0.5 ms)
+            for _ in range(2):
+                producer.list_topics(p.topic, timeout=p.connect_timeout_s)
             producer.init_transactions(p.connect_timeout_s)
         except Exception as exc:
             raise PrepareRefused(

@@ -25,6 +25,7 @@ from twophase.sinks.kafka import (
     validate_config,
     validate_topic,
 )
+from twophase.sinks.kafka.config import RECONNECT_BACKOFF_MS
 from twophase.testing.servers import free_port
 
 CODES = sorted(
@@ -124,6 +125,9 @@ def test_producer_config_enforces_the_protocol_and_keeps_security() -> None:
     assert cfg["enable.idempotence"] is True and cfg["acks"] == "all"
     assert cfg["transaction.timeout.ms"] == 30_000
     assert cfg["security.protocol"] == "SASL_SSL" and cfg["linger.ms"] == "20"
+    assert cfg["reconnect.backoff.ms"] == RECONNECT_BACKOFF_MS  # connects sooner
+    own = KafkaParticipant("orders", {"bootstrap.servers": "h:1", "reconnect.backoff.ms": "250"})
+    assert own.producer_config("t")["reconnect.backoff.ms"] == "250"  # the user's wins
     common = p._common_config()
     assert common == {"bootstrap.servers": "h:1", "security.protocol": "SASL_SSL",
                       "sasl.mechanism": "PLAIN"}
