@@ -14,7 +14,7 @@ from twophase import failpoints
 from twophase.client.api import CoordinatorClient
 from twophase.engine.commit import Committer
 from twophase.engine.decide import decide, votes_of
-from twophase.engine.plan import PREPARE, BatchPlan
+from twophase.engine.plan import PREPARE, BatchPlan, redone_handles
 from twophase.engine.task import run_partition
 from twophase.errors import TwophaseError
 from twophase.participant import Participant
@@ -77,14 +77,14 @@ def _one_round(client: CoordinatorClient, url: str, sink: str, epoch: int, batch
         job_error = f"{type(exc).__name__}: {exc}"
         if errors is not None:
             errors.append(job_error)
-    if plan.mode == PREPARE:  # the driver sends the votes and applies the decision
-        final = decide(client, txn, epoch, votes_of(outcomes), job_error)
-        final, commit_error = committer.apply(client, epoch, final)
+    # as BatchEngine.run: the driver sends the votes (a finish's record is decided
+    # already) and applies the decision, a finish's redone branches from their new handles
+    final = decide(client, txn, epoch, votes_of(outcomes), job_error)
+    if plan.mode == PREPARE or not job_error:
+        final, commit_error = committer.apply(client, epoch, final, redone_handles(outcomes))
         if commit_error and errors is not None:
             errors.append(commit_error)
         job_error = job_error or commit_error
-    else:
-        final = client.get(txn.key)
     rule = partial(next_step, max_attempts=max_attempts, backoff=0.2, job_error=job_error)
     step = rule(final, aborted=aborted, finishing=finishing)
     if step.kind == StepKind.ABANDON:
