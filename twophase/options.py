@@ -8,14 +8,17 @@ from collections.abc import Sequence
 from twophase.errors import InvalidRequest
 
 __all__ = ["MARKER_KEEP_BATCHES", "MAX_PARTICIPANTS", "MAX_PARTITIONS", "MAX_VOTE_TIMEOUT",
-           "MIN_MARKER_KEEP_BATCHES", "bounded_float", "bounded_int", "check_marker_window",
-           "check_sink_options"]
+           "MIN_MARKER_KEEP_BATCHES", "VOTE_TIMEOUT", "bounded_float", "bounded_int",
+           "check_marker_window", "check_sink_options"]
 
 # The coordinator's bounds (coordinator/models.py refuses more): checked here so that a
 # bad argument fails when the sink is built, not at the first batch.
 MAX_PARTICIPANTS = 64
 MAX_PARTITIONS = 100_000
 MAX_VOTE_TIMEOUT = 7 * 86400.0
+
+VOTE_TIMEOUT = 300.0
+"""``vote_timeout``'s default, both doors: seconds before an undecided attempt is aborted."""
 
 MARKER_KEEP_BATCHES = 1000
 """``marker_keep_batches``' default: ten times Spark's ``minBatchesToRetain`` default."""

@@ -22,7 +22,7 @@ from twophase.engine.report import (
 from twophase.engine.settings import SinkSettings
 from twophase.errors import BatchFailed, InvalidRequest, TwophaseError
 from twophase.names import LINEAGE_RULE
-from twophase.options import MARKER_KEEP_BATCHES
+from twophase.options import MARKER_KEEP_BATCHES, VOTE_TIMEOUT
 from twophase.participant import Participant
 from twophase.spark.session import spark_connect_client
 
@@ -57,7 +57,7 @@ class TransactionalSink:
         partitions: int | None = None,
         max_attempts: int = 3,
         backoff: float = 1.0,
-        vote_timeout: float = 300.0,
+        vote_timeout: float = VOTE_TIMEOUT,
         lineage: str | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
         coordinator_host: str | None = None,

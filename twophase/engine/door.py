@@ -30,6 +30,7 @@ from twophase.engine.task import _shared_client, run_partition
 from twophase.errors import BatchFailed, InvalidRequest
 from twophase.extras import missing_extra
 from twophase.names import validate_name
+from twophase.options import VOTE_TIMEOUT
 from twophase.participant import EMPTY_BRANCH, Participant, check_durable, rebuild
 from twophase.protocol import BeginKind, Decision, State, TxnKey, branch_id
 from twophase.protocol.door import (
@@ -65,7 +66,7 @@ class DoorSpec:
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
     ca_pem: str | None = field(default=None, repr=False)
-    vote_timeout: float = 300.0
+    vote_timeout: float = VOTE_TIMEOUT
     retry_budget: float = 120.0
     lineage: str | None = None  # default: the streaming query's id (per checkpoint)
     # the time zone the options name; None: the session's (spark.sql.session.timeZone),
@@ -151,10 +152,10 @@ def spec_from_options(opts: dict[str, str]) -> DoorSpec:
         raise InvalidRequest(f"option token_env={env!r}: that variable is not set on the "
                              "driver")
     vote_timeout = _number(opts, "vote_timeout", float)
-    checked = SinkSettings(  # the same checks as a sink declared in code
+    checked = SinkSettings(  # the same checks and defaults as a sink declared in code
         name, parts, url, token=token, token_file=opts.get("token_file"),
         partitions=_number(opts, "partitions", int), lineage=opts.get("lineage"),
-        vote_timeout=300.0 if vote_timeout is None else vote_timeout)
+        vote_timeout=VOTE_TIMEOUT if vote_timeout is None else vote_timeout)
     with CoordinatorClient(url, token, token_file=checked.token_file) as client:
         epoch = client.register(name, descriptors(parts))
     return DoorSpec(name, parts, url, epoch, checked.partitions or 200, token,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from twophase.client.connection import check_coordinator
 from twophase.engine.plan import fixed_split
 from twophase.names import validate_lineage, validate_name
-from twophase.options import MARKER_KEEP_BATCHES, check_sink_options
+from twophase.options import MARKER_KEEP_BATCHES, VOTE_TIMEOUT, check_sink_options
 from twophase.participant import Participant, check_durable
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class SinkSettings:
     partitions: int | None = None
     max_attempts: int = 3
     backoff: float = 1.0
-    vote_timeout: float = 300.0
+    vote_timeout: float = VOTE_TIMEOUT
     lineage: str | None = None
     on_batch: Callable[[BatchReport], None] | None = None
     coordinator_host: str | None = None
