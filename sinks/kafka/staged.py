@@ -65,7 +65,6 @@ from twophase.sinks.kafka.marker import (
     committed_marker,
     held_consumer,
     read_marker,
-    read_marker_now,
 )
 from twophase.sinks.kafka.records import produce_all
 
@@ -364,8 +363,11 @@ def voted_status(p: KafkaParticipant, branch: BranchRef, handle: Handle) -> Bran
     PREPARED while the staged range is still in the staging topic (its copy needs
     nothing but the handle, so a finish commits it from the driver without the batch's
     rows, ``twophase.engine.recover``); ABSENT once the topic's retention took the range's
-    first record, when only a redo from the replayed rows (digest-checked) can write it."""
-    if read_marker_now(p, branch) >= branch.batch_id + 1:
+    first record, when only a redo from the replayed rows (digest-checked) can write it.
+    The marker is read as :meth:`KafkaParticipant.status` reads it, stably too: the broker
+    answers a copy's commit before it writes the marker into the group, so a read without
+    waiting, just after the commit, can miss it."""
+    if p.status(branch) is BranchStatus.COMMITTED:
         return BranchStatus.COMMITTED
     first = int(handle["first_offset"])
     if first < 0:
