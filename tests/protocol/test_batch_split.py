@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from twophase import TransactionalSink
+from twophase.client.wire import VoteIn
+from twophase.protocol import Decision
 from twophase.sinks.files import StagedFileParticipant
 from twophase.spark.split import input_partitions as _input_partitions
 from twophase.testing.job import EVENT_DDL, write_input
@@ -110,6 +112,93 @@ def test_an_empty_relation_commits_without_a_spark_job(spark: Any, tmp_path: Pat
     assert jobs == []
     assert [(r.outcome, r.rows, r.split) for r in sink.history] == [("committed", 0, "none")]
     assert not list(out.glob("part-*"))
+
+
+def test_an_empty_relations_retry_aborts_the_failed_attempts_branch_without_a_job(
+        spark: Any, tmp_path: Path) -> None:
+    """Attempt 1 of an empty relation's batch left a branch prepared and was abandoned
+    (ABORT, nothing acknowledged): the driver's empty vote for attempt 2 first aborts
+    that branch by name and acknowledges it, as a task would, and still runs no Spark
+    job."""
+    from twophase.client.connection import connect
+    from twophase.participant import BranchStatus
+
+    out, url = tmp_path / "out", f"sqlite:///{tmp_path / 'e.db'}"
+    files = StagedFileParticipant(str(out))
+    conn = connect(url)
+    try:
+        client = conn.client()
+        epoch = client.register("empty_retry")
+        # two branches, one voted: the attempt stays undecided until it is abandoned
+        res = client.begin("empty_retry", "batch-job-3", 0, epoch, [files.name], 2, 30.0)
+        assert res.txn is not None and res.txn.attempt == 1
+        schema = pa.schema([("id", pa.int64())])
+        first = files.prepare(
+            _ref(res.txn.key, files),
+            schema, [pa.record_batch({"id": [1]}, schema=schema)])
+        client.vote(res.txn.key, epoch, [VoteIn(branch=f"{files.name}/0", yes=True,
+                                                handle=dict(first))])
+        client.abandon(res.txn.key, epoch, "the test's failed attempt")
+        assert files.status(_ref(res.txn.key, files)) is BranchStatus.PREPARED
+        sink = TransactionalSink("empty_retry", [files], url, lineage="batch-job-3",
+                                 preflight=False)
+        sc = spark.sparkContext
+        sc.setJobGroup("twophase-empty-retry", "empty")
+        try:
+            sink(spark.createDataFrame([], EVENT_DDL), 0)
+            jobs = sc.statusTracker().getJobIdsForGroup("twophase-empty-retry")
+        finally:
+            sc.setJobGroup("", "")
+            sink.close()
+        assert jobs == []
+        [report] = sink.history
+        assert (report.outcome, report.rows, report.split, report.recovered) == (
+            "committed", 0, "none", 1)
+        assert files.status(_ref(res.txn.key, files)) is BranchStatus.ABSENT
+        first_attempt = client.get(res.txn.key)
+        assert first_attempt.branches[f"{files.name}/0"].ack == Decision.ABORT
+        assert not list(out.glob("part-*")) and not list(out.rglob("*.parquet"))
+    finally:
+        conn.close()
+
+
+def test_an_empty_relations_batch_found_in_doubt_is_finished_and_acknowledged(
+        spark: Any, tmp_path: Path) -> None:
+    """A driver died after its empty batch's votes decided COMMIT, before the acks: the
+    restart finishes it as any in-doubt batch (nothing to redo, the driver acknowledges
+    every branch) and writes nothing."""
+    from twophase.client.connection import connect
+    from twophase.participant import EMPTY_BRANCH
+
+    out, url = tmp_path / "out", f"sqlite:///{tmp_path / 'f.db'}"
+    files = StagedFileParticipant(str(out))
+    conn = connect(url)
+    try:
+        client = conn.client()
+        epoch = client.register("empty_doubt")
+        res = client.begin("empty_doubt", "batch-job-4", 0, epoch, [files.name], 1, 30.0)
+        assert res.txn is not None
+        decided = client.vote(res.txn.key, epoch, [VoteIn(
+            branch=f"{files.name}/0", yes=True, handle={**EMPTY_BRANCH, "split": "none"})])
+        assert decided.decision == Decision.COMMIT
+        sink = TransactionalSink("empty_doubt", [files], url, lineage="batch-job-4",
+                                 preflight=False)
+        try:
+            sink(spark.createDataFrame([], EVENT_DDL), 0)
+        finally:
+            sink.close()
+        assert [(r.outcome, r.rows) for r in sink.history] == [("recovered", 0)]
+        after = client.get(res.txn.key)
+        assert [s.ack for s in after.branches.values()] == [Decision.COMMIT]
+        assert not list(out.rglob("*.parquet"))
+    finally:
+        conn.close()
+
+
+def _ref(key: Any, part: StagedFileParticipant) -> Any:
+    from twophase.participant import BranchRef
+
+    return BranchRef(*key, participant=part.name, partition=0)
 
 
 def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ door decides and commits the votes Spark hands its committer (``twophase.engine.
 Per batch: ``begin`` with the coordinator, keyed by (sink, lineage, batch id); split
 the batch into P partitions the same way on every replay (P is stored with the first
 attempt: as Spark read it when a replay splits alike, else by a stable hash of every
-column); a batch known to be empty is voted and acknowledged by the driver alone. The
+column); a batch Spark planned without partitions is voted empty by the driver alone
+(``recover.vote_empty``, no Spark job), and decided and committed as any other. The
 tasks prepare (one ordinary task per partition; each prepare outlives its task), the
 coordinator's record holds the decision (an undecided attempt
 is abandoned: ABORT) and the driver applies it. ``run`` returns only when the coordinator
@@ -24,11 +25,11 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twophase import failpoints
 from twophase.engine.commit import Committer
-from twophase.engine.decide import decide, settle_empty, votes_of
+from twophase.engine.decide import decide, votes_of
 from twophase.engine.plan import PREPARE, descriptors, redone_handles
 from twophase.engine.prepare import PrepareJob
 from twophase.engine.report import (
@@ -173,32 +174,23 @@ class BatchEngine:
             txn = res.txn
             assert txn is not None
             in_doubt = res.kind == BeginKind.IN_DOUBT
-            settled = (settle_empty(client, epoch, txn, res.recover, in_doubt=in_doubt)
-                       if n_in == 0 else None)
-            if settled is not None:
-                final, outcomes, job_error = settled, list[dict[str, Any]](), ""
-                split = "none"
-                laps.lap("settle_s")
-            else:
-                plan = job.plan(res.kind, txn, res.recover, n_in, client.token)
-                split = plan.split
-                laps.lap("plan_s")
-                outcomes, job_error = job.launch(df, plan, spark, direct, client)
-                laps.lap("job_s")
-                # No task waited for the decision: the driver sends every task's votes
-                # (an undecided attempt, its job failed, is abandoned); a finish's is
-                # decided already.
-                final = decide(client, txn, epoch, votes_of(outcomes), job_error)
-                laps.lap("decide_s")
-                commit_error = ""
-                if plan.mode == PREPARE or not job_error:
-                    # The driver applies the decision to every branch, a finish's lost
-                    # ones from the handles its tasks redid. A finish whose job failed
-                    # applies nothing: a lost branch's vote names rows that are gone, and
-                    # the retry rule finishes the batch again.
-                    final, commit_error = self.committer.apply(client, epoch, final,
-                                                               redone_handles(outcomes))
-                    laps.lap("driver_commit_s")
+            plan = job.plan(res.kind, txn, res.recover, n_in, client.token)
+            laps.lap("plan_s")
+            outcomes, job_error = job.launch(df, plan, spark, direct, client)
+            laps.lap("job_s")
+            # No task waited for the decision: the driver sends every task's votes
+            # (an undecided attempt, its job failed, is abandoned); a finish's is
+            # decided already.
+            final = decide(client, txn, epoch, votes_of(outcomes), job_error)
+            laps.lap("decide_s")
+            if plan.mode == PREPARE or not job_error:
+                # The driver applies the decision to every branch, a finish's lost ones
+                # from the handles its tasks redid. A finish whose job failed applies
+                # nothing: a lost branch's vote names rows that are gone, and the retry
+                # rule finishes the batch again.
+                final, commit_error = self.committer.apply(client, epoch, final,
+                                                           redone_handles(outcomes))
+                laps.lap("driver_commit_s")
                 job_error = job_error or commit_error
             rule = partial(next_step, max_attempts=s.max_attempts, backoff=s.backoff,
                            job_error=job_error)
@@ -213,7 +205,7 @@ class BatchEngine:
                 self.committer.prune(s.name, lineage, batch_id)  # in the background
                 failpoints.hit("before_return")
                 report = summary(s.name, batch_id, final, outcomes, in_doubt)
-                report.split = split
+                report.split = plan.split
                 report.phases.update(laps.taken)
                 self._report(report, started)
                 return

@@ -22,13 +22,12 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from twophase.client.wire import VoteIn
-from twophase.participant import EMPTY_BRANCH, is_empty_branch
 from twophase.protocol import Transaction, TxnKey
 
 if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
 
-__all__ = ["VOTE_CHUNK", "decide", "settle_empty", "votes_of"]
+__all__ = ["VOTE_CHUNK", "decide", "votes_of"]
 
 VOTE_CHUNK: Final = 1000
 """Votes per request (a vote with its handle is ~300 bytes: ~0.3 MiB a request)."""
@@ -68,26 +67,3 @@ def decide(
         after = client.abandon(key, epoch, reason)
     return after
 
-
-def settle_empty(
-    client: CoordinatorClient, epoch: int, txn: Transaction,
-    recover: tuple[Transaction, ...], *, in_doubt: bool,
-) -> Transaction | None:
-    """A batch with no partitions at all (Spark planned an empty relation): vote and
-    acknowledge every branch from the driver, no Spark job. Returns the record
-    afterwards, or None (run the tasks) when earlier attempts or prepared branches need
-    settling."""
-    if any(t.attempt != txn.attempt for t in recover):
-        return None
-    if in_doubt:
-        if not all(is_empty_branch(st.handle) for st in txn.branches.values()):
-            return None
-        decided = txn
-    else:
-        votes = [VoteIn(branch=b, yes=True, handle=dict(EMPTY_BRANCH))
-                 for b, st in txn.branches.items() if st.vote is None]
-        decided = client.vote(txn.key, epoch, votes, into=txn) if votes else txn
-    if decided.decision is None:
-        return None
-    acks = [(b, decided.decision) for b, st in decided.branches.items() if st.ack is None]
-    return client.ack(txn.key, epoch, acks, into=decided) if acks else decided

@@ -52,18 +52,14 @@ def prepare_partition(
 ) -> None:
     """Prepare this partition's branches of a new attempt and hand the votes over."""
     t0 = time.perf_counter()
-    digest = RowsDigest(schema)  # stored with the vote: a redo must match it
     head, out.rows = first_rows(batches)
+    prepares = [partial(_prepare_one, plan, part, partition, schema)
+                for part in plan.participants]
+    digest: str | None = None  # an empty branch is never redone: nothing to check
     if out.rows:
-        results = prepare_streaming(
-            [partial(_prepare_one, plan, part, partition, schema)
-             for part in plan.participants], head, batches, out, digest)
+        results, digest = prepare_streaming(prepares, schema, head, batches, out)
     else:  # an empty partition writes nothing anywhere: its vote says so
-        results = []
-        for part in plan.participants:
-            failpoints.hit("before_prepare", part.name, partition)
-            results.append(EMPTY_BRANCH)
-            failpoints.hit("after_prepare", part.name, partition)
+        results = [prepare(None) for prepare in prepares]
     votes: list[VoteIn] = []
     unexpected: Exception | None = None
     for part, res in zip(plan.participants, results, strict=True):
@@ -80,7 +76,7 @@ def prepare_partition(
             # prepares run together: each branch's time is the partition's prepare time
             measured: BranchMetrics = {"prepare_s": time.perf_counter() - t0, "rows": out.rows}
             votes.append(VoteIn(branch=bid, yes=True, handle={**res, "split": plan.split},
-                                metrics=measured, digest=digest.value(), task=task))
+                                metrics=measured, digest=digest, task=task))
     _hand_over_votes(plan, votes, unexpected, out, t0)
 
 
@@ -107,10 +103,12 @@ def _hand_over_votes(
 
 
 def _prepare_one(plan: BatchPlan, part: Participant, partition: int, schema: pa.Schema,
-                 source: Iterator[pa.RecordBatch]) -> Handle:
-    """One participant's prepare of this partition, between its failpoints."""
+                 source: Iterator[pa.RecordBatch] | None) -> Handle:
+    """One participant's prepare of this partition, between its failpoints; without a
+    ``source`` (the partition has no rows) nothing is prepared: the empty branch."""
     failpoints.hit("before_prepare", part.name, partition)
-    handle = part.prepare(plan.ref(part, partition), schema, source)
+    handle = EMPTY_BRANCH if source is None else part.prepare(
+        plan.ref(part, partition), schema, source)
     failpoints.hit("after_prepare", part.name, partition)
     return handle
 
@@ -130,22 +128,24 @@ def first_rows(batches: Iterator[pa.RecordBatch]) -> tuple[list[pa.RecordBatch],
 
 def prepare_streaming(
     prepares: Sequence[Callable[[Iterator[pa.RecordBatch]], Handle]],
+    schema: pa.Schema,
     head: list[pa.RecordBatch],
     rest: Iterator[pa.RecordBatch],
     out: _Counted,
-    digest: RowsDigest,
-) -> list[Handle | Exception]:
+) -> tuple[list[Handle | Exception], str]:
     """Run every participant's prepare (``prepares``, each reading the partition's rows)
     while Spark's rows arrive, the partition never held whole: one thread per participant
     reads a short queue that this thread fills from Spark's iterator (one participant: no
     thread, its prepare reads Spark directly). Rows read past ``head`` are counted in
-    ``out.rows``. Returns each prepare's handle, or the exception it raised. A prepare
-    that returns before reading everything (already committed) is fed no more."""
+    ``out.rows``. Returns each prepare's handle, or the exception it raised, and the
+    rows' content digest (``schema``'s, stored with the vote: a redo must match it). A
+    prepare that returns before reading everything (already committed) is fed no more."""
     parts = prepares
 
     # The vote's digest is computed beside the prepares, in its own thread (numpy lets
     # the GIL go): on the feeding thread it was the prepare's whole lead over a plain
     # writer at 100k-1M rows (0.2 us a row, issue 24).
+    digest = RowsDigest(schema)
     hashing = DigestThread(digest)
 
     def counted() -> Iterator[pa.RecordBatch]:
@@ -168,7 +168,7 @@ def prepare_streaming(
                 pass
         finally:
             hashing.finish()
-        return [result]
+        return [result], digest.value()
 
     queues = [queue.Queue[Any](maxsize=_QUEUE_DEPTH) for _ in parts]
     done = [threading.Event() for _ in parts]
@@ -214,7 +214,7 @@ def prepare_streaming(
     put(_END)
     for t in threads:
         t.join()
-    return results
+    return results, digest.value()
 
 
 class DigestThread:

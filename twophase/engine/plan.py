@@ -21,8 +21,8 @@ from twophase.participant import (
 )
 from twophase.protocol import TxnKey
 
-__all__ = ["FINISH", "INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan", "BranchOutcome",
-           "descriptors", "fixed_split", "plan_from_property", "plan_property",
+__all__ = ["EMPTY_SPLIT", "FINISH", "INPUT_SPLIT", "PLAN_PROPERTY", "PREPARE", "BatchPlan",
+           "BranchOutcome", "descriptors", "fixed_split", "plan_from_property", "plan_property",
            "redone_handles", "split_of", "split_rule"]
 
 PREPARE: Final = "prepare"
@@ -36,6 +36,10 @@ only write again what was lost and hand the new handles back; the driver commits
 
 INPUT_SPLIT = "input"
 """The batch's partitions as Spark read them (the other split is "hash", of every column)."""
+
+EMPTY_SPLIT: Final = "none"
+"""A new attempt of a batch Spark planned with no partition at all (an empty relation):
+no Spark job runs, the driver votes every branch empty (``twophase.engine.recover``)."""
 
 
 def split_of(handle: Mapping[str, str]) -> str:
@@ -60,7 +64,7 @@ class BatchPlan:
     acked: tuple[str, ...] = ()  # finish mode: branches acknowledged already (force-ack)
     ack_earlier: tuple[int, ...] = ()  # earlier attempts still waiting for abort acks
     ca_pem: str | None = field(default=None, repr=False)  # an embedded coordinator's TLS cert
-    split: str = "hash"  # how the driver split the batch: "hash" or INPUT_SPLIT
+    split: str = "hash"  # how the driver split the batch: "hash", INPUT_SPLIT or EMPTY_SPLIT
     retry_budget: float = 120.0  # seconds a coordinator may stay unreachable (sink option)
     token_file: str | None = None  # re-read after a 401 where readable (a rotated token)
 

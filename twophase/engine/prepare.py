@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from twophase.engine.native import NativePrepare, split_native
 from twophase.engine.plan import (
+    EMPTY_SPLIT,
     FINISH,
     INPUT_SPLIT,
     PLAN_PROPERTY,
@@ -31,7 +32,7 @@ from twophase.engine.plan import (
     plan_property,
     split_of,
 )
-from twophase.engine.recover import finish_from_votes
+from twophase.engine.recover import finish_from_votes, vote_empty
 from twophase.engine.report import REPORT_SCHEMA, report_struct, short_error
 from twophase.engine.task import run_partition
 from twophase.protocol import BeginKind, TxnKey
@@ -129,6 +130,8 @@ class PrepareJob:
         # Spark's own split only where it has txn.partitions tasks; a finish redoes lost
         # branches, so it must split as the votes did (they say how).
         split = INPUT_SPLIT if n_in == txn.partitions else "hash"
+        if n_in == 0 and kind == BeginKind.NEW:
+            split = EMPTY_SPLIT  # no partition to run a task on: the driver votes
         if kind == BeginKind.IN_DOUBT and any(split_of(h) != split for h in handles.values()):
             split = "hash"  # cannot split as voted: a branch needing a redo refuses it
         return dataclasses.replace(
@@ -174,6 +177,8 @@ class PrepareJob:
             finished = finish_from_votes(self.participants, df, plan, client)
             if finished is not None:  # else a branch needs its rows: the tasks' redo
                 return finished, ""
+        if plan.split == EMPTY_SPLIT and client is not None:
+            return vote_empty(self.participants, plan, client), ""
         if self._native is None or plan.mode != PREPARE or client is None:
             return self._run_python(df, plan, spark, direct, None)
         from pyspark import StorageLevel

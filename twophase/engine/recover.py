@@ -15,10 +15,16 @@ earlier attempts' leftovers and returns None, and the caller runs the tasks' fin
 
 Without a task the batch still runs through Spark's ``noop`` sink (``run_through``): a
 stateful query commits its state stores only when the batch's plan runs.
+
+A new attempt of a batch Spark planned with no partition at all (an empty relation)
+needs no task either: :func:`vote_empty` settles earlier attempts and votes every
+branch empty from the driver, and the batch goes on through the same decide and commit
+as any other.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import time
@@ -26,10 +32,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from twophase.client.wire import VoteIn, votes_body
 from twophase.engine.commit import COMMIT_THREADS
 from twophase.engine.finish import settle_earlier
 from twophase.engine.plan import BatchPlan, BranchOutcome
-from twophase.participant import Handle, Participant, is_empty_branch
+from twophase.participant import EMPTY_BRANCH, Handle, Participant, is_empty_branch
 from twophase.protocol import Decision, RecoveryAction, branch_id, recovery_action
 from twophase.spark.session import run_through
 
@@ -39,7 +46,7 @@ if TYPE_CHECKING:
     from twophase.client.api import CoordinatorClient
     from twophase.participant import BranchRef
 
-__all__ = ["finish_from_votes", "settle_all_earlier"]
+__all__ = ["finish_from_votes", "settle_all_earlier", "vote_empty"]
 
 log = logging.getLogger("twophase.sink")
 
@@ -144,3 +151,20 @@ def finish_from_votes(participants: Sequence[Participant], df: DataFrame, plan: 
     rows = sum(max((int(plan.handles.get(branch_id(part.name, p), {}).get("rows", 0))
                     for part in participants), default=0) for p in range(plan.partitions))
     return [BranchOutcome(partition=0, rows=rows, recovered=recovered, task_s=took).as_dict()]
+
+
+def vote_empty(participants: Sequence[Participant], plan: BatchPlan,
+               client: CoordinatorClient) -> list[dict[str, Any]]:
+    """A new attempt of a batch without partitions (``plan.split`` is ``EMPTY_SPLIT``):
+    settle earlier attempts' leftovers, then the one outcome a task would return, with
+    an empty YES vote for every branch not voted yet. No Spark job runs (nor
+    ``run_through``: a relation without partitions has no state to commit)."""
+    t0 = time.perf_counter()
+    recovered = settle_all_earlier(participants, plan, client)
+    votes = [VoteIn(branch=bid, yes=True, handle={**EMPTY_BRANCH, "split": plan.split})
+             for part in participants for p in range(plan.partitions)
+             if (bid := branch_id(part.name, p)) not in plan.handles]
+    out = BranchOutcome(partition=0, recovered=recovered,
+                        votes=json.dumps(votes_body(plan.epoch, votes)["votes"]))
+    out.task_s = time.perf_counter() - t0
+    return [out.as_dict()]

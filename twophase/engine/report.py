@@ -43,8 +43,8 @@ class BatchReport:
     seconds: float = 0.0
     # seconds per phase, measured: the driver's (frame_s: the job's DataFrame; split_s:
     # its planning and its split read; setup_s: coordinator, preflight, checks;
-    # begin_s; settle_s: an empty relation's votes and acks; plan_s; job_s: the Spark
-    # job; decide_s: the tasks' votes sent; driver_commit_s: the decision applied from
+    # begin_s; plan_s; job_s: the Spark job, or the driver's votes for an empty
+    # relation; decide_s: the tasks' votes sent; driver_commit_s: the decision applied from
     # the driver; driver_s: the rest) and the tasks' (prepare_s, task_s:
     # the slowest task's), so job_s - task_s is Spark's own share of the job
     phases: dict[str, float] = field(default_factory=dict)
@@ -65,7 +65,7 @@ class BatchReport:
 
 
 TASK_PHASES: Final = ("prepare_s", "task_s")
-DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "settle_s", "plan_s",
+DRIVER_PHASES: Final = ("frame_s", "split_s", "setup_s", "begin_s", "plan_s",
                           "job_s", "decide_s", "driver_commit_s")
 
 
