@@ -3,7 +3,9 @@ a replay of the batch splits it the same way, proven here by replaying batches."
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,33 +116,45 @@ def test_an_empty_relation_commits_without_a_spark_job(spark: Any, tmp_path: Pat
     assert not list(out.glob("part-*"))
 
 
+@contextlib.contextmanager
+def _begun_by_hand(tmp_path: Path, sink: str, partitions: int) -> Iterator[Any]:
+    """Batch 0 of ``sink`` begun by hand on the coordinator a sink of the same store URL
+    will use, for one files participant: (store URL, participant, client, epoch, the
+    attempt's record)."""
+    from twophase.client.connection import connect
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    files = StagedFileParticipant(str(tmp_path / "out"))
+    conn = connect(url)
+    try:
+        client = conn.client()
+        epoch = client.register(sink)
+        res = client.begin(sink, "lineage-" + sink.replace("_", "-"), 0, epoch, [files.name],
+                           partitions, 30.0)
+        assert res.txn is not None and res.txn.attempt == 1
+        yield url, files, client, epoch, res.txn
+    finally:
+        conn.close()
+
+
 def test_an_empty_relations_retry_aborts_the_failed_attempts_branch_without_a_job(
         spark: Any, tmp_path: Path) -> None:
     """Attempt 1 of an empty relation's batch left a branch prepared and was abandoned
     (ABORT, nothing acknowledged): the driver's empty vote for attempt 2 first aborts
     that branch by name and acknowledges it, as a task would, and still runs no Spark
     job."""
-    from twophase.client.connection import connect
-    from twophase.participant import BranchStatus
+    from twophase.participant import BranchRef, BranchStatus
 
-    out, url = tmp_path / "out", f"sqlite:///{tmp_path / 'e.db'}"
-    files = StagedFileParticipant(str(out))
-    conn = connect(url)
-    try:
-        client = conn.client()
-        epoch = client.register("empty_retry")
-        # two branches, one voted: the attempt stays undecided until it is abandoned
-        res = client.begin("empty_retry", "batch-job-3", 0, epoch, [files.name], 2, 30.0)
-        assert res.txn is not None and res.txn.attempt == 1
+    # two branches, one voted: the attempt stays undecided until it is abandoned
+    with _begun_by_hand(tmp_path, "empty_retry", 2) as (url, files, client, epoch, txn):
+        ref = BranchRef(*txn.key, participant=files.name, partition=0)
         schema = pa.schema([("id", pa.int64())])
-        first = files.prepare(
-            _ref(res.txn.key, files),
-            schema, [pa.record_batch({"id": [1]}, schema=schema)])
-        client.vote(res.txn.key, epoch, [VoteIn(branch=f"{files.name}/0", yes=True,
-                                                handle=dict(first))])
-        client.abandon(res.txn.key, epoch, "the test's failed attempt")
-        assert files.status(_ref(res.txn.key, files)) is BranchStatus.PREPARED
-        sink = TransactionalSink("empty_retry", [files], url, lineage="batch-job-3",
+        first = files.prepare(ref, schema, [pa.record_batch({"id": [1]}, schema=schema)])
+        client.vote(txn.key, epoch, [VoteIn(branch=f"{files.name}/0", yes=True,
+                                            handle=dict(first))])
+        client.abandon(txn.key, epoch, "the test's failed attempt")
+        assert files.status(ref) is BranchStatus.PREPARED
+        sink = TransactionalSink("empty_retry", [files], url, lineage=txn.lineage,
                                  preflight=False)
         sc = spark.sparkContext
         sc.setJobGroup("twophase-empty-retry", "empty")
@@ -154,12 +168,9 @@ def test_an_empty_relations_retry_aborts_the_failed_attempts_branch_without_a_jo
         [report] = sink.history
         assert (report.outcome, report.rows, report.split, report.recovered) == (
             "committed", 0, "none", 1)
-        assert files.status(_ref(res.txn.key, files)) is BranchStatus.ABSENT
-        first_attempt = client.get(res.txn.key)
-        assert first_attempt.branches[f"{files.name}/0"].ack == Decision.ABORT
-        assert not list(out.glob("part-*")) and not list(out.rglob("*.parquet"))
-    finally:
-        conn.close()
+        assert files.status(ref) is BranchStatus.ABSENT
+        assert client.get(txn.key).branches[f"{files.name}/0"].ack == Decision.ABORT
+        assert not list((tmp_path / "out").rglob("*.parquet"))
 
 
 def test_an_empty_relations_batch_found_in_doubt_is_finished_and_acknowledged(
@@ -167,38 +178,21 @@ def test_an_empty_relations_batch_found_in_doubt_is_finished_and_acknowledged(
     """A driver died after its empty batch's votes decided COMMIT, before the acks: the
     restart finishes it as any in-doubt batch (nothing to redo, the driver acknowledges
     every branch) and writes nothing."""
-    from twophase.client.connection import connect
     from twophase.participant import EMPTY_BRANCH
 
-    out, url = tmp_path / "out", f"sqlite:///{tmp_path / 'f.db'}"
-    files = StagedFileParticipant(str(out))
-    conn = connect(url)
-    try:
-        client = conn.client()
-        epoch = client.register("empty_doubt")
-        res = client.begin("empty_doubt", "batch-job-4", 0, epoch, [files.name], 1, 30.0)
-        assert res.txn is not None
-        decided = client.vote(res.txn.key, epoch, [VoteIn(
+    with _begun_by_hand(tmp_path, "empty_doubt", 1) as (url, files, client, epoch, txn):
+        decided = client.vote(txn.key, epoch, [VoteIn(
             branch=f"{files.name}/0", yes=True, handle={**EMPTY_BRANCH, "split": "none"})])
         assert decided.decision == Decision.COMMIT
-        sink = TransactionalSink("empty_doubt", [files], url, lineage="batch-job-4",
+        sink = TransactionalSink("empty_doubt", [files], url, lineage=txn.lineage,
                                  preflight=False)
         try:
             sink(spark.createDataFrame([], EVENT_DDL), 0)
         finally:
             sink.close()
         assert [(r.outcome, r.rows) for r in sink.history] == [("recovered", 0)]
-        after = client.get(res.txn.key)
-        assert [s.ack for s in after.branches.values()] == [Decision.COMMIT]
-        assert not list(out.rglob("*.parquet"))
-    finally:
-        conn.close()
-
-
-def _ref(key: Any, part: StagedFileParticipant) -> Any:
-    from twophase.participant import BranchRef
-
-    return BranchRef(*key, participant=part.name, partition=0)
+        assert [s.ack for s in client.get(txn.key).branches.values()] == [Decision.COMMIT]
+        assert not list((tmp_path / "out").rglob("*.parquet"))
 
 
 def test_an_empty_partition_writes_no_file(spark: Any, tmp_path: Path) -> None:
